@@ -1,0 +1,27 @@
+"""The exceptions ppll-compile raises; each message says what was found, what was expected and the way out."""
+
+__all__ = ["PPLLError", "TraceError", "CutError", "PolicyError", "PlanError", "PartitionError"]
+
+
+class PPLLError(Exception):
+    """Base class of every error ppll-compile raises on bad input."""
+
+
+class TraceError(PPLLError):
+    """The model could not be traced with torch.fx."""
+
+
+class CutError(PPLLError, ValueError):
+    """A requested cut or stage count does not fit the model's legal cut points."""
+
+
+class PolicyError(PPLLError, ValueError):
+    """An auxiliary-head policy is malformed or cannot serve a boundary tensor."""
+
+
+class PlanError(PPLLError, ValueError):
+    """A plan is inconsistent or does not fit the model it is applied to."""
+
+
+class PartitionError(PPLLError, ValueError):
+    """The partitioner cannot satisfy the request (unknown solver, infeasible memory cap, ...)."""

@@ -1,0 +1,409 @@
+"""The frozen, printable, serialisable pipeline plan that every later step consumes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import PlanError
+
+__all__ = [
+    "PLAN_VERSION",
+    "TensorSpec",
+    "HeadSpec",
+    "StagePlan",
+    "Plan",
+    "format_bytes",
+    "format_flops",
+]
+
+PLAN_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorSpec:
+    """Shape, dtype and size of one value that crosses a stage boundary."""
+
+    name: str
+    """Name of the traced graph node that produces the value."""
+    shape: tuple[int, ...]
+    """Tensor shape at the planned batch size (empty for a Python scalar)."""
+    dtype: str
+    """torch dtype name without the ``torch.`` prefix, e.g. ``float32``; ``int`` for a Python scalar."""
+    bytes: int
+    """Size in bytes (0 for a Python scalar)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "bytes": self.bytes}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TensorSpec:
+        return cls(name=str(d["name"]), shape=tuple(int(s) for s in d["shape"]),
+                   dtype=str(d["dtype"]), bytes=int(d["bytes"]))
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeadSpec:
+    """The auxiliary head a stage trains on, as chosen by a policy (or edited by hand)."""
+
+    policy: str
+    """Name of the policy the head came from (``model`` for the model's own head)."""
+    kind: str
+    """Boundary tensor kind: ``feature_map``, ``sequence``, ``vector`` or ``model``."""
+    config: dict[str, Any]
+    """Head architecture and loss: ``type`` plus its options, exactly as the policy file spells them."""
+    param_count: int = 0
+    """Number of parameters of the synthesised head."""
+    flops_fwd: int = 0
+    """Measured forward FLOPs of the head at the planned batch size."""
+    flops_bwd: int = 0
+    """Measured backward FLOPs of the head."""
+    memory_bytes: int = 0
+    """Parameters + gradients + optimizer state + saved activations of the head, in bytes."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> HeadSpec:
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
+
+@dataclass(frozen=True, kw_only=True)
+class StagePlan:
+    """One pipeline stage: a contiguous run of graph nodes on one device, with its head and boundary."""
+
+    index: int
+    """Position of the stage in the pipeline, from 0."""
+    device: str
+    """Device the stage runs on, e.g. ``cuda:1`` or ``cpu``."""
+    first_node: str
+    """Name of the first traced node of the stage."""
+    last_node: str
+    """Name of the last traced node of the stage: the cut (for every stage but the last)."""
+    first_module: str
+    """Module path of the first node (``""`` for a function call at the top level)."""
+    last_module: str
+    """Module path of the last node."""
+    nodes: tuple[str, ...]
+    """Names of all traced nodes of the stage, in graph order."""
+    flops_fwd: int
+    """Measured forward FLOPs of the stage's backbone at the planned batch size."""
+    flops_bwd: int
+    """Measured backward FLOPs of the stage's backbone."""
+    aux_flops: int
+    """Forward + backward FLOPs of the stage's auxiliary head (0 for the last stage)."""
+    param_count: int
+    """Number of backbone parameters of the stage."""
+    param_bytes: int
+    """Bytes of backbone parameters."""
+    grad_bytes: int
+    """Bytes of backbone gradients."""
+    optim_bytes: int
+    """Bytes of optimizer state for the backbone parameters."""
+    activation_bytes: int
+    """Bytes the backbone saves for backward (measured with saved-tensor hooks)."""
+    memory_bytes: int
+    """Predicted peak memory: backbone + head parameters, gradients, optimizer state and activations."""
+    boundary: tuple[TensorSpec, ...]
+    """Values sent to the next stage, the main tensor (read by the aux head) first; empty for the last stage."""
+    head: HeadSpec
+    """The stage's auxiliary head; for the last stage the model's own head (``kind == "model"``)."""
+    compute_cost: float
+    """Backbone + head compute time in seconds on this stage's device."""
+    comm_cost: float
+    """Time in seconds to send the boundary to the next stage."""
+    cost: float
+    """Predicted step time of the stage in seconds: ``compute_cost + comm_cost``."""
+
+    @property
+    def is_last(self) -> bool:
+        return not self.boundary
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["nodes"] = list(self.nodes)
+        d["boundary"] = [t.to_dict() for t in self.boundary]
+        d["head"] = self.head.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StagePlan:
+        kw = {f.name: d[f.name] for f in dataclasses.fields(cls)}
+        kw["nodes"] = tuple(d["nodes"])
+        kw["boundary"] = tuple(TensorSpec.from_dict(t) for t in d["boundary"])
+        kw["head"] = HeadSpec.from_dict(d["head"])
+        return cls(**kw)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """A complete pipeline plan: stages, their costs, and how they were chosen."""
+
+    version: int = PLAN_VERSION
+    """Plan format version."""
+    mode: str = "ppll"
+    """Plan kind: ``ppll`` (local learning)."""
+    model: str
+    """Class name of the planned model."""
+    inputs: tuple[TensorSpec, ...]
+    """The model's inputs at the planned batch size, in call order."""
+    batch_size: int
+    """Batch size the costs are measured at."""
+    num_classes: int
+    """Number of classes the auxiliary heads predict."""
+    policy: str
+    """Auxiliary-head policy (name, file path or callable name)."""
+    partitioner: str
+    """Partitioner that chose the cuts (``manual`` for user-given cuts)."""
+    profile: str
+    """Cost profile: ``flops`` (counted) or ``time`` (measured on the device)."""
+    optimizer: str
+    """Optimizer whose state the memory model counts: ``sgd``, ``momentum`` or ``adam``."""
+    flops_per_second: float
+    """Device throughput used to turn FLOPs into seconds (profile ``flops``)."""
+    link_bandwidth: float
+    """Bytes per second between neighbouring stages."""
+    device_speeds: tuple[float, ...]
+    """Relative speed of each stage's device (1.0 = nominal)."""
+    memory_limit: int | None
+    """Per-device memory cap in bytes the partitioner honoured, if any."""
+    legal_cuts: tuple[str, ...]
+    """Every legal cut of the traced model, in graph order."""
+    multi_tensor_cuts: tuple[str, ...] = ()
+    """Legal cuts whose boundary is several values (e.g. activations plus an attention mask)."""
+    stages: tuple[StagePlan, ...]
+    """The stages, in pipeline order."""
+    sequential_cost: float
+    """Predicted step time of all stages run one after the other on one nominal device, in seconds."""
+    notes: tuple[str, ...] = field(default=())
+    """Human-readable remarks gathered while planning (e.g. CPU fallback, multi-tensor boundaries)."""
+
+    # ---- derived totals -------------------------------------------------------------------
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return tuple(s.device for s in self.stages)
+
+    @property
+    def cuts(self) -> tuple[str, ...]:
+        """The chosen cuts: the last node of every stage but the last."""
+        return tuple(s.last_node for s in self.stages[:-1])
+
+    @property
+    def bottleneck_cost(self) -> float:
+        return max(s.cost for s in self.stages)
+
+    @property
+    def ideal_cost(self) -> float:
+        return sum(s.cost for s in self.stages) / len(self.stages)
+
+    @property
+    def imbalance(self) -> float:
+        ideal = self.ideal_cost
+        return self.bottleneck_cost / ideal if ideal > 0 else 1.0
+
+    @property
+    def predicted_speedup(self) -> float:
+        b = self.bottleneck_cost
+        return self.sequential_cost / b if b > 0 else 1.0
+
+    @property
+    def bottleneck_stage(self) -> int:
+        return max(range(len(self.stages)), key=lambda i: self.stages[i].cost)
+
+    def totals(self) -> dict[str, float]:
+        return {
+            "bottleneck_cost": self.bottleneck_cost,
+            "ideal_cost": self.ideal_cost,
+            "imbalance": self.imbalance,
+            "predicted_speedup": self.predicted_speedup,
+            "sequential_cost": self.sequential_cost,
+        }
+
+    # ---- serialisation --------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name == "inputs":
+                v = [t.to_dict() for t in v]
+            elif f.name == "stages":
+                v = [s.to_dict() for s in v]
+            elif isinstance(v, tuple):
+                v = list(v)
+            d[f.name] = v
+        d["totals"] = self.totals()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        if not isinstance(d, dict):
+            raise PlanError(f"a plan must be a mapping, got {type(d).__name__}")
+        version = d.get("version")
+        if version != PLAN_VERSION:
+            raise PlanError(f"plan version {version!r} is not supported; this ppll-compile reads version "
+                            f"{PLAN_VERSION} (re-create the plan with `ppll-plan MODEL.py --yaml plan.yaml`)")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names - {"totals"})
+        if unknown:
+            raise PlanError(f"unknown plan field(s) {unknown}; known fields: {sorted(names)}")
+        missing = sorted(f.name for f in dataclasses.fields(cls)
+                         if f.name not in d and f.default is dataclasses.MISSING
+                         and f.default_factory is dataclasses.MISSING)
+        if missing:
+            raise PlanError(f"plan is missing field(s) {missing}")
+        kw: dict[str, Any] = {}
+        for k in names & set(d):
+            v = d[k]
+            if k == "inputs":
+                v = tuple(TensorSpec.from_dict(t) for t in v)
+            elif k == "stages":
+                try:
+                    v = tuple(StagePlan.from_dict(s) for s in v)
+                except KeyError as e:
+                    raise PlanError(f"a stage of the plan is missing field {e.args[0]!r}") from None
+            elif isinstance(v, list):
+                v = tuple(v)
+            kw[k] = v
+        plan = cls(**kw)
+        plan.validate()
+        return plan
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        return cls.from_dict(json.loads(text))
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None, width=100)
+
+    @classmethod
+    def from_yaml(cls, text: str) -> Plan:
+        return cls.from_dict(yaml.safe_load(text))
+
+    def save(self, path: str | Path) -> Path:
+        """Write the plan as JSON or YAML, chosen by the file suffix."""
+        path = Path(path)
+        text = self.to_json() if path.suffix == ".json" else self.to_yaml()
+        path.write_text(text)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        """Read a plan written by :meth:`save` (JSON or YAML)."""
+        path = Path(path)
+        if not path.is_file():
+            raise PlanError(f"plan file {str(path)!r} does not exist")
+        text = path.read_text()
+        try:
+            return cls.from_json(text) if path.suffix == ".json" else cls.from_yaml(text)
+        except PlanError as e:
+            raise PlanError(f"{path}: {e}") from None
+        except (ValueError, yaml.YAMLError) as e:
+            raise PlanError(f"{path}: not a readable plan ({e})") from None
+
+    # ---- checks ---------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Check internal consistency; raise :class:`PlanError` naming the first problem."""
+        if not self.stages:
+            raise PlanError("plan has no stages")
+        for i, s in enumerate(self.stages):
+            if s.index != i:
+                raise PlanError(f"stage {i} has index {s.index}; stages must be numbered 0..{len(self.stages) - 1}")
+            if not s.nodes or s.nodes[0] != s.first_node or s.nodes[-1] != s.last_node:
+                raise PlanError(f"stage {i}: first_node/last_node must be the first/last of its nodes")
+            if (i == len(self.stages) - 1) != (not s.boundary):
+                raise PlanError(f"stage {i}: every stage but the last sends a boundary; the last sends none")
+            if (s.head.kind == "model") != (i == len(self.stages) - 1):
+                raise PlanError(f"stage {i}: only the last stage uses the model's own head")
+            for name in ("flops_fwd", "flops_bwd", "aux_flops", "param_count", "param_bytes", "grad_bytes",
+                         "optim_bytes", "activation_bytes", "memory_bytes"):
+                if getattr(s, name) < 0:
+                    raise PlanError(f"stage {i}: {name} is negative")
+            if not (math.isfinite(s.cost) and s.cost >= 0):
+                raise PlanError(f"stage {i}: cost must be a finite non-negative number, got {s.cost}")
+        seen: set[str] = set()
+        for s in self.stages:
+            dup = seen.intersection(s.nodes)
+            if dup:
+                raise PlanError(f"node(s) {sorted(dup)} appear in more than one stage")
+            seen.update(s.nodes)
+        if len(self.device_speeds) != len(self.stages):
+            raise PlanError(f"device_speeds has {len(self.device_speeds)} entries for {len(self.stages)} stages")
+        unknown_cuts = [c for c in self.cuts if c not in self.legal_cuts]
+        if unknown_cuts:
+            raise PlanError(f"cut(s) {unknown_cuts} are not among the plan's legal cuts")
+        if self.memory_limit is not None:
+            over = [s.index for s in self.stages if s.memory_bytes > self.memory_limit]
+            if over:
+                raise PlanError(f"stage(s) {over} exceed the memory limit of {format_bytes(self.memory_limit)}")
+
+    # ---- display --------------------------------------------------------------------------
+    def table(self) -> str:
+        """The stage table and totals as plain aligned text."""
+        header = ["stage", "device", "first", "last", "nodes", "params", "fwd", "bwd", "aux",
+                  "memory", "boundary", "head", "cost ms"]
+        rows = []
+        b = self.bottleneck_stage
+        for s in self.stages:
+            bnd = " + ".join("x".join(map(str, t.shape)) or "int" for t in s.boundary) or "-"
+            head = s.head.config.get("type", "?") if s.head.kind != "model" else "model"
+            rows.append([
+                f"{s.index}{'*' if s.index == b else ''}", s.device, s.first_module or s.first_node,
+                s.last_module or s.last_node, str(len(s.nodes)), f"{s.param_count / 1e6:.2f}M",
+                format_flops(s.flops_fwd), format_flops(s.flops_bwd), format_flops(s.aux_flops),
+                format_bytes(s.memory_bytes), bnd, head, f"{s.cost * 1e3:.3f}",
+            ])
+        widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+        right = {4, 5, 6, 7, 8, 9, 12}
+
+        def fmt(r: list[str]) -> str:
+            return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
+        lines = [
+            f"{self.mode.upper()} plan for {self.model}: {len(self.stages)} stages, batch {self.batch_size}, "
+            f"policy {self.policy}, partitioner {self.partitioner}, profile {self.profile}",
+            fmt(header), fmt(["-" * w for w in widths]), *map(fmt, rows),
+            f"bottleneck {self.bottleneck_cost * 1e3:.3f} ms (stage {b}, marked *)  "
+            f"ideal {self.ideal_cost * 1e3:.3f} ms  imbalance {self.imbalance:.3f}  "
+            f"predicted speedup {self.predicted_speedup:.2f}x over sequential "
+            f"({self.sequential_cost * 1e3:.3f} ms)",
+            f"{len(self.legal_cuts)} legal cuts; costs assume {format_flops(self.flops_per_second)}/s per device, "
+            f"{format_bytes(self.link_bandwidth)}/s links, optimizer {self.optimizer}"
+            + (f", memory limit {format_bytes(self.memory_limit)}" if self.memory_limit else ""),
+        ]
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable binary size, e.g. ``1.5 MiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_flops(n: float) -> str:
+    """Human-readable FLOP count, e.g. ``2.3G``."""
+    for unit in ("", "K", "M", "G", "T", "P"):
+        if abs(n) < 1000 or unit == "P":
+            return f"{n:.0f}" if unit == "" else f"{n:.1f}{unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
