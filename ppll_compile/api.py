@@ -1,0 +1,511 @@
+"""The public entry points: ``plan`` (model -> Plan) and ``compile`` (model -> CompiledPipeline)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import inspect
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import Tensor, nn
+from torch.utils import _pytree as pytree
+
+import partitioners
+
+from . import heads as _heads
+from .cost import META_KEY, OPTIMIZER_STATES, ModuleCost, measure_graph, measure_module, time_callable
+from .cuts import Cut, legal_cuts
+from .errors import CutError, PartitionError, PlanError, PolicyError
+from .lower import CompiledPipeline, split_stages
+from .plan import HeadSpec, Plan, StagePlan, TensorSpec
+from .trace import module_path, trace
+
+__all__ = ["PlanOptions", "plan", "compile", "DEFAULT_FLOPS_PER_SECOND", "DEFAULT_LINK_BANDWIDTH"]
+
+DEFAULT_FLOPS_PER_SECOND = 1e13
+"""Sustained training throughput assumed per device when costs are counted in FLOPs (10 TFLOP/s)."""
+DEFAULT_LINK_BANDWIDTH = 25e9
+"""Bytes per second assumed between neighbouring stages (about PCIe 4.0 x16)."""
+PROFILES = ("flops", "time")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanOptions:
+    """Every choice that shapes a plan; ``ppll-plan`` flags map onto these one to one."""
+
+    gpus: int | None = None
+    """Number of devices (= stages); defaults to ``len(devices)`` or the number of ``split_points`` + 1."""
+    devices: tuple[str, ...] | None = None
+    """Explicit device per stage, e.g. ``("cuda:0", "cuda:1")``; overrides the ``cuda:i`` default."""
+    batch_size: int | None = None
+    """Batch size the costs are measured at; defaults to the example inputs' batch dimension."""
+    policy: Any = "auto"
+    """Aux-head policy: a shipped name, a YAML path, or a callable ``fn(spec, num_classes) -> nn.Module``."""
+    partitioner: str = "exact"
+    """Partitioner name: ``exact`` or a baseline (``uniform``, ``greedy``, ``params``)."""
+    profile: str = "flops"
+    """``flops`` (counted on fake tensors, no compute) or ``time`` (measured on the first stage's device)."""
+    optimizer: str = "sgd"
+    """Optimizer whose state the memory model counts: ``sgd``, ``momentum`` or ``adam``."""
+    memory_limit: int | None = None
+    """Per-device memory cap in bytes."""
+    device_speeds: tuple[float, ...] | None = None
+    """Relative speed per device (heterogeneous devices); 1.0 each by default."""
+    link_bandwidth: float = DEFAULT_LINK_BANDWIDTH
+    """Bytes per second between neighbouring stages."""
+    flops_per_second: float = DEFAULT_FLOPS_PER_SECOND
+    """Device throughput that turns FLOPs into seconds (profile ``flops``)."""
+    leaf_modules: tuple[Any, ...] = ()
+    """Extra module names or types to keep opaque while tracing."""
+    split_points: tuple[str, ...] | None = None
+    """Cut by hand after these modules (or nodes), instead of running the partitioner."""
+    num_classes: int | None = None
+    """Classes the aux heads predict; inferred from a 2-D model output when omitted."""
+
+    def __post_init__(self) -> None:
+        if self.gpus is not None and (not isinstance(self.gpus, int) or self.gpus < 1):
+            raise ValueError(f"gpus must be a positive integer, got {self.gpus!r}")
+        if self.profile not in PROFILES:
+            raise ValueError(f"profile must be one of {', '.join(PROFILES)}, got {self.profile!r}")
+        if self.optimizer not in OPTIMIZER_STATES:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {self.optimizer!r}")
+        if self.partitioner not in partitioners.SOLVERS:
+            raise PartitionError(f"unknown partitioner {self.partitioner!r}; known partitioners: "
+                                 f"{', '.join(sorted(partitioners.SOLVERS))}")
+        for name in ("batch_size", "memory_limit", "num_classes"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("link_bandwidth", "flops_per_second"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if self.device_speeds is not None and not all(s > 0 for s in self.device_speeds):
+            raise ValueError(f"device_speeds must all be positive, got {list(self.device_speeds)}")
+
+    @classmethod
+    def make(cls, **kwargs: Any) -> PlanOptions:
+        """Build options from keyword arguments, naming any unknown one."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown option(s) {unknown}; known options: {sorted(known)}")
+        for name in ("devices", "device_speeds", "leaf_modules", "split_points"):
+            if kwargs.get(name) is not None:
+                kwargs[name] = tuple(kwargs[name])
+        return cls(**kwargs)
+
+
+# ---- inputs ------------------------------------------------------------------------------
+
+def _infer_inputs(model: nn.Module) -> tuple[Tensor, ...]:
+    """An example input for models whose first layer tells the input shape (e.g. torchvision classifiers)."""
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d):
+            return (torch.randn(1, m.in_channels, 224, 224),)
+        if isinstance(m, nn.Linear):
+            return (torch.randn(1, m.in_features),)
+        if isinstance(m, (nn.Conv1d, nn.Conv3d, nn.Embedding, nn.RNNBase, nn.MultiheadAttention)):
+            break
+    raise ValueError(f"cannot infer an input shape for {type(model).__name__}; pass example_inputs=(x,) "
+                     "with a batch of real inputs (only their shapes and dtypes are used for planning)")
+
+
+def _at_batch(x: Any, batch: int) -> Any:
+    """Repeat (or trim) a tensor's first dimension to ``batch`` rows; other values pass through."""
+    if not isinstance(x, Tensor) or x.dim() == 0 or x.shape[0] == batch:
+        return x
+    return x[torch.arange(batch) % x.shape[0]]
+
+
+def _inputs_from_specs(specs: Sequence[TensorSpec]) -> tuple[Tensor, ...]:
+    out = []
+    for s in specs:
+        dtype = getattr(torch, s.dtype)
+        out.append(torch.randn(s.shape, dtype=dtype) if dtype.is_floating_point else torch.zeros(s.shape, dtype=dtype))
+    return tuple(out)
+
+
+# ---- devices -----------------------------------------------------------------------------
+
+def _devices(n: int, requested: tuple[str, ...] | None, notes: list[str]) -> tuple[str, ...]:
+    if requested is not None:
+        if len(requested) != n:
+            raise ValueError(f"devices lists {len(requested)} device(s) for {n} stages; give one per stage")
+        for d in requested:
+            torch.device(d)  # raises on a malformed name
+        return tuple(requested)
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have >= n:
+        return tuple(f"cuda:{i}" for i in range(n))
+    msg = (f"{n} stages requested but this machine has {have} CUDA device(s); all stages run on the CPU "
+           "(pass devices=[...] to choose)")
+    warnings.warn(msg, stacklevel=4)
+    notes.append(msg)
+    return ("cpu",) * n
+
+
+# ---- analysis ----------------------------------------------------------------------------
+
+@dataclass
+class _Analysis:
+    """The traced, measured model with its legal cuts and per-segment sums."""
+
+    gm: fx.GraphModule
+    nodes: list[fx.Node]
+    cuts: list[Cut]
+    inputs: tuple[TensorSpec, ...]
+    real_inputs: tuple[Any, ...]
+    fixed_args: dict[str, Any]
+    num_classes: int
+    param_bytes: dict[str, int] = field(default_factory=dict)
+    trainable: set[str] = field(default_factory=set)
+
+    def segment_nodes(self, first: int, last: int) -> list[fx.Node]:
+        """Nodes of atomic segments ``first..last`` (inclusive), excluding the output node."""
+        lo = self.cuts[first - 1].position + 1 if first > 0 else 0
+        hi = self.cuts[last].position + 1 if last < len(self.cuts) else len(self.nodes) - 1
+        return self.nodes[lo:hi]
+
+    def summary(self, nodes: Sequence[fx.Node], optimizer: str) -> dict[str, int]:
+        """FLOPs and memory of a run of nodes, counting shared parameters and saved storages once."""
+        params: dict[str, int] = {}
+        saved: dict[str, int] = {}
+        fwd = bwd = 0
+        for n in nodes:
+            c = n.meta[META_KEY]
+            fwd += c.flops_fwd
+            bwd += c.flops_bwd
+            params.update(c.params)
+            for k, b in c.saved.items():
+                saved[k] = max(saved.get(k, 0), b)
+        pbytes = sum(self.param_bytes[p] for p in params)
+        gbytes = sum(self.param_bytes[p] for p in params if p in self.trainable)
+        return {"flops_fwd": fwd, "flops_bwd": bwd, "param_count": sum(params.values()), "param_bytes": pbytes,
+                "grad_bytes": gbytes, "optim_bytes": gbytes * OPTIMIZER_STATES[optimizer],
+                "activation_bytes": sum(saved.values())}
+
+    def boundary(self, cut: Cut) -> tuple[TensorSpec, ...]:
+        by_name = {n.name: n for n in self.nodes}
+        return tuple(dataclasses.replace(by_name[name].meta[META_KEY].value, name=name) for name in cut.boundary)
+
+
+def _analyse(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwargs: dict[str, Any] | None,
+             opts: PlanOptions, base: Plan | None) -> _Analysis:
+    if example_inputs is None and not example_kwargs:
+        example_inputs = _inputs_from_specs(base.inputs) if base is not None else _infer_inputs(model)
+    example_inputs = tuple(example_inputs or ())
+    kwargs = dict(example_kwargs or {})
+    first = next((x for x in (*example_inputs, *kwargs.values()) if isinstance(x, Tensor) and x.dim() > 0), None)
+    if first is None:
+        raise ValueError("example_inputs must contain at least one tensor with a batch dimension")
+    batch = opts.batch_size or (base.batch_size if base is not None else first.shape[0])
+    example_inputs = tuple(_at_batch(x, batch) for x in example_inputs)
+    kwargs = {k: _at_batch(v, batch) for k, v in kwargs.items()}
+
+    gm = trace(model, example_inputs=example_inputs, example_kwargs=kwargs,
+               leaf_modules=opts.leaf_modules, split_points=opts.split_points)
+    params = inspect.signature(model.forward).parameters
+    by_name = dict(zip(params, example_inputs)) | kwargs
+    real_inputs = tuple(by_name[n.target] for n in gm.graph.nodes if n.op == "placeholder")
+    fixed = {p.name: p.default for p in params.values() if p.name not in by_name}
+    measure_graph(gm, real_inputs)
+    nodes = list(gm.graph.nodes)
+    out_value = _model_output_spec(nodes[-1])
+    num_classes = opts.num_classes or (base.num_classes if base is not None else None)
+    if num_classes is None:
+        if out_value is None or len(out_value.shape) != 2:
+            raise ValueError(f"cannot infer the number of classes: {type(model).__name__} returns "
+                             f"{'shape ' + str(list(out_value.shape)) if out_value else 'a structured output'}, "
+                             "not N x classes logits; pass num_classes=...")
+        num_classes = out_value.shape[1]
+    analysis = _Analysis(
+        gm=gm, nodes=nodes, cuts=legal_cuts(gm),
+        inputs=tuple(dataclasses.replace(n.meta[META_KEY].value, name=n.name) for n in nodes
+                     if n.op == "placeholder"),
+        real_inputs=real_inputs, fixed_args=fixed, num_classes=num_classes,
+        param_bytes={k: p.numel() * p.element_size() for k, p in gm.named_parameters(remove_duplicate=False)},
+        trainable={k for k, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad},
+    )
+    return analysis
+
+
+def _model_output_spec(output: fx.Node) -> TensorSpec | None:
+    arg = output.args[0]
+    if isinstance(arg, fx.Node):
+        value = arg.meta[META_KEY].value
+        return value if isinstance(value, TensorSpec) else None
+    return None
+
+
+# ---- heads -------------------------------------------------------------------------------
+
+def _head_cost(head_config: dict[str, Any] | None, policy: _heads.Policy, spec: TensorSpec, a: _Analysis,
+               optimizer: str) -> HeadSpec:
+    """Build the head for a boundary on the meta device and measure it like the backbone."""
+    input_shape = a.inputs[0].shape if a.inputs else None
+    with torch.device("meta"):
+        if head_config is None:
+            head, config = _heads.make_head(policy, spec, a.num_classes, input_shape)
+        else:
+            head, config = _heads.build_head(head_config, spec, a.num_classes, input_shape), head_config
+        head = head.to("meta")
+        h = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype))
+        y = torch.zeros(spec.shape[0], dtype=torch.long)
+        x = torch.empty(input_shape) if input_shape is not None else None
+    cost: ModuleCost = measure_module(head, lambda: _heads.head_loss(head, h, y, x))
+    pbytes = sum(p.numel() * p.element_size() for p in head.parameters())
+    memory = pbytes * (2 + OPTIMIZER_STATES[optimizer]) + cost.activation_bytes
+    return HeadSpec(policy=policy.name, kind=_heads.tensor_kind(spec.shape), config=dict(config),
+                    param_count=cost.param_count, flops_fwd=cost.flops_fwd, flops_bwd=cost.flops_bwd,
+                    memory_bytes=memory)
+
+
+def _model_head() -> HeadSpec:
+    return HeadSpec(policy="model", kind="model", config={"type": "model", "loss": "cross_entropy"})
+
+
+# ---- measured time -----------------------------------------------------------------------
+
+def _time_profile(a: _Analysis, heads: dict[int, HeadSpec], policy: _heads.Policy,
+                  device: torch.device) -> tuple[list[float], dict[int, float]]:
+    """Median forward+backward seconds of every atomic segment and of the head at every cut, on ``device``."""
+    gm = a.gm
+    if any(p.device != device for p in gm.parameters()):
+        gm = copy.deepcopy(gm).to(device)
+    buffers = {k: b.clone() for k, b in gm.named_buffers()}
+    grads = {p: p.grad for p in gm.parameters()}
+    segments = split_stages(gm, [c.node for c in a.cuts])
+    seg_times: list[float] = []
+    head_times: dict[int, float] = {}
+    values: Any = tuple(x.to(device) if isinstance(x, Tensor) else x for x in a.real_inputs)
+    input_shape = a.inputs[0].shape if a.inputs else None
+    try:
+        gm.train()
+        for i, seg in enumerate(segments):
+            xs = tuple(v.detach() if isinstance(v, Tensor) else v for v in values)
+
+            def run(seg=seg, xs=xs) -> None:
+                _backward_sum(seg(*xs))
+            seg_times.append(time_callable(run, device=device))
+            with torch.no_grad():
+                values = seg(*xs)
+            if i in heads:
+                head = _heads.build_head(heads[i].config, a.boundary(a.cuts[i])[0], a.num_classes,
+                                         input_shape).to(device) if heads[i].config.get("type") != "callable" \
+                    else _heads.make_head(policy, a.boundary(a.cuts[i])[0], a.num_classes, input_shape)[0].to(device)
+                h = values[0].detach()
+                y = torch.randint(0, a.num_classes, (h.shape[0],), device=device)
+                x = xs[0] if i == 0 else a.real_inputs[0].to(device)
+                head_times[i] = time_callable(lambda: _heads.head_loss(head, h, y, x).backward(), device=device)
+    finally:
+        with torch.no_grad():
+            for k, b in gm.named_buffers():
+                b.copy_(buffers[k])
+        for p, g in grads.items():
+            p.grad = g
+    return seg_times, head_times
+
+
+def _backward_sum(out: Any) -> None:
+    leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, Tensor) and t.requires_grad]
+    if leaves:
+        torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
+
+
+# ---- cuts by hand ------------------------------------------------------------------------
+
+def _nearest_cuts(a: _Analysis, name: str) -> str:
+    pos = next((i for i, n in enumerate(a.nodes) if n.name == name), None)
+    if pos is None:
+        return ", ".join(repr(c.node) for c in a.cuts[:6]) + (" ..." if len(a.cuts) > 6 else "")
+    before = [c.node for c in a.cuts if c.position < pos][-1:]
+    after = [c.node for c in a.cuts if c.position > pos][:1]
+    return " or ".join(repr(c) for c in before + after) or "none"
+
+
+def _resolve_cut(a: _Analysis, name: str) -> int:
+    """Index into ``a.cuts`` of a cut given as a node name or a module name."""
+    legal = {c.node: i for i, c in enumerate(a.cuts)}
+    if name in legal:
+        return legal[name]
+    node = next((n for n in a.nodes if n.op == "call_module" and n.target == name), None)
+    if node is None:
+        inside = [n for n in a.nodes if module_path(n) == name or module_path(n).startswith(name + ".")]
+        node = inside[-1] if inside else None
+    if node is not None and node.name in legal:
+        return legal[node.name]
+    if node is None and name not in {n.name for n in a.nodes}:
+        close = difflib.get_close_matches(name, [n.name for n in a.nodes] + [c.node for c in a.cuts], n=3)
+        hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
+        raise CutError(f"{name!r} is neither a node nor a module of the traced model{hint}; "
+                       f"legal cuts include {_nearest_cuts(a, name)}")
+    target = node.name if node is not None else name
+    raise CutError(f"cannot cut after {name!r}: its output does not carry everything later layers need "
+                   f"(a skip connection or other value crosses it); nearest legal cuts: {_nearest_cuts(a, target)}")
+
+
+# ---- the plan ----------------------------------------------------------------------------
+
+def _build(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwargs: dict[str, Any] | None,
+           opts: PlanOptions, base: Plan | None) -> tuple[Plan, _Analysis, _heads.Policy]:
+    notes: list[str] = []
+    a = _analyse(model, example_inputs, example_kwargs, opts, base)
+    policy = _heads.load_policy(opts.policy if base is None or opts.policy != "auto" else base.policy)
+
+    manual: list[int] | None = None
+    if base is not None:
+        manual = [_resolve_cut(a, c) for c in base.cuts]
+    elif opts.split_points is not None:
+        manual = sorted({_resolve_cut(a, c) for c in opts.split_points})
+        if len(manual) != len(opts.split_points):
+            raise CutError(f"split_points {list(opts.split_points)} name the same cut more than once")
+    if manual is not None:
+        n_stages = len(manual) + 1
+        if opts.gpus is not None and opts.gpus != n_stages:
+            raise CutError(f"{len(manual)} cut(s) make {n_stages} stages, but gpus={opts.gpus}; "
+                           "drop gpus= or give gpus - 1 cuts")
+    elif opts.gpus is not None or opts.devices is not None:
+        n_stages = opts.gpus or len(opts.devices or ())
+    else:
+        raise ValueError("say how many devices to plan for: gpus=N (or devices=[...], split_points=[...])")
+    if n_stages - 1 > len(a.cuts):
+        raise CutError(f"model has {len(a.cuts)} legal cut points, so at most {len(a.cuts) + 1} stages; "
+                       f"got gpus={n_stages} (pass split_points=... or fewer gpus)")
+    if opts.gpus is not None and opts.devices is not None and len(opts.devices) != opts.gpus:
+        raise ValueError(f"devices lists {len(opts.devices)} device(s) but gpus={opts.gpus}")
+    devices = _devices(n_stages, opts.devices or (base.devices if base is not None else None), notes)
+    speeds = tuple(opts.device_speeds or (base.device_speeds if base is not None else (1.0,) * n_stages))
+    if len(speeds) != n_stages:
+        raise ValueError(f"device_speeds has {len(speeds)} entries for {n_stages} stages; give one per device")
+
+    # heads: policy's choice at every candidate cut, or the plan's (possibly edited) head at its cuts
+    head_cfg: dict[int, dict[str, Any] | None] = {}
+    if base is not None:
+        head_cfg = {c: base.stages[j].head.config for j, c in enumerate(manual or [])}
+    candidates = manual if manual is not None else range(len(a.cuts))
+    cache: dict[Any, HeadSpec] = {}
+    heads: dict[int, HeadSpec] = {}
+    for i in candidates:
+        spec = a.boundary(a.cuts[i])[0]
+        cfg = head_cfg.get(i)
+        key = (spec.shape, spec.dtype, repr(cfg))
+        if key not in cache:
+            try:
+                cache[key] = _head_cost(cfg, policy, spec, a, opts.optimizer)
+            except PolicyError as e:
+                raise PolicyError(f"cut after {a.cuts[i].node!r}: {e}") from None
+        heads[i] = cache[key]
+
+    n_seg = len(a.cuts) + 1
+    seg = [a.summary(a.segment_nodes(i, i), opts.optimizer) for i in range(n_seg)]
+    if opts.profile == "time":
+        seg_time, head_time = _time_profile(a, heads, policy, torch.device(devices[0]))
+        notes.append(f"costs measured as median forward+backward time on {devices[0]}")
+    else:
+        seg_time = [(s["flops_fwd"] + s["flops_bwd"]) / opts.flops_per_second for s in seg]
+        head_time = {i: (h.flops_fwd + h.flops_bwd) / opts.flops_per_second for i, h in heads.items()}
+    comm = [sum(t.bytes for t in a.boundary(c)) / opts.link_bandwidth for c in a.cuts] + [0.0]
+    memory_of = lambda s: s["param_bytes"] + s["grad_bytes"] + s["optim_bytes"] + s["activation_bytes"]  # noqa: E731
+
+    if manual is not None:
+        ends = tuple(c + 1 for c in manual) + (n_seg,)
+        partitioner = "manual"
+    else:
+        problem = partitioners.Problem(
+            compute=seg_time, head=[head_time.get(i, 0.0) for i in range(n_seg)], comm=comm,
+            memory=[memory_of(s) for s in seg],
+            head_memory=[heads[i].memory_bytes if i in heads else 0 for i in range(n_seg)],
+            params=[s["param_count"] for s in seg], speeds=speeds, memory_limit=opts.memory_limit)
+        try:
+            ends = partitioners.solve(problem, n_stages, opts.partitioner)
+        except partitioners.PartitionError as e:
+            raise PartitionError(str(e)) from None
+        partitioner = opts.partitioner
+
+    stages = []
+    start = 0
+    multi = tuple(c.node for c in a.cuts if len(c.boundary) > 1)
+    for j, end in enumerate(ends):
+        nodes = [n for n in a.segment_nodes(start, end - 1) if n.op not in ("placeholder", "get_attr")] \
+            or a.segment_nodes(start, end - 1)
+        s = a.summary(nodes, opts.optimizer)
+        last = j == len(ends) - 1
+        cut = None if last else a.cuts[end - 1]
+        head = _model_head() if last else heads[end - 1]
+        compute = (sum(seg_time[start:end]) + (0.0 if last else head_time[end - 1])) / speeds[j]
+        send = 0.0 if last else comm[end - 1]
+        stages.append(StagePlan(
+            index=j, device=devices[j], first_node=nodes[0].name, last_node=nodes[-1].name,
+            first_module=module_path(nodes[0]), last_module=module_path(nodes[-1]),
+            nodes=tuple(n.name for n in nodes), aux_flops=head.flops_fwd + head.flops_bwd,
+            memory_bytes=memory_of(s) + head.memory_bytes,
+            boundary=() if cut is None else a.boundary(cut), head=head,
+            compute_cost=compute, comm_cost=send, cost=compute + send, **s))
+        if cut is not None and cut.node in multi:
+            notes.append(f"stage {j} sends {len(cut.boundary)} values ({', '.join(cut.boundary)}); its aux head "
+                         f"reads the first")
+        start = end
+    sequential = sum(seg_time) + sum(head_time[e - 1] for e in ends[:-1])
+    result = Plan(
+        model=type(model).__name__, inputs=a.inputs, batch_size=a.inputs[0].shape[0] if a.inputs else 0,
+        num_classes=a.num_classes, policy=policy.name, partitioner=partitioner, profile=opts.profile,
+        optimizer=opts.optimizer, flops_per_second=opts.flops_per_second, link_bandwidth=opts.link_bandwidth,
+        device_speeds=speeds, memory_limit=opts.memory_limit, legal_cuts=tuple(c.node for c in a.cuts),
+        multi_tensor_cuts=multi, stages=tuple(stages), sequential_cost=sequential, notes=tuple(notes))
+    result.validate()
+    return result, a, policy
+
+
+def _load_base(plan: Plan | str | Path | None) -> Plan | None:
+    if plan is None or isinstance(plan, Plan):
+        return plan
+    return Plan.load(plan)
+
+
+def plan(model: nn.Module, gpus: int | None = None, *, example_inputs: Sequence[Any] | None = None,
+         example_kwargs: dict[str, Any] | None = None, plan: Plan | str | Path | None = None,
+         **options: Any) -> Plan:
+    """Trace, measure and partition ``model`` into a :class:`Plan` for ``gpus`` devices.
+
+    ``options`` are the fields of :class:`PlanOptions` (policy, partitioner, profile, optimizer,
+    memory_limit, device_speeds, devices, batch_size, leaf_modules, split_points, num_classes, ...).
+    ``plan`` re-applies a saved (possibly hand-edited) plan: its cuts, devices and heads are validated
+    against the model and its costs measured afresh.
+    """
+    opts = PlanOptions.make(gpus=gpus, **options)
+    return _build(model, example_inputs, example_kwargs, opts, _load_base(plan))[0]
+
+
+def compile(model: nn.Module, gpus: int | None = None, *, example_inputs: Sequence[Any] | None = None,
+            example_kwargs: dict[str, Any] | None = None, plan: Plan | str | Path | None = None,
+            **options: Any) -> CompiledPipeline:
+    """Plan ``model`` (see :func:`plan`) and lower it to stage modules and auxiliary heads on their devices.
+
+    The stages share the model's parameter objects; calling the result runs the stages in order and, in
+    eval mode, gives the model's own output.
+    """
+    opts = PlanOptions.make(gpus=gpus, **options)
+    result, a, policy = _build(model, example_inputs, example_kwargs, opts, _load_base(plan))
+    stages = split_stages(a.gm, result.cuts)
+    input_shape = a.inputs[0].shape if a.inputs else None
+    heads: list[nn.Module | None] = []
+    for st, sp in zip(stages, result.stages):
+        st.to(sp.device)
+        if sp.is_last:
+            heads.append(None)
+            continue
+        spec = sp.boundary[0]
+        if sp.head.config.get("type") == "callable":
+            head = _heads.make_head(policy, spec, result.num_classes, input_shape)[0]
+        else:
+            head = _heads.build_head(sp.head.config, spec, result.num_classes, input_shape)
+        heads.append(head.to(sp.device))
+    return CompiledPipeline(model=model, graph_module=a.gm, plan=result, stages=stages, heads=heads,
+                            fixed_args=a.fixed_args)
