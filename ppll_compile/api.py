@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import yaml
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
@@ -24,7 +25,7 @@ from .cost import META_KEY, OPTIMIZER_STATES, ModuleCost, measure_graph, measure
 from .cuts import Cut, legal_cuts
 from .errors import CutError, PartitionError, PlanError, PolicyError
 from .lower import CompiledPipeline, split_stages
-from .plan import HeadSpec, Plan, StagePlan, TensorSpec
+from .plan import PLAN_VERSION, HeadSpec, Plan, StagePlan, TensorSpec
 from .trace import module_path, trace
 
 __all__ = ["PlanOptions", "plan", "compile", "DEFAULT_FLOPS_PER_SECOND", "DEFAULT_LINK_BANDWIDTH"]
@@ -104,13 +105,17 @@ class PlanOptions:
 
 # ---- inputs ------------------------------------------------------------------------------
 
+INFERRED_BATCH = 32
+"""Batch size of an inferred example input (override with ``batch_size=``)."""
+
+
 def _infer_inputs(model: nn.Module) -> tuple[Tensor, ...]:
     """An example input for models whose first layer tells the input shape (e.g. torchvision classifiers)."""
     for m in model.modules():
         if isinstance(m, nn.Conv2d):
-            return (torch.randn(1, m.in_channels, 224, 224),)
+            return (torch.randn(INFERRED_BATCH, m.in_channels, 224, 224),)
         if isinstance(m, nn.Linear):
-            return (torch.randn(1, m.in_features),)
+            return (torch.randn(INFERRED_BATCH, m.in_features),)
         if isinstance(m, (nn.Conv1d, nn.Conv3d, nn.Embedding, nn.RNNBase, nn.MultiheadAttention)):
             break
     raise ValueError(f"cannot infer an input shape for {type(model).__name__}; pass example_inputs=(x,) "
@@ -135,17 +140,17 @@ def _inputs_from_specs(specs: Sequence[TensorSpec]) -> tuple[Tensor, ...]:
 # ---- devices -----------------------------------------------------------------------------
 
 def _devices(n: int, requested: tuple[str, ...] | None, notes: list[str]) -> tuple[str, ...]:
-    if requested is not None:
-        if len(requested) != n:
-            raise ValueError(f"devices lists {len(requested)} device(s) for {n} stages; give one per stage")
-        for d in requested:
-            torch.device(d)  # raises on a malformed name
-        return tuple(requested)
+    """One device per stage: ``requested`` or ``cuda:0..n-1``, falling back to the CPU (with one warning)."""
+    if requested is not None and len(requested) != n:
+        raise ValueError(f"devices lists {len(requested)} device(s) for {n} stages; give one per stage")
+    wanted = [torch.device(d) for d in requested] if requested is not None else \
+        [torch.device("cuda", i) for i in range(n)]
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if have >= n:
-        return tuple(f"cuda:{i}" for i in range(n))
-    msg = (f"{n} stages requested but this machine has {have} CUDA device(s); all stages run on the CPU "
-           "(pass devices=[...] to choose)")
+    missing = [str(d) for d in wanted if d.type == "cuda" and (d.index or 0) >= have]
+    if not missing:
+        return tuple(str(d) for d in wanted)
+    msg = (f"this machine has {have} CUDA device(s), so {', '.join(missing)} cannot be used; all {n} stages "
+           "run on the CPU (pass devices=[...] to choose)")
     warnings.warn(msg, stacklevel=4)
     notes.append(msg)
     return ("cpu",) * n
@@ -197,7 +202,7 @@ class _Analysis:
 
 
 def _analyse(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwargs: dict[str, Any] | None,
-             opts: PlanOptions, base: Plan | None) -> _Analysis:
+             opts: PlanOptions, base: _Override | None) -> _Analysis:
     if example_inputs is None and not example_kwargs:
         example_inputs = _inputs_from_specs(base.inputs) if base is not None else _infer_inputs(model)
     example_inputs = tuple(example_inputs or ())
@@ -354,7 +359,7 @@ def _resolve_cut(a: _Analysis, name: str) -> int:
 # ---- the plan ----------------------------------------------------------------------------
 
 def _build(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwargs: dict[str, Any] | None,
-           opts: PlanOptions, base: Plan | None) -> tuple[Plan, _Analysis, _heads.Policy]:
+           opts: PlanOptions, base: _Override | None) -> tuple[Plan, _Analysis, _heads.Policy]:
     notes: list[str] = []
     a = _analyse(model, example_inputs, example_kwargs, opts, base)
     policy = _heads.load_policy(opts.policy if base is None or opts.policy != "auto" else base.policy)
@@ -388,7 +393,7 @@ def _build(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwarg
     # heads: policy's choice at every candidate cut, or the plan's (possibly edited) head at its cuts
     head_cfg: dict[int, dict[str, Any] | None] = {}
     if base is not None:
-        head_cfg = {c: base.stages[j].head.config for j, c in enumerate(manual or [])}
+        head_cfg = dict(zip(manual or [], base.heads))
     candidates = manual if manual is not None else range(len(a.cuts))
     cache: dict[Any, HeadSpec] = {}
     heads: dict[int, HeadSpec] = {}
@@ -463,10 +468,67 @@ def _build(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwarg
     return result, a, policy
 
 
-def _load_base(plan: Plan | str | Path | None) -> Plan | None:
-    if plan is None or isinstance(plan, Plan):
-        return plan
-    return Plan.load(plan)
+@dataclass(frozen=True, kw_only=True)
+class _Override:
+    """What a saved (possibly hand-edited) plan fixes: cuts, devices, heads, and the inputs it was made for."""
+
+    inputs: tuple[TensorSpec, ...]
+    """The model inputs the plan was made for."""
+    batch_size: int
+    """Batch size of the plan."""
+    num_classes: int
+    """Classes the heads predict."""
+    policy: str
+    """Policy the heads came from."""
+    cuts: tuple[str, ...]
+    """``last_node`` of every stage but the last: the only field to edit to move a cut."""
+    devices: tuple[str, ...]
+    """Device of every stage."""
+    device_speeds: tuple[float, ...]
+    """Relative speed of every stage's device."""
+    heads: tuple[dict[str, Any], ...]
+    """Head config of every stage but the last."""
+
+
+def _override(plan: Plan | str | Path | None) -> _Override | None:
+    """Read the parts of a plan that a user may edit by hand; derived fields (nodes, costs) are ignored."""
+    if plan is None:
+        return None
+    if isinstance(plan, Plan):
+        d, source = plan.to_dict(), "plan"
+    else:
+        path = Path(plan)
+        if not path.is_file():
+            raise PlanError(f"plan file {str(path)!r} does not exist")
+        source = str(path)
+        try:
+            d = yaml.safe_load(path.read_text())  # YAML is a superset of JSON
+        except yaml.YAMLError as e:
+            raise PlanError(f"{source}: not a readable plan ({e})") from None
+    if not isinstance(d, dict) or d.get("version") != PLAN_VERSION:
+        raise PlanError(f"{source}: not a version-{PLAN_VERSION} plan (re-create it with `ppll-plan MODEL.py "
+                        "--yaml plan.yaml`)")
+
+    def get(obj: dict[str, Any], key: str, where: str) -> Any:
+        if not isinstance(obj, dict) or key not in obj:
+            raise PlanError(f"{source}: {where} has no {key!r}")
+        return obj[key]
+
+    stages = get(d, "stages", "the plan")
+    if not isinstance(stages, list) or not stages:
+        raise PlanError(f"{source}: 'stages' must be a non-empty list")
+    try:
+        return _Override(
+            inputs=tuple(TensorSpec.from_dict(t) for t in get(d, "inputs", "the plan")),
+            batch_size=int(get(d, "batch_size", "the plan")), num_classes=int(get(d, "num_classes", "the plan")),
+            policy=str(get(d, "policy", "the plan")),
+            cuts=tuple(str(get(s, "last_node", f"stages[{i}]")) for i, s in enumerate(stages[:-1])),
+            devices=tuple(str(get(s, "device", f"stages[{i}]")) for i, s in enumerate(stages)),
+            device_speeds=tuple(float(v) for v in d.get("device_speeds") or (1.0,) * len(stages)),
+            heads=tuple(dict(get(get(s, "head", f"stages[{i}]"), "config", f"stages[{i}].head"))
+                        for i, s in enumerate(stages[:-1])))
+    except (KeyError, TypeError, ValueError) as e:
+        raise PlanError(f"{source}: malformed plan field ({e})") from None
 
 
 def plan(model: nn.Module, gpus: int | None = None, *, example_inputs: Sequence[Any] | None = None,
@@ -480,7 +542,7 @@ def plan(model: nn.Module, gpus: int | None = None, *, example_inputs: Sequence[
     against the model and its costs measured afresh.
     """
     opts = PlanOptions.make(gpus=gpus, **options)
-    return _build(model, example_inputs, example_kwargs, opts, _load_base(plan))[0]
+    return _build(model, example_inputs, example_kwargs, opts, _override(plan))[0]
 
 
 def compile(model: nn.Module, gpus: int | None = None, *, example_inputs: Sequence[Any] | None = None,
@@ -492,7 +554,7 @@ def compile(model: nn.Module, gpus: int | None = None, *, example_inputs: Sequen
     eval mode, gives the model's own output.
     """
     opts = PlanOptions.make(gpus=gpus, **options)
-    result, a, policy = _build(model, example_inputs, example_kwargs, opts, _load_base(plan))
+    result, a, policy = _build(model, example_inputs, example_kwargs, opts, _override(plan))
     stages = split_stages(a.gm, result.cuts)
     input_shape = a.inputs[0].shape if a.inputs else None
     heads: list[nn.Module | None] = []

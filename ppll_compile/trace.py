@@ -101,7 +101,7 @@ def _check_leaf_names(model: nn.Module, names: Iterable[str]) -> None:
     known = [n for n, _ in model.named_modules() if n]
     for name in names:
         if name not in known:
-            close = difflib.get_close_matches(name, known, n=3)
+            close = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
             hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
             raise TraceError(f"leaf_modules names {name!r}, which is not a submodule of "
                              f"{type(model).__name__}{hint}")
@@ -161,19 +161,22 @@ def trace(model: nn.Module, *, example_inputs: Sequence[Any] = (), example_kwarg
         warnings.warn(f"{type(model).__name__}.forward reads self.training; it was traced in train mode, so the "
                       "compiled stages always take the train-mode branch of that code", stacklevel=3)
     gm = fx.GraphModule(model, graph, class_name=type(model).__name__)
-    _drop_unused_placeholders_of_defaults(gm, concrete)
+    _drop_fixed_placeholders(gm, params, concrete)
     return gm
 
 
-def _drop_unused_placeholders_of_defaults(gm: fx.GraphModule, concrete: dict[str, Any]) -> None:
-    """Remove placeholders that fx keeps for arguments fixed to their defaults, when nothing uses them."""
-    changed = False
-    for node in list(gm.graph.nodes):
-        if node.op == "placeholder" and node.target in concrete and not node.users:
+def _drop_fixed_placeholders(gm: fx.GraphModule, params: list[inspect.Parameter], concrete: dict[str, Any]) -> None:
+    """Remove the placeholders (and None-checks) fx keeps for arguments fixed to their defaults."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, param in zip(placeholders, params):
+        if param.name not in concrete:
+            continue
+        for user in list(node.users):
+            if user.target is fx._symbolic_trace._assert_is_none:
+                gm.graph.erase_node(user)
+        if not node.users:
             gm.graph.erase_node(node)
-            changed = True
-    if changed:
-        gm.recompile()
+    gm.recompile()
 
 
 def _explain(model: nn.Module, failed_module: str | None, e: Exception) -> str:

@@ -1,0 +1,268 @@
+"""The ``ppll-plan`` command: plan a model defined in a Python file and print or save the plan.
+
+Example::
+
+    ppll-plan examples/resnet32.py --gpus 4 --policy infopro --memory-limit 16GiB --yaml plan.yaml
+    ppll-plan examples/resnet32.py --plan plan.yaml --show      # re-apply a (hand-edited) plan
+
+MODEL.py defines ``build_model()`` (returning the ``nn.Module``) and ``example_inputs()`` (a tuple of
+tensors, or one tensor); module-level ``model`` and ``example_inputs`` attributes work too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import re
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any, TextIO
+
+from torch import Tensor, nn
+
+from .api import PROFILES, PlanOptions, plan
+from .cost import OPTIMIZER_STATES
+from .errors import PPLLError
+from .plan import Plan
+
+__all__ = ["main"]
+
+_PROG = "ppll-plan"
+_EPILOG = """\
+examples:
+  ppll-plan examples/resnet32.py --gpus 4
+  ppll-plan examples/vit_small.py --gpus 4 --policy vit --json -
+  ppll-plan examples/resnet50.py --gpus 4 --memory-limit 16GiB --optimizer adam --yaml plan.yaml
+  ppll-plan examples/resnet50.py --plan plan.yaml --show    # re-apply a hand-edited plan
+
+MODEL.py defines build_model() returning the nn.Module and example_inputs() returning a tuple of
+tensors (only their shapes and dtypes are used); module-level `model` / `example_inputs` work too.
+"""
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)(?:e(\d+))?\s*([a-z]*)\s*$", re.IGNORECASE)
+_SIZE_FORMS = "bytes (1000000), KiB/MiB/GiB/TiB or K/M/G/T (binary, e.g. 16GiB, 1.5G) or KB/MB/GB/TB (decimal, e.g. 16GB)"
+_module_ids = itertools.count()
+
+
+class _UsageError(Exception):
+    """A problem with the command line or the model file, reported as ``ppll-plan: error: ...``."""
+
+
+# ---- flag values -------------------------------------------------------------------------
+
+def _parse_size(text: str) -> int:
+    """Bytes from ``16GiB``, ``16GB``, ``512MiB``, ``1.5G`` or ``1000000``; KB/MB/GB/TB are decimal, the rest binary."""
+    m = _SIZE_RE.match(str(text))
+    unit = m.group(3).lower() if m else ""
+    if m is None or unit not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}; expected {_SIZE_FORMS}")
+    number = float(m.group(1)) * 10 ** int(m.group(2) or 0)
+    value = int(round(number * _SIZE_UNITS[unit]))
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}; expected at least 1 byte")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}; expected a positive integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}; expected a positive integer (at least 1)")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}; expected a positive number, e.g. 25e9") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}; expected a positive finite number")
+    return value
+
+
+def _names(text: str) -> tuple[str, ...]:
+    items = tuple(s.strip() for s in text.split(","))
+    if not all(items):
+        raise argparse.ArgumentTypeError(f"invalid list {text!r}; expected comma-separated names without blanks")
+    return items
+
+
+def _speeds(text: str) -> tuple[float, ...]:
+    return tuple(_positive_float(s.strip()) for s in text.split(","))
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=_PROG, description="Compile a PyTorch model into a pipeline plan for local learning.",
+        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_file", metavar="MODEL.py", help="Python file defining build_model() and example_inputs()")
+    g = p.add_argument_group("devices")
+    g.add_argument("--gpus", type=_positive_int, metavar="N", help="number of devices, one stage each")
+    g.add_argument("--devices", type=_names, metavar="DEV,...", help="device per stage, e.g. cuda:0,cuda:1")
+    g.add_argument("--device-speeds", type=_speeds, metavar="S,...", help="relative speed per device, e.g. 1,1,0.5,0.5")
+    g.add_argument("--memory-limit", type=_parse_size, metavar="SIZE", help="per-device memory cap, e.g. 16GiB")
+    g.add_argument("--link-bandwidth", type=_positive_float, metavar="BYTES_PER_S",
+                   help="bytes per second between neighbouring stages")
+    g.add_argument("--flops-per-second", type=_positive_float, metavar="F", help="device throughput in FLOP/s")
+    g = p.add_argument_group("planning")
+    g.add_argument("--policy", metavar="NAME|FILE", help="aux-head policy: a shipped name (auto, dgl, infopro, "
+                   "mlp, vit) or a YAML file")
+    g.add_argument("--batch-size", type=_positive_int, metavar="B", help="batch size to plan for")
+    g.add_argument("--partitioner", metavar="NAME", help="exact (default) or a baseline: uniform, greedy, params")
+    g.add_argument("--profile", choices=PROFILES, help="count FLOPs on fake tensors (default) or time on the device")
+    g.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATES), help="optimizer whose state memory counts")
+    g.add_argument("--split-points", type=_names, metavar="A,B", help="cut by hand after these modules or nodes")
+    g.add_argument("--plan", metavar="PLAN.yaml", help="re-apply a saved (possibly hand-edited) plan")
+    g = p.add_argument_group("output (default: --show)")
+    g.add_argument("--show", action="store_true", help="print the stage table")
+    g.add_argument("--json", metavar="PATH|-", help="write the plan as JSON to PATH, or to stdout with -")
+    g.add_argument("--yaml", metavar="PATH|-", help="write the plan as YAML to PATH, or to stdout with -")
+    return p
+
+
+_OPTION_FLAGS = ("gpus", "devices", "device_speeds", "memory_limit", "link_bandwidth", "flops_per_second",
+                 "policy", "batch_size", "partitioner", "profile", "optimizer", "split_points")
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``plan()`` keyword arguments for the flags that were given (the rest keep their defaults)."""
+    return {name: getattr(args, name) for name in _OPTION_FLAGS if getattr(args, name) is not None}
+
+
+# ---- the model file ----------------------------------------------------------------------
+
+def _load_file(path: Path) -> ModuleType:
+    """Import ``path`` under a fresh module name, with its directory on ``sys.path`` while it runs."""
+    if not path.exists():
+        raise _UsageError(f"model file {str(path)!r} does not exist; pass the path of a Python file that "
+                          "defines build_model() and example_inputs()")
+    if not path.is_file():
+        raise _UsageError(f"model file {str(path)!r} is not a file; pass the path of a Python file that "
+                          "defines build_model() and example_inputs()")
+    name = f"_ppll_model_{next(_module_ids)}_{re.sub(r'[^0-9a-zA-Z_]', '_', path.stem)}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise _UsageError(f"cannot import {str(path)!r} as Python; expected a .py file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    directory = str(path.resolve().parent)
+    sys.path.insert(0, directory)
+    try:
+        spec.loader.exec_module(module)
+    except (Exception, SystemExit) as e:
+        del sys.modules[name]
+        raise _UsageError(f"loading {path} raised {type(e).__name__}: {e}; fix the file "
+                          f"(`python {path}` shows the traceback)") from None
+    finally:
+        if directory in sys.path:
+            sys.path.remove(directory)
+    return module
+
+
+def _call(path: Path, what: str, fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except Exception as e:
+        raise _UsageError(f"{what} in {path} raised {type(e).__name__}: {e}") from None
+
+
+def _load_model(path: Path) -> tuple[nn.Module, tuple[Any, ...] | None, dict[str, Any] | None]:
+    """The model, example inputs (None: let ``plan()`` infer them) and example kwargs a MODEL.py defines."""
+    module = _load_file(path)
+    if callable(getattr(module, "build_model", None)):
+        model = _call(path, "build_model()", module.build_model)
+    elif hasattr(module, "model"):
+        model = module.model
+    else:
+        raise _UsageError(f"{path} defines neither build_model() nor model; define build_model() returning "
+                          "the nn.Module to plan")
+    if not isinstance(model, nn.Module):
+        raise _UsageError(f"{path}: the model is a {type(model).__name__}, expected an nn.Module; make "
+                          "build_model() return the nn.Module to plan")
+
+    inputs = getattr(module, "example_inputs", None)
+    if callable(inputs):
+        inputs = _call(path, "example_inputs()", inputs)
+    if isinstance(inputs, Tensor):
+        inputs = (inputs,)
+    elif isinstance(inputs, list):
+        inputs = tuple(inputs)
+    if inputs is not None and not isinstance(inputs, tuple):
+        raise _UsageError(f"{path}: example_inputs is a {type(inputs).__name__}, expected a tuple of tensors "
+                          "(or one tensor); return e.g. (torch.randn(8, 3, 32, 32),)")
+
+    kwargs = getattr(module, "example_kwargs", None)
+    if callable(kwargs):
+        kwargs = _call(path, "example_kwargs()", kwargs)
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise _UsageError(f"{path}: example_kwargs is a {type(kwargs).__name__}, expected a dict of "
+                          "keyword arguments for forward()")
+    return model, inputs, kwargs
+
+
+# ---- main --------------------------------------------------------------------------------
+
+def _write(path: str, text: str) -> None:
+    try:
+        Path(path).write_text(text if text.endswith("\n") else text + "\n")
+    except OSError as e:
+        raise _UsageError(f"cannot write {path!r}: {e.strerror or e}; pass a writable path") from None
+
+
+def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
+    to_stdout = [flag for flag in ("json", "yaml") if getattr(args, flag) == "-"]
+    if len(to_stdout) > 1:
+        raise _UsageError("--json - and --yaml - both ask for stdout; send one of them to a file")
+    options = _options(args)
+    PlanOptions.make(**options)  # fail on a bad flag combination before the (slow) model load
+    path = Path(args.model_file)
+    model, inputs, kwargs = _load_model(path)
+    with warnings.catch_warnings(record=True) as caught:
+        result: Plan = plan(model, example_inputs=inputs, example_kwargs=kwargs, plan=args.plan, **options)
+
+    show = args.show or (args.json is None and args.yaml is None)
+    if to_stdout:
+        out.write((result.to_json() + "\n") if to_stdout[0] == "json" else result.to_yaml())
+    if show:
+        (err if to_stdout else out).write(result.table() + "\n")
+    shown = set(result.notes) if show else set()
+    for message in dict.fromkeys(str(w.message) for w in caught):
+        if message not in shown:
+            err.write(f"{_PROG}: warning: {message}\n")
+    for flag, text in (("json", result.to_json), ("yaml", result.to_yaml)):
+        target = getattr(args, flag)
+        if target is not None and target != "-":
+            _write(target, text())
+            err.write(f"{_PROG}: wrote {target} ({result.num_stages} stages, imbalance {result.imbalance:.3f})\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``ppll-plan`` on ``argv`` (default: the command line); return the exit status (0 ok, 2 error)."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, or a bad flag that argparse already reported
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    try:
+        _run(args, sys.stdout, sys.stderr)
+    except (_UsageError, PPLLError, ValueError, TypeError) as e:
+        print(f"{_PROG}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,229 @@
+"""The Plan: totals, serialisation, validation, hand edits, and the planner's choices end to end."""
+
+import dataclasses
+import itertools
+import re
+import warnings
+
+import pytest
+import torch
+import torchvision
+import yaml
+
+import ppll_compile
+from ppll_compile import CutError, PartitionError, Plan, PlanError
+
+from models import DictOut, Masked, Residual
+
+X = torch.randn(4, 3, 16, 16)
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _plan(model=None, gpus=3, **kw):
+    return ppll_compile.plan(model or Residual(), gpus, example_inputs=kw.pop("example_inputs", (X,)), **kw)
+
+
+def test_totals_follow_from_stage_costs():
+    p = _plan()
+    costs = [s.cost for s in p.stages]
+    assert p.bottleneck_cost == max(costs)
+    assert p.ideal_cost == pytest.approx(sum(costs) / 3)
+    assert p.imbalance == pytest.approx(max(costs) / (sum(costs) / 3))
+    assert p.predicted_speedup == pytest.approx(p.sequential_cost / max(costs))
+    for s in p.stages:
+        assert s.cost == pytest.approx(s.compute_cost + s.comm_cost)
+        expect_comm = sum(t.bytes for t in s.boundary) / p.link_bandwidth
+        assert s.comm_cost == pytest.approx(expect_comm)
+        expect_compute = (s.flops_fwd + s.flops_bwd + s.aux_flops) / p.flops_per_second
+        assert s.compute_cost == pytest.approx(expect_compute)
+    assert p.stages[-1].head.kind == "model" and p.stages[-1].aux_flops == 0
+    assert [s.last_node for s in p.stages[:-1]] == list(p.cuts)
+
+
+def test_exact_plan_is_optimal_over_every_choice_of_cuts():
+    model = Residual()
+    best = _plan(model, 3)
+    manual = [_plan(model, 3, split_points=list(c)).bottleneck_cost
+              for c in itertools.combinations(best.legal_cuts, 2)]
+    assert best.bottleneck_cost == pytest.approx(min(manual), rel=1e-9)
+    for name in ("uniform", "greedy", "params"):
+        assert _plan(model, 3, partitioner=name).bottleneck_cost >= best.bottleneck_cost - 1e-15
+
+
+def test_memory_model_counts_optimizer_state():
+    sgd, adam = _plan(optimizer="sgd"), _plan(optimizer="adam", split_points=list(_plan().cuts))
+    for s, a in zip(sgd.stages, adam.stages):
+        assert s.optim_bytes == 0 and a.optim_bytes == 2 * a.grad_bytes
+        assert s.grad_bytes == s.param_bytes == 4 * s.param_count
+        assert s.memory_bytes == s.param_bytes + s.grad_bytes + s.activation_bytes + s.head.memory_bytes
+
+
+def test_json_and_yaml_round_trip(tmp_path):
+    p = _plan(model=Masked(), gpus=3, example_inputs=(torch.randn(2, 5, 8), torch.ones(2, 5)))
+    assert Plan.from_json(p.to_json()) == p
+    assert Plan.from_yaml(p.to_yaml()) == p
+    assert Plan.load(p.save(tmp_path / "p.json")) == p
+    assert Plan.load(p.save(tmp_path / "p.yaml")) == p
+
+
+def test_multi_tensor_boundaries_are_reported_and_run():
+    model = Masked()
+    x, mask = torch.randn(2, 5, 8), (torch.rand(2, 5) > 0.3).float()
+    c = ppll_compile.compile(model, 3, example_inputs=(x, mask), split_points=["embed", "blocks.1"])
+    assert c.plan.stages[0].boundary[0].name == "embed" and len(c.plan.stages[0].boundary) == 2
+    assert "embed" in c.plan.multi_tensor_cuts
+    assert any("sends 2 values" in n for n in c.plan.notes)
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(c(x, mask), model(x, mask))
+
+
+def test_validate_names_the_problem():
+    p = _plan()
+    bad = dataclasses.replace(p, stages=(p.stages[1], p.stages[0], p.stages[2]))
+    with pytest.raises(PlanError, match=re.escape("stage 0 has index 1; stages must be numbered 0..2")):
+        bad.validate()
+    d = p.to_dict()
+    d["version"] = 99
+    with pytest.raises(PlanError, match="plan version 99 is not supported"):
+        Plan.from_dict(d)
+    d = p.to_dict()
+    d["stagez"] = d.pop("stages")
+    with pytest.raises(PlanError, match=re.escape("unknown plan field(s) ['stagez']")):
+        Plan.from_dict(d)
+    tight = dataclasses.replace(p, memory_limit=1)
+    with pytest.raises(PlanError, match=re.escape("stage(s) [0, 1, 2] exceed the memory limit of 1 B")):
+        tight.validate()
+
+
+def test_too_many_stages():
+    with pytest.raises(CutError, match=re.escape(
+            "model has 5 legal cut points, so at most 6 stages; got gpus=8 (pass split_points=... or fewer gpus)")):
+        _plan(gpus=8)
+
+
+def test_memory_cap_infeasible_names_the_smallest_cap():
+    p = _plan()
+    smallest = min(
+        max(s.memory_bytes for s in _plan(split_points=list(c)).stages)
+        for c in itertools.combinations(p.legal_cuts, 2))
+    with pytest.raises(PartitionError, match="the smallest limit that works is") as info:
+        _plan(memory_limit=smallest - 1)
+    assert "no partition into 3 stages fits a memory limit" in str(info.value)
+    capped = _plan(memory_limit=smallest)
+    assert max(s.memory_bytes for s in capped.stages) <= smallest
+
+
+def test_device_speeds_move_work_to_the_fast_device():
+    even, skewed = _plan(gpus=2), _plan(gpus=2, device_speeds=[1.0, 0.25])
+    assert skewed.stages[1].flops_fwd <= even.stages[1].flops_fwd
+    s = skewed.stages[1]
+    assert s.compute_cost == pytest.approx((s.flops_fwd + s.flops_bwd) / skewed.flops_per_second / 0.25)
+
+
+def test_hand_edited_plan_moves_a_cut_and_changes_device_and_head(tmp_path):
+    model = Residual()
+    p = _plan(model)
+    d = yaml.safe_load(p.to_yaml())
+    legal = list(p.legal_cuts)
+    new_cut = next(c for c in legal if c not in p.cuts and legal.index(c) < legal.index(p.cuts[1]))
+    d["stages"][0]["last_node"] = new_cut
+    d["stages"][1]["head"]["config"]["type"] = "mlp"
+    d["stages"][1]["head"]["config"]["hidden"] = 7
+    d["stages"][1]["head"]["config"].pop("width", None)
+    d["stages"][1]["head"]["config"].pop("depth", None)
+    d["stages"][1]["head"]["config"].pop("pool", None)
+    d["stages"][2]["device"] = "cpu"
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(d))
+    c = ppll_compile.compile(model, plan=path)
+    assert c.plan.cuts == (new_cut, p.cuts[1]) and c.plan.partitioner == "manual"
+    assert c.plan.stages[1].head.config["type"] == "mlp"
+    assert isinstance(c.heads[1].net[0], torch.nn.Linear) and c.heads[1].net[0].out_features == 7
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(c(X), model(X))
+
+    d["stages"][0]["last_node"] = "a1"  # inside the first residual block
+    path.write_text(yaml.safe_dump(d))
+    with pytest.raises(CutError, match=re.escape("cannot cut after 'a1'") + ".*" +
+                       re.escape("nearest legal cuts: 'relu' or 'add'")):
+        ppll_compile.compile(model, plan=path)
+
+
+def test_split_points_by_module_name():
+    p = _plan(gpus=None, split_points=["stem"])
+    assert p.cuts == ("stem",) and p.num_stages == 2
+    with pytest.raises(CutError, match=re.escape("'a9' is neither a node nor a module of the traced model")):
+        _plan(gpus=None, split_points=["a9"])
+
+
+def test_unknown_partitioner_lists_known_ones():
+    with pytest.raises(PartitionError, match=re.escape(
+            "unknown partitioner 'fast'; known partitioners: exact, greedy, params, uniform")):
+        _plan(partitioner="fast")
+
+
+def test_input_inferred_for_torchvision_classifier():
+    p = ppll_compile.plan(torchvision.models.resnet18(), gpus=2)
+    assert p.inputs[0].shape == (32, 3, 224, 224) and p.num_classes == 1000
+
+
+def test_input_and_classes_that_cannot_be_inferred():
+    class Odd(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+    with pytest.raises(ValueError, match=re.escape("cannot infer an input shape for Odd; pass example_inputs")):
+        ppll_compile.plan(Odd(), gpus=2)
+    with pytest.raises(ValueError, match=re.escape("cannot infer the number of classes: DictOut returns a "
+                                                   "structured output, not N x classes logits; pass num_classes")):
+        ppll_compile.plan(DictOut(), gpus=2, example_inputs=(torch.randn(2, 4),))
+
+
+def test_batch_size_scales_costs():
+    small, big = _plan(batch_size=4), _plan(batch_size=8, split_points=list(_plan(batch_size=4).cuts))
+    assert big.batch_size == 8 and big.inputs[0].shape[0] == 8
+    for s, b in zip(small.stages, big.stages):
+        assert b.flops_fwd == 2 * s.flops_fwd
+        assert b.param_bytes == s.param_bytes
+
+
+def test_cpu_fallback_is_noted_once():
+    if torch.cuda.device_count() >= 3:
+        pytest.skip("this machine has enough GPUs")
+    with pytest.warns(UserWarning, match="all 3 stages run on the CPU") as record:
+        p = ppll_compile.plan(Residual(), 3, example_inputs=(X,))
+    assert len([w for w in record if "CPU" in str(w.message)]) == 1
+    assert p.devices == ("cpu",) * 3 and len(p.notes) == 1
+
+
+def test_time_profile_measures_and_restores():
+    model = Residual()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    p = _plan(model, profile="time", devices=["cpu"] * 3)
+    assert p.profile == "time" and all(s.compute_cost > 0 for s in p.stages)
+    assert any("median forward+backward time" in n for n in p.notes)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
+    assert all(q.grad is None for q in model.parameters())
+
+
+def test_compiled_pipeline_heads_and_shared_parameters():
+    model = Residual()
+    c = ppll_compile.compile(model, 3, example_inputs=(X,), policy="dgl")
+    assert c.heads[-1] is None and all(h is not None for h in c.heads[:-1])
+    own = {id(q) for q in model.parameters()}
+    for i, stage in enumerate(c.stages):
+        assert {id(q) for q in stage.parameters()} <= own
+        h = c.heads[i]
+        if h is not None:
+            assert not ({id(q) for q in h.parameters()} & own)
+            spec = c.plan.stages[i].boundary[0]
+            assert h(torch.randn(spec.shape)).shape == (spec.shape[0], c.plan.num_classes)
+            assert sum(q.numel() for q in h.parameters()) == c.plan.stages[i].head.param_count
