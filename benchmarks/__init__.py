@@ -1,0 +1,1 @@
+"""Benchmarks of ppll-compile, kept apart from the tests; each writes its results to ``results/``."""
