@@ -202,15 +202,15 @@ class _Analysis:
 
 
 def _analyse(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwargs: dict[str, Any] | None,
-             opts: PlanOptions, base: _Override | None) -> _Analysis:
+             opts: PlanOptions, planned_inputs: Sequence[TensorSpec] | None) -> _Analysis:
     if example_inputs is None and not example_kwargs:
-        example_inputs = _inputs_from_specs(base.inputs) if base is not None else _infer_inputs(model)
+        example_inputs = _inputs_from_specs(planned_inputs) if planned_inputs else _infer_inputs(model)
     example_inputs = tuple(example_inputs or ())
     kwargs = dict(example_kwargs or {})
     first = next((x for x in (*example_inputs, *kwargs.values()) if isinstance(x, Tensor) and x.dim() > 0), None)
     if first is None:
         raise ValueError("example_inputs must contain at least one tensor with a batch dimension")
-    batch = opts.batch_size or (base.batch_size if base is not None else first.shape[0])
+    batch = opts.batch_size or first.shape[0]
     example_inputs = tuple(_at_batch(x, batch) for x in example_inputs)
     kwargs = {k: _at_batch(v, batch) for k, v in kwargs.items()}
 
@@ -223,7 +223,7 @@ def _analyse(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwa
     measure_graph(gm, real_inputs)
     nodes = list(gm.graph.nodes)
     out_value = _model_output_spec(nodes[-1])
-    num_classes = opts.num_classes or (base.num_classes if base is not None else None)
+    num_classes = opts.num_classes
     if num_classes is None:
         if out_value is None or len(out_value.shape) != 2:
             raise ValueError(f"cannot infer the number of classes: {type(model).__name__} returns "
@@ -361,12 +361,15 @@ def _resolve_cut(a: _Analysis, name: str) -> int:
 def _build(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwargs: dict[str, Any] | None,
            opts: PlanOptions, base: _Override | None) -> tuple[Plan, _Analysis, _heads.Policy]:
     notes: list[str] = []
-    a = _analyse(model, example_inputs, example_kwargs, opts, base)
-    policy = _heads.load_policy(opts.policy if base is None or opts.policy != "auto" else base.policy)
+    a = _analyse(model, example_inputs, example_kwargs, opts, base.inputs if base is not None else None)
+    policy = _heads.load_policy(opts.policy)
 
     manual: list[int] | None = None
     if base is not None:
-        manual = [_resolve_cut(a, c) for c in base.cuts]
+        try:
+            manual = [_resolve_cut(a, c) for c in base.cuts]
+        except CutError as e:
+            raise CutError(f"{base.source}: {e}") from None
     elif opts.split_points is not None:
         manual = sorted({_resolve_cut(a, c) for c in opts.split_points})
         if len(manual) != len(opts.split_points):
@@ -385,8 +388,8 @@ def _build(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwarg
                        f"got gpus={n_stages} (pass split_points=... or fewer gpus)")
     if opts.gpus is not None and opts.devices is not None and len(opts.devices) != opts.gpus:
         raise ValueError(f"devices lists {len(opts.devices)} device(s) but gpus={opts.gpus}")
-    devices = _devices(n_stages, opts.devices or (base.devices if base is not None else None), notes)
-    speeds = tuple(opts.device_speeds or (base.device_speeds if base is not None else (1.0,) * n_stages))
+    devices = _devices(n_stages, opts.devices, notes)
+    speeds = opts.device_speeds or (1.0,) * n_stages
     if len(speeds) != n_stages:
         raise ValueError(f"device_speeds has {len(speeds)} entries for {n_stages} stages; give one per device")
 
@@ -470,24 +473,22 @@ def _build(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwarg
 
 @dataclass(frozen=True, kw_only=True)
 class _Override:
-    """What a saved (possibly hand-edited) plan fixes: cuts, devices, heads, and the inputs it was made for."""
+    """What a saved (possibly hand-edited) plan fixes: its cuts and heads, the inputs and settings it was made for."""
 
+    source: str
+    """Where the plan came from, for error messages."""
     inputs: tuple[TensorSpec, ...]
     """The model inputs the plan was made for."""
-    batch_size: int
-    """Batch size of the plan."""
-    num_classes: int
-    """Classes the heads predict."""
-    policy: str
-    """Policy the heads came from."""
     cuts: tuple[str, ...]
     """``last_node`` of every stage but the last: the only field to edit to move a cut."""
-    devices: tuple[str, ...]
-    """Device of every stage."""
-    device_speeds: tuple[float, ...]
-    """Relative speed of every stage's device."""
     heads: tuple[dict[str, Any], ...]
     """Head config of every stage but the last."""
+    settings: dict[str, Any]
+    """The plan's :class:`PlanOptions` values (devices, policy, optimizer, ...), the defaults for re-planning."""
+
+
+_CARRIED = ("batch_size", "num_classes", "policy", "profile", "optimizer", "memory_limit", "device_speeds",
+            "link_bandwidth", "flops_per_second")
 
 
 def _override(plan: Plan | str | Path | None) -> _Override | None:
@@ -518,17 +519,22 @@ def _override(plan: Plan | str | Path | None) -> _Override | None:
     if not isinstance(stages, list) or not stages:
         raise PlanError(f"{source}: 'stages' must be a non-empty list")
     try:
+        settings = {k: d[k] for k in _CARRIED if d.get(k) is not None}
+        settings["devices"] = [str(get(s, "device", f"stages[{i}]")) for i, s in enumerate(stages)]
         return _Override(
+            source=source,
             inputs=tuple(TensorSpec.from_dict(t) for t in get(d, "inputs", "the plan")),
-            batch_size=int(get(d, "batch_size", "the plan")), num_classes=int(get(d, "num_classes", "the plan")),
-            policy=str(get(d, "policy", "the plan")),
             cuts=tuple(str(get(s, "last_node", f"stages[{i}]")) for i, s in enumerate(stages[:-1])),
-            devices=tuple(str(get(s, "device", f"stages[{i}]")) for i, s in enumerate(stages)),
-            device_speeds=tuple(float(v) for v in d.get("device_speeds") or (1.0,) * len(stages)),
             heads=tuple(dict(get(get(s, "head", f"stages[{i}]"), "config", f"stages[{i}].head"))
-                        for i, s in enumerate(stages[:-1])))
+                        for i, s in enumerate(stages[:-1])),
+            settings=settings)
     except (KeyError, TypeError, ValueError) as e:
         raise PlanError(f"{source}: malformed plan field ({e})") from None
+
+
+def _options(gpus: int | None, base: _Override | None, options: dict[str, Any]) -> PlanOptions:
+    """Options from the call, falling back to a re-applied plan's own settings."""
+    return PlanOptions.make(gpus=gpus, **{**(base.settings if base is not None else {}), **options})
 
 
 def plan(model: nn.Module, gpus: int | None = None, *, example_inputs: Sequence[Any] | None = None,
@@ -541,8 +547,8 @@ def plan(model: nn.Module, gpus: int | None = None, *, example_inputs: Sequence[
     ``plan`` re-applies a saved (possibly hand-edited) plan: its cuts, devices and heads are validated
     against the model and its costs measured afresh.
     """
-    opts = PlanOptions.make(gpus=gpus, **options)
-    return _build(model, example_inputs, example_kwargs, opts, _override(plan))[0]
+    base = _override(plan)
+    return _build(model, example_inputs, example_kwargs, _options(gpus, base, options), base)[0]
 
 
 def compile(model: nn.Module, gpus: int | None = None, *, example_inputs: Sequence[Any] | None = None,
@@ -553,8 +559,8 @@ def compile(model: nn.Module, gpus: int | None = None, *, example_inputs: Sequen
     The stages share the model's parameter objects; calling the result runs the stages in order and, in
     eval mode, gives the model's own output.
     """
-    opts = PlanOptions.make(gpus=gpus, **options)
-    result, a, policy = _build(model, example_inputs, example_kwargs, opts, _override(plan))
+    base = _override(plan)
+    result, a, policy = _build(model, example_inputs, example_kwargs, _options(gpus, base, options), base)
     stages = split_stages(a.gm, result.cuts)
     input_shape = a.inputs[0].shape if a.inputs else None
     heads: list[nn.Module | None] = []

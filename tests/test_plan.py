@@ -152,7 +152,7 @@ def test_hand_edited_plan_moves_a_cut_and_changes_device_and_head(tmp_path):
 
     d["stages"][0]["last_node"] = "a1"  # inside the first residual block
     path.write_text(yaml.safe_dump(d))
-    with pytest.raises(CutError, match=re.escape("cannot cut after 'a1'") + ".*" +
+    with pytest.raises(CutError, match=re.escape(f"{path}: cannot cut after 'a1'") + ".*" +
                        re.escape("nearest legal cuts: 'relu' or 'add'")):
         ppll_compile.compile(model, plan=path)
 
@@ -227,3 +227,13 @@ def test_compiled_pipeline_heads_and_shared_parameters():
             spec = c.plan.stages[i].boundary[0]
             assert h(torch.randn(spec.shape)).shape == (spec.shape[0], c.plan.num_classes)
             assert sum(q.numel() for q in h.parameters()) == c.plan.stages[i].head.param_count
+
+
+def test_reapplied_plan_keeps_its_settings(tmp_path):
+    model = Residual()
+    p = _plan(model, optimizer="adam", memory_limit=10**9, batch_size=8, policy="mlp")
+    again = ppll_compile.plan(model, plan=p.save(tmp_path / "p.yaml"))
+    assert (again.optimizer, again.memory_limit, again.batch_size, again.policy) == ("adam", 10**9, 8, "mlp")
+    assert again.cuts == p.cuts
+    assert [s.cost for s in again.stages] == pytest.approx([s.cost for s in p.stages])
+    assert ppll_compile.plan(model, plan=p, optimizer="sgd").optimizer == "sgd"  # the call overrides
