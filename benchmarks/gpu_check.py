@@ -1,0 +1,87 @@
+"""A short CUDA check: stages on a GPU equal the model, and measured stage times against the FLOP plan."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torchvision
+
+import ppll_compile
+
+__all__ = ["main"]
+
+
+def _train_throughput(fn, batch: int, steps: int = 10) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    torch.cuda.synchronize()
+    return batch * steps / (time.perf_counter() - t0)
+
+
+def check(name: str, batch: int, stages: int) -> dict:
+    torch.manual_seed(0)
+    model = getattr(torchvision.models, name)().cuda()
+    x = torch.randn(batch, 3, 224, 224, device="cuda")
+    t0 = time.perf_counter()
+    flops_plan = ppll_compile.plan(model, stages, example_inputs=(x,), devices=["cuda:0"] * stages)
+    plan_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    timed = ppll_compile.plan(model, example_inputs=(x,), profile="time", split_points=list(flops_plan.cuts),
+                              devices=["cuda:0"] * stages)
+    time_plan_s = time.perf_counter() - t0
+    compiled = ppll_compile.compile(model, plan=flops_plan, example_inputs=(x,))
+    model.eval()
+    with torch.no_grad():
+        err = (compiled(x) - model(x)).abs().max().item()
+    model.train()
+
+    def step_model() -> None:
+        model(x).sum().backward()
+
+    def step_pipeline() -> None:  # every stage on the same GPU, one after the other, detached at the cuts
+        values = (x,)
+        for stage, head in zip(compiled.stages, compiled.heads):
+            out = stage(*values)
+            loss = (head(out[0]) if head is not None else out).float().sum()
+            loss.backward()
+            values = tuple(v.detach() if isinstance(v, torch.Tensor) else v for v in out) if head is not None else ()
+
+    predicted = [s.cost / flops_plan.sequential_cost for s in flops_plan.stages]
+    measured = [s.cost / timed.sequential_cost for s in timed.stages]
+    return {
+        "model": name, "batch": batch, "stages": stages, "max_abs_err_eval": err,
+        "plan_seconds": plan_s, "time_profile_seconds": time_plan_s,
+        "predicted_stage_share": predicted, "measured_stage_share": measured,
+        "measured_stage_ms": [s.cost * 1e3 for s in timed.stages],
+        "measured_imbalance": timed.imbalance, "flops_imbalance": flops_plan.imbalance,
+        "e2e_train_samples_per_s": _train_throughput(step_model, batch),
+        "local_learning_sequential_samples_per_s": _train_throughput(step_pipeline, batch),
+        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default="results", help="folder for gpu_check.json")
+    args = parser.parse_args(argv)
+    warnings.simplefilter("ignore")
+    torch.backends.cudnn.benchmark = True
+    rows = [check("resnet50", 64, 4), check("vit_b_16", 64, 4)]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_check.json").write_text(json.dumps(rows, indent=2))
+    print(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
