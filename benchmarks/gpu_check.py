@@ -1,4 +1,4 @@
-"""A short CUDA check: stages on a GPU equal the model, and measured stage times against the FLOP plan."""
+"""A short CUDA check: stages on a GPU equal the model; measured stage times against the FLOP plan."""
 
 from __future__ import annotations
 
@@ -16,27 +16,31 @@ import ppll_compile
 __all__ = ["main"]
 
 
-def _train_throughput(fn, batch: int, steps: int = 10) -> float:
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _train_throughput(fn, batch: int, device: str, steps: int = 10) -> float:
     for _ in range(3):
         fn()
-    torch.cuda.synchronize()
+    _sync(device)
     t0 = time.perf_counter()
     for _ in range(steps):
         fn()
-    torch.cuda.synchronize()
+    _sync(device)
     return batch * steps / (time.perf_counter() - t0)
 
 
-def check(name: str, batch: int, stages: int) -> dict:
+def check(name: str, batch: int, stages: int, device: str, size: int) -> dict:
     torch.manual_seed(0)
-    model = getattr(torchvision.models, name)().cuda()
-    x = torch.randn(batch, 3, 224, 224, device="cuda")
+    model = getattr(torchvision.models, name)(**({"image_size": size} if name.startswith("vit") else {})).to(device)
+    x = torch.randn(batch, 3, size, size, device=device)
     t0 = time.perf_counter()
-    flops_plan = ppll_compile.plan(model, stages, example_inputs=(x,), devices=["cuda:0"] * stages)
+    flops_plan = ppll_compile.plan(model, stages, example_inputs=(x,), devices=[device] * stages)
     plan_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    timed = ppll_compile.plan(model, example_inputs=(x,), profile="time", split_points=list(flops_plan.cuts),
-                              devices=["cuda:0"] * stages)
+    timed = ppll_compile.plan(model, example_inputs=(x,), plan=flops_plan, profile="time")
     time_plan_s = time.perf_counter() - t0
     compiled = ppll_compile.compile(model, plan=flops_plan, example_inputs=(x,))
     model.eval()
@@ -63,19 +67,22 @@ def check(name: str, batch: int, stages: int) -> dict:
         "predicted_stage_share": predicted, "measured_stage_share": measured,
         "measured_stage_ms": [s.cost * 1e3 for s in timed.stages],
         "measured_imbalance": timed.imbalance, "flops_imbalance": flops_plan.imbalance,
-        "e2e_train_samples_per_s": _train_throughput(step_model, batch),
-        "local_learning_sequential_samples_per_s": _train_throughput(step_pipeline, batch),
-        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "e2e_train_samples_per_s": _train_throughput(step_model, batch, device),
+        "local_learning_sequential_samples_per_s": _train_throughput(step_pipeline, batch, device),
+        "device": torch.cuda.get_device_name() if device.startswith("cuda") else device, "torch": torch.__version__,
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="results", help="folder for gpu_check.json")
+    parser.add_argument("--device", default="cuda:0", help="device to check (cpu for a dry run)")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--size", type=int, default=224, help="input height and width")
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
     torch.backends.cudnn.benchmark = True
-    rows = [check("resnet50", 64, 4), check("vit_b_16", 64, 4)]
+    rows = [check(name, args.batch, 4, args.device, args.size) for name in ("resnet50", "vit_b_16")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_check.json").write_text(json.dumps(rows, indent=2))

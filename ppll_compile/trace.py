@@ -85,13 +85,16 @@ def module_path(node: fx.Node) -> str:
     return ""
 
 
-def _split_point_ancestors(model: nn.Module, split_points: Sequence[str]) -> set[str]:
-    """Module paths that must be traced into so that every split point module appears as its own node."""
+def _split_point_ancestors(model: nn.Module, split_points: Sequence[str]) -> set[str] | None:
+    """Module paths to trace into so that every split point module appears as its own node.
+
+    None (trace everything) when a split point is not a module name: it names a node of the full trace.
+    """
     names = dict(model.named_modules())
+    if not all(sp in names for sp in split_points):
+        return None
     keep: set[str] = set()
     for sp in split_points:
-        if sp not in names:
-            continue  # a node name rather than a module name: resolved after tracing
         parts = sp.split(".")
         keep.update(".".join(parts[:i]) for i in range(1, len(parts)))
     return keep
@@ -120,8 +123,8 @@ def trace(model: nn.Module, *, example_inputs: Sequence[Any] = (), example_kwarg
 
     ``example_inputs``/``example_kwargs`` say which forward arguments are given; other arguments are fixed
     to their defaults. Modules whose behaviour depends on ``self.training`` stay opaque, as do
-    ``leaf_modules`` (names or types). With ``split_points`` (module names) every module that does not
-    contain a split point is kept opaque, which also lets models with untraceable parts be planned.
+    ``leaf_modules`` (names or types). With ``split_points`` that are all module names, every module that
+    does not contain a split point is kept opaque, which also lets models with untraceable parts be planned.
     """
     leaf_names = {m for m in leaf_modules if isinstance(m, str)}
     leaf_types = tuple(m for m in leaf_modules if isinstance(m, type))

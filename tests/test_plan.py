@@ -157,9 +157,11 @@ def test_hand_edited_plan_moves_a_cut_and_changes_device_and_head(tmp_path):
         ppll_compile.compile(model, plan=path)
 
 
-def test_split_points_by_module_name():
+def test_split_points_by_module_or_node_name():
     p = _plan(gpus=None, split_points=["stem"])
     assert p.cuts == ("stem",) and p.num_stages == 2
+    fine = _plan(gpus=None, split_points=["relu", "add"])  # node names: the full trace is kept
+    assert fine.cuts == ("relu", "add") and fine.legal_cuts == _plan().legal_cuts
     with pytest.raises(CutError, match=re.escape("'a9' is neither a node nor a module of the traced model")):
         _plan(gpus=None, split_points=["a9"])
 
