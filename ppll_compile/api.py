@@ -26,7 +26,7 @@ from .cuts import Cut, legal_cuts
 from .errors import CutError, PartitionError, PlanError, PolicyError
 from .lower import CompiledPipeline, split_stages
 from .plan import PLAN_VERSION, HeadSpec, Plan, StagePlan, TensorSpec
-from .trace import module_path, trace
+from .trace import module_path, trace, train_mode
 
 __all__ = ["PlanOptions", "plan", "compile", "DEFAULT_FLOPS_PER_SECOND", "DEFAULT_LINK_BANDWIDTH"]
 
@@ -251,15 +251,21 @@ def _model_output_spec(output: fx.Node) -> TensorSpec | None:
 
 # ---- heads -------------------------------------------------------------------------------
 
-def _head_cost(head_config: dict[str, Any] | None, policy: _heads.Policy, spec: TensorSpec, a: _Analysis,
+def _make_head(policy: _heads.Policy, config: dict[str, Any] | None, spec: TensorSpec,
+               a: _Analysis) -> tuple[nn.Module, dict[str, Any]]:
+    """The head for a boundary: the policy's choice (``config`` None), a callable policy's, or a given config."""
+    input_shape = a.inputs[0].shape if a.inputs else None
+    if config is None or config.get("type") == "callable":
+        return _heads.make_head(policy, spec, a.num_classes, input_shape)
+    return _heads.build_head(config, spec, a.num_classes, input_shape), config
+
+
+def _head_cost(config: dict[str, Any] | None, policy: _heads.Policy, spec: TensorSpec, a: _Analysis,
                optimizer: str) -> HeadSpec:
     """Build the head for a boundary on the meta device and measure it like the backbone."""
     input_shape = a.inputs[0].shape if a.inputs else None
     with torch.device("meta"):
-        if head_config is None:
-            head, config = _heads.make_head(policy, spec, a.num_classes, input_shape)
-        else:
-            head, config = _heads.build_head(head_config, spec, a.num_classes, input_shape), head_config
+        head, config = _make_head(policy, config, spec, a)
         head = head.to("meta")
         h = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype))
         y = torch.zeros(spec.shape[0], dtype=torch.long)
@@ -280,35 +286,32 @@ def _model_head() -> HeadSpec:
 
 def _time_profile(a: _Analysis, heads: dict[int, HeadSpec], policy: _heads.Policy,
                   device: torch.device) -> tuple[list[float], dict[int, float]]:
-    """Median forward+backward seconds of every atomic segment and of the head at every cut, on ``device``."""
+    """Median forward+backward seconds of every atomic segment and of the head at every cut, on ``device``.
+
+    The model's buffers, gradients and train/eval modes are restored afterwards.
+    """
     gm = a.gm
     if any(p.device != device for p in gm.parameters()):
         gm = copy.deepcopy(gm).to(device)
     buffers = {k: b.clone() for k, b in gm.named_buffers()}
     grads = {p: p.grad for p in gm.parameters()}
-    segments = split_stages(gm, [c.node for c in a.cuts])
     seg_times: list[float] = []
     head_times: dict[int, float] = {}
     values: Any = tuple(x.to(device) if isinstance(x, Tensor) else x for x in a.real_inputs)
-    input_shape = a.inputs[0].shape if a.inputs else None
+    first_input = values[0]
     try:
-        gm.train()
-        for i, seg in enumerate(segments):
-            xs = tuple(v.detach() if isinstance(v, Tensor) else v for v in values)
-
-            def run(seg=seg, xs=xs) -> None:
-                _backward_sum(seg(*xs))
-            seg_times.append(time_callable(run, device=device))
-            with torch.no_grad():
-                values = seg(*xs)
-            if i in heads:
-                head = _heads.build_head(heads[i].config, a.boundary(a.cuts[i])[0], a.num_classes,
-                                         input_shape).to(device) if heads[i].config.get("type") != "callable" \
-                    else _heads.make_head(policy, a.boundary(a.cuts[i])[0], a.num_classes, input_shape)[0].to(device)
-                h = values[0].detach()
-                y = torch.randint(0, a.num_classes, (h.shape[0],), device=device)
-                x = xs[0] if i == 0 else a.real_inputs[0].to(device)
-                head_times[i] = time_callable(lambda: _heads.head_loss(head, h, y, x).backward(), device=device)
+        with train_mode(gm):
+            for i, seg in enumerate(split_stages(gm, a.cuts)):
+                xs = tuple(v.detach() if isinstance(v, Tensor) else v for v in values)  # as a stage receives them
+                seg_times.append(time_callable(lambda: _backward_sum(seg(*xs)), device=device))
+                with torch.no_grad():
+                    values = seg(*xs)
+                if i in heads:
+                    head = _make_head(policy, heads[i].config, a.boundary(a.cuts[i])[0], a)[0].to(device)
+                    h = values[0].detach()
+                    y = torch.randint(0, a.num_classes, (h.shape[0],), device=device)
+                    head_times[i] = time_callable(lambda: _heads.head_loss(head, h, y, first_input).backward(),
+                                                  device=device)
     finally:
         with torch.no_grad():
             for k, b in gm.named_buffers():
@@ -561,19 +564,11 @@ def compile(model: nn.Module, gpus: int | None = None, *, example_inputs: Sequen
     """
     base = _override(plan)
     result, a, policy = _build(model, example_inputs, example_kwargs, _options(gpus, base, options), base)
-    stages = split_stages(a.gm, result.cuts)
-    input_shape = a.inputs[0].shape if a.inputs else None
+    by_name = {c.node: c for c in a.cuts}
+    stages = split_stages(a.gm, [by_name[c] for c in result.cuts])
     heads: list[nn.Module | None] = []
     for st, sp in zip(stages, result.stages):
         st.to(sp.device)
-        if sp.is_last:
-            heads.append(None)
-            continue
-        spec = sp.boundary[0]
-        if sp.head.config.get("type") == "callable":
-            head = _heads.make_head(policy, spec, result.num_classes, input_shape)[0]
-        else:
-            head = _heads.build_head(sp.head.config, spec, result.num_classes, input_shape)
-        heads.append(head.to(sp.device))
+        heads.append(None if sp.is_last else _make_head(policy, sp.head.config, sp.boundary[0], a)[0].to(sp.device))
     return CompiledPipeline(model=model, graph_module=a.gm, plan=result, stages=stages, heads=heads,
                             fixed_args=a.fixed_args)

@@ -17,6 +17,7 @@ from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
 from .plan import TensorSpec
+from .trace import train_mode
 
 __all__ = [
     "META_KEY",
@@ -250,16 +251,10 @@ def measure_graph(gm: fx.GraphModule, inputs: Sequence[Any], kwargs: dict[str, A
     placeholder_names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
     args = dict(zip(placeholder_names, inputs))
     args.update(kwargs or {})
-    was_training = {m: m.training for m in gm.modules()}
-    gm.train()
-    try:
-        with mode, torch.nn.utils.stateless._reparametrize_module(gm, fake_state):
-            fake_args = [mode.from_tensor(a) if isinstance(a, Tensor) else a
-                         for a in (args[name] for name in placeholder_names)]
-            _Measure(gm, storages).run(*fake_args)
-    finally:
-        for m, t in was_training.items():
-            m.training = t
+    with train_mode(gm), mode, torch.nn.utils.stateless._reparametrize_module(gm, fake_state):
+        fake_args = [mode.from_tensor(a) if isinstance(a, Tensor) else a
+                     for a in (args[name] for name in placeholder_names)]
+        _Measure(gm, storages).run(*fake_args)
 
 
 def measure_module(module: nn.Module, run: Callable[[], Any]) -> ModuleCost:

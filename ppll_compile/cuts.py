@@ -4,19 +4,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import networkx as nx
 import torch.fx as fx
 
 from .cost import META_KEY
+from .plan import TensorSpec
 
-__all__ = ["Cut", "legal_cuts", "live_values", "MAX_SIDE_VALUES"]
+__all__ = ["Cut", "legal_cuts", "MAX_SIDE_VALUES"]
 
 MAX_SIDE_VALUES = 2
 """At most this many side tensors (e.g. an attention mask) may travel with the main tensor across a cut."""
 
 _SOURCE = "__ppll_source__"
 _COMPUTE = ("call_module", "call_function", "call_method")
+_SCALARS = ("int", "float", "bool")  # TensorSpec dtypes of Python scalars
 
 
 @dataclass(frozen=True)
@@ -31,18 +34,33 @@ class Cut:
     """Every value produced up to the cut and used after it, ``node`` first."""
 
 
-def _is_tensor_spec(node: fx.Node) -> bool:
+def _value(node: fx.Node) -> Any:
     cost = node.meta.get(META_KEY)
-    value = getattr(cost, "value", None)
-    return value is not None and not isinstance(value, (tuple, list, dict)) and value.shape is not None \
-        and value.dtype not in ("int", "float", "bool")
+    return cost.value if cost is not None else None
 
 
-def live_values(nodes: Sequence[fx.Node], position: int) -> list[fx.Node]:
-    """Values produced at or before ``position`` (graph order) that a later node (or the output) uses."""
+def _is_tensor(node: fx.Node) -> bool:
+    """The node's output is one tensor (not a Python scalar, a structure, or an unknown object)."""
+    value = _value(node)
+    return isinstance(value, TensorSpec) and value.dtype not in _SCALARS
+
+
+def _live_sets(nodes: Sequence[fx.Node], positions: Sequence[int]) -> list[list[fx.Node]]:
+    """For each position (ascending), the values produced up to it that a later node or the output uses."""
     order = {n: i for i, n in enumerate(nodes)}
-    return [n for n in nodes[:position + 1]
-            if n.op != "get_attr" and any(order[u] > position for u in n.users)]
+    last_use = {n: max((order[u] for u in n.users), default=-1) for n in nodes if n.op != "get_attr"}
+    live: dict[fx.Node, None] = {}
+    result = []
+    done = 0
+    for p in positions:
+        for n in nodes[done:p + 1]:
+            if n in last_use:
+                live[n] = None
+        done = p + 1
+        for n in [n for n in live if last_use[n] <= p]:
+            del live[n]
+        result.append(list(live))
+    return result
 
 
 def _dominator_cuts(nodes: Sequence[fx.Node], side: set[fx.Node]) -> list[fx.Node]:
@@ -71,13 +89,6 @@ def _dominator_cuts(nodes: Sequence[fx.Node], side: set[fx.Node]) -> list[fx.Nod
     return chain[::-1]
 
 
-def _valid(nodes: Sequence[fx.Node], order: dict[fx.Node, int], v: fx.Node) -> bool:
-    """A dominator is a usable cut if it is a computed tensor with computation on both sides of it."""
-    p = order[v]
-    return (v.op in _COMPUTE and _is_tensor_spec(v)
-            and any(n.op in _COMPUTE for n in nodes[p + 1:]))
-
-
 def legal_cuts(gm: fx.GraphModule, *, max_side_values: int = MAX_SIDE_VALUES) -> list[Cut]:
     """The legal cuts of a measured GraphModule, in graph order.
 
@@ -90,16 +101,20 @@ def legal_cuts(gm: fx.GraphModule, *, max_side_values: int = MAX_SIDE_VALUES) ->
     """
     nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
-    side = {n for n in nodes if n.op in _COMPUTE and n.meta.get(META_KEY) is not None
-            and not _is_tensor_spec(n) and not isinstance(n.meta[META_KEY].value, (tuple, list, dict))}
-    side |= {n for n in nodes if n.op in _COMPUTE and not [a for a in n.all_input_nodes if a.op != "get_attr"]}
+    last_compute = max(i for i, n in enumerate(nodes) if n.op in _COMPUTE)
+    # scalars and other non-tensor values, and values computed from no input at all, may cross any cut
+    side = {n for n in nodes if n.op in _COMPUTE and not _is_tensor(n)
+            and not isinstance(_value(n), (tuple, list, dict))}
+    side |= {n for n in nodes if n.op in _COMPUTE and all(a.op == "get_attr" for a in n.all_input_nodes)}
 
     def count(extra: set[fx.Node]) -> list[fx.Node]:
-        return [v for v in _dominator_cuts(nodes, side | extra) if _valid(nodes, order, v)]
+        """Dominators that are computed tensors with computation on both sides of them."""
+        return [v for v in _dominator_cuts(nodes, side | extra)
+                if v.op in _COMPUTE and _is_tensor(v) and order[v] < last_compute]
 
     best = count(set())
     candidates = [n for n in nodes if n.op != "get_attr" and n.op != "output" and n not in side
-                  and (n.op == "placeholder" or len(n.users) >= 3) and _is_tensor_spec(n)]
+                  and (n.op == "placeholder" or len(n.users) >= 3) and _is_tensor(n)]
     candidates.sort(key=lambda n: (-len(n.users), order[n]))
     chosen: set[fx.Node] = set()
     for c in candidates:
@@ -111,8 +126,7 @@ def legal_cuts(gm: fx.GraphModule, *, max_side_values: int = MAX_SIDE_VALUES) ->
             best = trial
 
     cuts = []
-    for v in best:
-        live = live_values(nodes, order[v])
+    for v, live in zip(best, _live_sets(nodes, [order[v] for v in best])):
         if any(n is not v and n not in side and n not in chosen for n in live):
             continue  # defensive: something besides side values crosses; never a legal cut
         rest = sorted((n for n in live if n is not v), key=lambda n: order[n])

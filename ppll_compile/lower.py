@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import inspect
 from collections.abc import Sequence
 from typing import Any
@@ -11,7 +12,7 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.passes.split_module import split_module
 
-from .cuts import live_values
+from .cuts import Cut
 from .errors import PlanError
 from .plan import Plan
 
@@ -71,32 +72,31 @@ class Stage(nn.Module):
         return tuple(env[n] for n in self.outputs)
 
 
-def split_stages(gm: fx.GraphModule, cuts: Sequence[str]) -> list[Stage]:
-    """Split ``gm`` after each node named in ``cuts`` (graph order) into :class:`Stage` modules."""
+def split_stages(gm: fx.GraphModule, cuts: Sequence[Cut]) -> list[Stage]:
+    """Split ``gm`` after each of ``cuts`` (legal cuts, in graph order) into :class:`Stage` modules."""
     nodes = list(gm.graph.nodes)
     for n in nodes:
         n.meta[_NAME] = n.name
     order = {n.name: i for i, n in enumerate(nodes)}
-    positions = [order[c] for c in cuts]
+    positions = [order[c.node] for c in cuts]
     if positions != sorted(positions) or len(set(positions)) != len(positions):
-        raise PlanError(f"cuts {list(cuts)} are not in graph order")
+        raise PlanError(f"cuts {[c.node for c in cuts]} are not in graph order")
 
     def partition(node: fx.Node) -> int:
         if node.op == "get_attr" and node.users:  # parameters live with the stage that uses them
             node = min(node.users, key=lambda u: order[u.name])
-        return sum(order[node.name] > p for p in positions)
+        return bisect.bisect_left(positions, order[node.name])  # cuts strictly before the node
 
     top = split_module(gm, gm, partition, keep_original_order=True)
     output = nodes[-1]
-    boundaries = [tuple(n.name for n in _ordered_live(nodes, p, c)) for p, c in zip(positions, cuts)]
     placeholders = tuple(n.name for n in nodes if n.op == "placeholder")
     calls = {n.target: n for n in top.graph.nodes if n.op == "call_module"}
     stages = []
     for i in range(len(cuts) + 1):
         sub = _own_parameters(getattr(top, f"submod_{i}"), calls[f"submod_{i}"], gm)
-        ins = placeholders if i == 0 else boundaries[i - 1]
+        ins = placeholders if i == 0 else cuts[i - 1].boundary
         last = i == len(cuts)
-        stages.append(Stage(sub, index=i, inputs=ins, outputs=() if last else boundaries[i],
+        stages.append(Stage(sub, index=i, inputs=ins, outputs=() if last else cuts[i].boundary,
                             result=output.args[0] if last else None))
     return stages
 
@@ -131,11 +131,6 @@ def _attr(sub: nn.Module, gm: nn.Module, target: str) -> Any:
         except AttributeError:
             continue
     raise PlanError(f"stage reads attribute {target!r}, which the model does not have")
-
-
-def _ordered_live(nodes: list[fx.Node], position: int, main: str) -> list[fx.Node]:
-    live = live_values(nodes, position)
-    return sorted(live, key=lambda n: (n.name != main, nodes.index(n)))
 
 
 class CompiledPipeline:

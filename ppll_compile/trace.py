@@ -8,7 +8,8 @@ import inspect
 import re
 import traceback
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from torch import nn
 
 from .errors import TraceError
 
-__all__ = ["trace", "depends_on_training", "module_path"]
+__all__ = ["trace", "depends_on_training", "module_path", "train_mode"]
 
 _TRAINING = re.compile(r"\bself\.training\b")
 _TORCH_DIR = str(Path(torch.__file__).parent)
@@ -42,6 +43,18 @@ def depends_on_training(cls: type) -> bool:
         if _TRAINING.search(source):
             return True
     return False
+
+
+@contextmanager
+def train_mode(module: nn.Module) -> Iterator[nn.Module]:
+    """Put ``module`` in train mode for the block, then restore every submodule's own mode."""
+    was_training = {m: m.training for m in module.modules()}
+    module.train()
+    try:
+        yield module
+    finally:
+        for m, t in was_training.items():
+            m.training = t
 
 
 class _Tracer(fx.Tracer):
@@ -151,15 +164,11 @@ def trace(model: nn.Module, *, example_inputs: Sequence[Any] = (), example_kwarg
         concrete[p.name] = p.default
 
     tracer = _Tracer(model, leaf_names, leaf_types, keep)
-    was_training = {m: m.training for m in model.modules()}
-    model.train()
-    try:
-        graph = tracer.trace(model, concrete_args=concrete or None)
-    except Exception as e:
-        raise TraceError(_explain(model, tracer.failed_module, e)) from e
-    finally:
-        for m, t in was_training.items():
-            m.training = t
+    with train_mode(model):
+        try:
+            graph = tracer.trace(model, concrete_args=concrete or None)
+        except Exception as e:
+            raise TraceError(_explain(model, tracer.failed_module, e)) from e
     if keep is None and depends_on_training(type(model)):
         warnings.warn(f"{type(model).__name__}.forward reads self.training; it was traced in train mode, so the "
                       "compiled stages always take the train-mode branch of that code", stacklevel=3)

@@ -206,9 +206,10 @@ def test_cpu_fallback_is_noted_once():
 
 
 def test_time_profile_measures_and_restores():
-    model = Residual()
+    model = Residual().eval()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     p = _plan(model, profile="time", devices=["cpu"] * 3)
+    assert not any(m.training for m in model.modules())
     assert p.profile == "time" and all(s.compute_cost > 0 for s in p.stages)
     assert any("median forward+backward time" in n for n in p.notes)
     for k, v in model.state_dict().items():
