@@ -81,6 +81,7 @@ class _HeadType(NamedTuple):
 _HEADS: dict[str, _HeadType] = {
     "conv": _HeadType(("feature_map",), {
         "width": _int(128),          # channels of each conv3x3 layer; 0 = the input's channels
+        "max_width": _int(0),        # cap on those channels; 0 = no cap
         "depth": _int(1),            # conv3x3-BN-ReLU layers
         "pool": _int(2, 1),          # adaptive average pool output size
         "hidden": _int(0),           # MLP hidden width after pooling; 0 = one linear layer
@@ -328,7 +329,8 @@ def _conv_bn_relu(cin: int, cout: int, kernel: int) -> list[nn.Module]:
 
 
 def _conv_net(o: Mapping, shape: Sequence[int], num_classes: int) -> nn.Module:
-    channels, width, layers = shape[1], o["width"] or shape[1], []
+    width = o["width"] or shape[1]
+    channels, width, layers = shape[1], min(width, o["max_width"]) if o["max_width"] else width, []
     for _ in range(o["depth"]):
         layers += _conv_bn_relu(channels, width, 3)
         channels = width

@@ -104,12 +104,15 @@ def test_infopro_needs_an_image_input_shape():
                             "infopro heads (e.g. 'dgl')")
 
 
-@pytest.mark.parametrize("width,depth,pool,hidden", [(128, 1, 2, 0), (0, 2, 2, 0), (32, 2, 1, 50), (16, 0, 3, 20)])
-def test_conv_head_parameter_count_matches_the_closed_form(width, depth, pool, hidden):
+@pytest.mark.parametrize("width,max_width,depth,pool,hidden",
+                         [(128, 0, 1, 2, 0), (0, 0, 2, 2, 0), (32, 0, 2, 1, 50), (16, 0, 0, 3, 20), (0, 24, 1, 2, 0),
+                          (128, 100, 1, 1, 0)])
+def test_conv_head_parameter_count_matches_the_closed_form(width, max_width, depth, pool, hidden):
     c, k = 64, 10
-    config = {"type": "conv", "width": width, "depth": depth, "pool": pool, "hidden": hidden}
+    config = {"type": "conv", "width": width, "max_width": max_width, "depth": depth, "pool": pool,
+              "hidden": hidden}
     head = build_head(config, spec((8, c, 16, 16)), k)
-    w = width or c
+    w = min(width or c, max_width) if max_width else (width or c)
     convs = (c * w * 9 + 2 * w + (depth - 1) * (w * w * 9 + 2 * w)) if depth else 0
     features = (w if depth else c) * pool * pool
     mlp = (features * hidden + hidden + hidden * k + k) if hidden else features * k + k
@@ -120,9 +123,10 @@ def test_defaults_are_filled_in_and_config_for_merges_the_loss(tmp_path):
     path = write(tmp_path, {"heads": {"feature_map": {"type": "conv", "width": 32}}})
     policy = load_policy(path)
     assert policy.name == str(path)
-    assert policy.heads == {"feature_map": {"type": "conv", "width": 32, "depth": 1, "pool": 2, "hidden": 0}}
+    assert policy.heads == {"feature_map": {"type": "conv", "width": 32, "max_width": 0, "depth": 1, "pool": 2,
+                                            "hidden": 0}}
     assert policy.config_for(spec(SHAPES["feature_map"])) == {
-        "type": "conv", "width": 32, "depth": 1, "pool": 2, "hidden": 0,
+        "type": "conv", "width": 32, "max_width": 0, "depth": 1, "pool": 2, "hidden": 0,
         "loss": {"classification": "cross_entropy", "classification_weight": 1.0, "reconstruction_weight": 0.0}}
 
 
@@ -138,7 +142,7 @@ def test_validate_policy_takes_parsed_data_and_names_its_source():
 
 def test_unknown_key_names_the_place_and_the_allowed_keys(tmp_path):
     msg, path = error(tmp_path, {"heads": {"feature_map": {"type": "conv", "widht": 64}}})
-    assert msg == f"{path}: unknown key 'widht' at heads.feature_map (allowed: depth, hidden, pool, type, width)"
+    assert msg == f"{path}: unknown key 'widht' at heads.feature_map (allowed: depth, hidden, max_width, pool, type, width)"
     msg, path = error(tmp_path, {"heads": {"vector": {"type": "mlp"}}, "los": {}})
     assert msg == f"{path}: unknown key 'los' (allowed: description, heads, loss, name)"
     msg, path = error(tmp_path, {"heads": {"vector": {"type": "mlp"}}, "loss": {"recon_weight": 1}})
@@ -247,7 +251,7 @@ def test_hand_edited_configs_are_validated_by_build_head():
     config = {**load_policy("dgl").config_for(s), "widht": 3}
     with pytest.raises(PolicyError) as e:
         build_head(config, s, 10)
-    assert str(e.value) == "head config: unknown key 'widht' (allowed: depth, hidden, loss, pool, type, width)"
+    assert str(e.value) == "head config: unknown key 'widht' (allowed: depth, hidden, loss, max_width, pool, type, width)"
     with pytest.raises(PolicyError) as e:
         build_head({"type": "token"}, s, 10)
     assert str(e.value) == ("head config: type 'token' cannot read the feature_map boundary 'h' of shape "
