@@ -559,8 +559,9 @@ def compile(model: nn.Module, gpus: int | None = None, *, example_inputs: Sequen
             **options: Any) -> CompiledPipeline:
     """Plan ``model`` (see :func:`plan`) and lower it to stage modules and auxiliary heads on their devices.
 
-    The stages share the model's parameter objects; calling the result runs the stages in order and, in
-    eval mode, gives the model's own output.
+    The stages share the model's parameter objects (each stage is moved to its device, and the model's
+    parameters with it); calling the result runs the stages in order and, in eval mode, gives the model's
+    own output.
     """
     base = _override(plan)
     result, a, policy = _build(model, example_inputs, example_kwargs, _options(gpus, base, options), base)
