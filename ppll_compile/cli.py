@@ -73,24 +73,21 @@ def _parse_size(text: str) -> int:
     return value
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid value {text!r}; expected a positive integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"invalid value {text!r}; expected a positive integer (at least 1)")
-    return value
+def _positive(convert: Callable[[str], Any], expected: str) -> Callable[[str], Any]:
+    """An argparse type: ``convert(text)``, which must be a positive finite number."""
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"invalid value {text!r}; expected {expected}")
+        return value
+    return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid value {text!r}; expected a positive number, e.g. 25e9") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"invalid value {text!r}; expected a positive finite number")
-    return value
+_positive_int = _positive(int, "a positive integer")
+_positive_float = _positive(float, "a positive number, e.g. 25e9")
 
 
 def _names(text: str) -> tuple[str, ...]:
