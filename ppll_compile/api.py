@@ -361,12 +361,8 @@ def _resolve_cut(a: _Analysis, name: str) -> int:
 
 # ---- the plan ----------------------------------------------------------------------------
 
-def _build(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwargs: dict[str, Any] | None,
-           opts: PlanOptions, base: _Override | None) -> tuple[Plan, _Analysis, _heads.Policy]:
-    notes: list[str] = []
-    a = _analyse(model, example_inputs, example_kwargs, opts, base.inputs if base is not None else None)
-    policy = _heads.load_policy(opts.policy)
-
+def _stage_request(a: _Analysis, opts: PlanOptions, base: _Override | None) -> tuple[list[int] | None, int]:
+    """Cuts given by hand (indices into ``a.cuts``; None: the partitioner chooses) and the number of stages."""
     manual: list[int] | None = None
     if base is not None:
         try:
@@ -391,15 +387,28 @@ def _build(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwarg
                        f"got gpus={n_stages} (pass split_points=... or fewer gpus)")
     if opts.gpus is not None and opts.devices is not None and len(opts.devices) != opts.gpus:
         raise ValueError(f"devices lists {len(opts.devices)} device(s) but gpus={opts.gpus}")
+    return manual, n_stages
+
+
+def _memory(s: dict[str, int]) -> int:
+    """Bytes of a summary's parameters, gradients, optimizer state and saved activations."""
+    return s["param_bytes"] + s["grad_bytes"] + s["optim_bytes"] + s["activation_bytes"]
+
+
+def _build(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwargs: dict[str, Any] | None,
+           opts: PlanOptions, base: _Override | None) -> tuple[Plan, _Analysis, _heads.Policy]:
+    notes: list[str] = []
+    a = _analyse(model, example_inputs, example_kwargs, opts, base.inputs if base is not None else None)
+    policy = _heads.load_policy(opts.policy)
+
+    manual, n_stages = _stage_request(a, opts, base)
     devices = _devices(n_stages, opts.devices, notes)
     speeds = opts.device_speeds or (1.0,) * n_stages
     if len(speeds) != n_stages:
         raise ValueError(f"device_speeds has {len(speeds)} entries for {n_stages} stages; give one per device")
 
     # heads: policy's choice at every candidate cut, or the plan's (possibly edited) head at its cuts
-    head_cfg: dict[int, dict[str, Any] | None] = {}
-    if base is not None:
-        head_cfg = dict(zip(manual or [], base.heads))
+    head_cfg: dict[int, dict[str, Any]] = dict(zip(manual, base.heads)) if base is not None and manual else {}
     candidates = manual if manual is not None else range(len(a.cuts))
     cache: dict[Any, HeadSpec] = {}
     heads: dict[int, HeadSpec] = {}
@@ -423,7 +432,6 @@ def _build(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwarg
         seg_time = [(s["flops_fwd"] + s["flops_bwd"]) / opts.flops_per_second for s in seg]
         head_time = {i: (h.flops_fwd + h.flops_bwd) / opts.flops_per_second for i, h in heads.items()}
     comm = [sum(t.bytes for t in a.boundary(c)) / opts.link_bandwidth for c in a.cuts] + [0.0]
-    memory_of = lambda s: s["param_bytes"] + s["grad_bytes"] + s["optim_bytes"] + s["activation_bytes"]  # noqa: E731
 
     if manual is not None:
         ends = tuple(c + 1 for c in manual) + (n_seg,)
@@ -431,7 +439,7 @@ def _build(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwarg
     else:
         problem = partitioners.Problem(
             compute=seg_time, head=[head_time.get(i, 0.0) for i in range(n_seg)], comm=comm,
-            memory=[memory_of(s) for s in seg],
+            memory=[_memory(s) for s in seg],
             head_memory=[heads[i].memory_bytes if i in heads else 0 for i in range(n_seg)],
             params=[s["param_count"] for s in seg], speeds=speeds, memory_limit=opts.memory_limit)
         try:
@@ -456,7 +464,7 @@ def _build(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwarg
             index=j, device=devices[j], first_node=nodes[0].name, last_node=nodes[-1].name,
             first_module=module_path(nodes[0]), last_module=module_path(nodes[-1]),
             nodes=tuple(n.name for n in nodes), aux_flops=head.flops_fwd + head.flops_bwd,
-            memory_bytes=memory_of(s) + head.memory_bytes,
+            memory_bytes=_memory(s) + head.memory_bytes,
             boundary=() if cut is None else a.boundary(cut), head=head,
             compute_cost=compute, comm_cost=send, cost=compute + send, **s))
         if cut is not None and cut.node in multi:
