@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import inspect
+from dataclasses import dataclass
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +20,13 @@ from .plan import Plan
 __all__ = ["Stage", "CompiledPipeline", "split_stages", "move"]
 
 _NAME = "ppll_name"
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """A named value inside the model's output structure, filled in when the last stage runs."""
+
+    name: str
 
 
 def move(value: Any, device: torch.device | str) -> Any:
@@ -48,7 +56,8 @@ class Stage(nn.Module):
         self.index = index
         self.inputs = tuple(inputs)
         self.outputs = tuple(outputs)
-        self._result = result  # the model's output structure (fx nodes) for the last stage
+        # the model's output structure for the last stage, its values named by _Ref
+        self._result = None if result is None else fx.node.map_arg(result, lambda n: _Ref(n.name))
         # split_module renames nodes inside a submodule; their meta keeps the original name
         self._sub_inputs = tuple(n.meta[_NAME] for n in module.graph.nodes if n.op == "placeholder")
         out = next(n for n in module.graph.nodes if n.op == "output").args[0]
@@ -68,7 +77,7 @@ class Stage(nn.Module):
         out = self.module(*(env[n] for n in self._sub_inputs))
         env.update(zip(self._sub_outputs, (out,) if self._single else out))
         if self._result is not None:
-            return fx.node.map_arg(self._result, lambda n: env[n.name])
+            return fx.node.map_aggregate(self._result, lambda v: env[v.name] if isinstance(v, _Ref) else v)
         return tuple(env[n] for n in self.outputs)
 
 

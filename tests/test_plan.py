@@ -240,3 +240,17 @@ def test_reapplied_plan_keeps_its_settings(tmp_path):
     assert again.cuts == p.cuts
     assert [s.cost for s in again.stages] == pytest.approx([s.cost for s in p.stages])
     assert ppll_compile.plan(model, plan=p, optimizer="sgd").optimizer == "sgd"  # the call overrides
+
+
+def test_dict_output_and_fixed_keyword_through_the_pipeline():
+    model = DictOut().eval()
+    x = torch.randn(3, 4)
+    c = ppll_compile.compile(model, 3, example_inputs=(x,), num_classes=2)
+    with torch.no_grad():
+        got, expected = c(x), model(x)
+    assert set(got) == {"logits", "features"}
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k])
+    with pytest.raises(TypeError, match=re.escape("DictOut was compiled with scale=None fixed; compile again "
+                                                  "with scale in example_kwargs to pass it")):
+        c(x, scale=2.0)
