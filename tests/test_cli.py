@@ -45,7 +45,7 @@ def _stage_rows(table: str) -> list[str]:
     return lines[start:end]
 
 
-def _fails(capsys, argv: list[str], *needles: str) -> str:
+def _expect_exit_2(capsys, argv: list[str], *needles: str) -> str:
     """Run ``argv``, expect exit status 2 and every needle in stderr; return stderr."""
     assert main(argv) == 2
     out, err = capsys.readouterr()
@@ -169,83 +169,83 @@ def test_missing_example_inputs_are_inferred(tmp_path, capsys):
 def test_uninferable_example_inputs(tmp_path, capsys):
     path = _file(tmp_path, "from torch import nn\n\ndef build_model():\n"
                            "    return nn.Sequential(nn.Conv1d(2, 4, 3), nn.Flatten(), nn.LazyLinear(4))\n")
-    _fails(capsys, [path, "--gpus", "2"], "cannot infer an input shape")
+    _expect_exit_2(capsys, [path, "--gpus", "2"], "cannot infer an input shape")
 
 
 def test_missing_model_file(tmp_path, capsys):
-    _fails(capsys, [str(tmp_path / "nope.py"), "--gpus", "2"], "ppll-plan: error:", "nope.py", "does not exist")
+    _expect_exit_2(capsys, [str(tmp_path / "nope.py"), "--gpus", "2"], "ppll-plan: error:", "nope.py", "does not exist")
 
 
 def test_model_file_that_raises(tmp_path, capsys):
     path = _file(tmp_path, "x = 1\nraise RuntimeError('boom at import')\n", "broken.py")
-    _fails(capsys, [path, "--gpus", "2"], "ppll-plan: error:", "broken.py", "RuntimeError: boom at import")
+    _expect_exit_2(capsys, [path, "--gpus", "2"], "ppll-plan: error:", "broken.py", "RuntimeError: boom at import")
     assert not [m for m in sys.modules if m.endswith("_broken")]
 
 
 def test_build_model_that_raises(tmp_path, capsys):
     path = _file(tmp_path, "def build_model():\n    return 1 / 0\n")
-    _fails(capsys, [path, "--gpus", "2"], "build_model()", "ZeroDivisionError")
+    _expect_exit_2(capsys, [path, "--gpus", "2"], "build_model()", "ZeroDivisionError")
 
 
 def test_model_file_without_a_model(tmp_path, capsys):
     path = _file(tmp_path, "x = 1\n")
-    _fails(capsys, [path, "--gpus", "2"], "defines neither build_model() nor model; define build_model() returning")
+    _expect_exit_2(capsys, [path, "--gpus", "2"], "defines neither build_model() nor model; define build_model() returning")
 
 
 def test_model_that_is_not_a_module(tmp_path, capsys):
     path = _file(tmp_path, "def build_model():\n    return 'resnet'\n")
-    _fails(capsys, [path, "--gpus", "2"], "str", "expected an nn.Module")
+    _expect_exit_2(capsys, [path, "--gpus", "2"], "str", "expected an nn.Module")
 
 
 def test_example_inputs_of_the_wrong_type(tmp_path, capsys):
     path = _file(tmp_path, TINY.replace("return torch.randn(2, 8)", "return {'x': torch.randn(2, 8)}"))
-    _fails(capsys, [path, "--gpus", "2"], "example_inputs is a dict", "tuple of tensors")
+    _expect_exit_2(capsys, [path, "--gpus", "2"], "example_inputs is a dict", "tuple of tensors")
 
 
 # ---- bad flags and infeasible requests ---------------------------------------------------
 
 @pytest.mark.parametrize("value", ["0", "abc", "-3"])
 def test_bad_gpus(tmp_path, capsys, value):
-    _fails(capsys, [_file(tmp_path, TINY), "--gpus", value], "--gpus", "positive integer")
+    _expect_exit_2(capsys, [_file(tmp_path, TINY), "--gpus", value], "--gpus", "positive integer")
 
 
 def test_bad_memory_limit(tmp_path, capsys):
-    _fails(capsys, [_file(tmp_path, TINY), "--gpus", "2", "--memory-limit", "12XB"], "--memory-limit", "12XB",
+    _expect_exit_2(capsys, [_file(tmp_path, TINY), "--gpus", "2", "--memory-limit", "12XB"], "--memory-limit", "12XB",
            "GiB", "GB")
 
 
 def test_bad_choice(tmp_path, capsys):
-    _fails(capsys, [_file(tmp_path, TINY), "--gpus", "2", "--optimizer", "lion"], "invalid choice", "adam")
+    _expect_exit_2(capsys, [_file(tmp_path, TINY), "--gpus", "2", "--optimizer", "lion"], "invalid choice", "adam")
 
 
 def test_unknown_partitioner(tmp_path, capsys):
-    _fails(capsys, [_file(tmp_path, TINY), "--gpus", "2", "--partitioner", "foo"], "unknown partitioner 'foo'",
+    _expect_exit_2(capsys, [_file(tmp_path, TINY), "--gpus", "2", "--partitioner", "foo"], "unknown partitioner 'foo'",
            "known partitioners", "exact")
 
 
 def test_too_many_gpus(tmp_path, capsys):
-    _fails(capsys, [_file(tmp_path, TINY), "--gpus", "500"], "ppll-plan: error:", "at most")
+    _expect_exit_2(capsys, [_file(tmp_path, TINY), "--gpus", "500"], "ppll-plan: error:", "at most")
 
 
 def test_memory_limit_too_small(tmp_path, capsys):
-    _fails(capsys, [_file(tmp_path, TINY), "--gpus", "2", "--memory-limit", "1KiB"], "smallest limit")
+    _expect_exit_2(capsys, [_file(tmp_path, TINY), "--gpus", "2", "--memory-limit", "1KiB"], "smallest limit")
 
 
 def test_devices_and_gpus_disagree(tmp_path, capsys):
-    _fails(capsys, [_file(tmp_path, TINY), "--gpus", "3", "--devices", "cpu,cpu"], "devices", "gpus=3")
+    _expect_exit_2(capsys, [_file(tmp_path, TINY), "--gpus", "3", "--devices", "cpu,cpu"], "devices", "gpus=3")
 
 
 def test_both_outputs_to_stdout(tmp_path, capsys):
-    _fails(capsys, [_file(tmp_path, TINY), "--gpus", "2", "--json", "-", "--yaml", "-"], "stdout")
+    _expect_exit_2(capsys, [_file(tmp_path, TINY), "--gpus", "2", "--json", "-", "--yaml", "-"], "stdout")
 
 
 def test_unwritable_output(tmp_path, capsys):
-    _fails(capsys, [_file(tmp_path, TINY), "--gpus", "2", "--yaml", str(tmp_path / "no" / "dir" / "p.yaml")],
+    _expect_exit_2(capsys, [_file(tmp_path, TINY), "--gpus", "2", "--yaml", str(tmp_path / "no" / "dir" / "p.yaml")],
            "cannot write")
 
 
 def test_illegal_split_point(capsys):
-    _fails(capsys, [RESNET32, *SMALL, "--split-points", "layer1.0.conv2"], "nearest legal cuts")
+    _expect_exit_2(capsys, [RESNET32, *SMALL, "--split-points", "layer1.0.conv2"], "nearest legal cuts")
 
 
 # ---- --yaml then --plan ------------------------------------------------------------------
@@ -296,11 +296,11 @@ def test_plan_with_an_illegal_cut(saved, tmp_path, capsys):
     d["stages"][0]["last_node"] = illegal
     edited = tmp_path / "illegal.yaml"
     edited.write_text(yaml.safe_dump(d))
-    _fails(capsys, [RESNET32, "--plan", str(edited)], illegal, "nearest legal cuts")
+    _expect_exit_2(capsys, [RESNET32, "--plan", str(edited)], illegal, "nearest legal cuts")
 
 
 def test_missing_plan_file(tmp_path, capsys):
-    _fails(capsys, [RESNET32, "--plan", str(tmp_path / "none.yaml")], "none.yaml", "does not exist")
+    _expect_exit_2(capsys, [RESNET32, "--plan", str(tmp_path / "none.yaml")], "none.yaml", "does not exist")
 
 
 # ---- sizes -------------------------------------------------------------------------------
