@@ -4,6 +4,7 @@ from .api import PlanOptions, compile, plan
 from .errors import CutError, PartitionError, PlanError, PolicyError, PPLLError, TraceError
 from .lower import CompiledPipeline, Stage
 from .plan import HeadSpec, Plan, StagePlan, TensorSpec
+from .runtime import CheckpointError, StageError, Trainer
 
 __all__ = [
     "compile",
@@ -15,6 +16,9 @@ __all__ = [
     "TensorSpec",
     "CompiledPipeline",
     "Stage",
+    "Trainer",
+    "StageError",
+    "CheckpointError",
     "PPLLError",
     "TraceError",
     "CutError",

@@ -179,6 +179,15 @@ class CompiledPipeline:
         head = self.heads[index]
         return params + (list(head.parameters()) if head is not None else [])
 
+    def trainer(self, **options: Any) -> Any:
+        """A :class:`~ppll_compile.runtime.Trainer` for this pipeline; ``options`` are its keyword arguments.
+
+        ``optimizer`` (a factory ``fn(params) -> Optimizer``) is required; ``runtime`` is ``sequential``
+        (default), ``threads`` or ``distributed``.
+        """
+        from .runtime import Trainer
+        return Trainer(self, **options)
+
     def bind(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         """The model inputs in stage 0's order, from a call with the model's own signature."""
         try:

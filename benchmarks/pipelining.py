@@ -1,0 +1,186 @@
+"""Measure the end-to-end-backprop baseline: torch.distributed.pipelining (GPipe and 1F1B) on our compiler's split."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import platform
+import socket
+import time
+import warnings
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+import ppll_compile
+
+__all__ = ["main"]
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _load(model: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"_bench_{model}", EXAMPLES / f"{model}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _worker(rank: int, world: int, port: int, model: str, schedule: str, microbatches: int, steps: int,
+            warmup: int, batch: int, seed: int, queue) -> None:
+    """One pipeline rank: build and split the model, train ``warmup + steps`` steps, report time and loss."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    try:
+        torch.manual_seed(seed)
+        module = _load(model)
+        net = module.build_model(num_classes=10)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the compiler's CPU-fallback warning
+            compiled = ppll_compile.compile(net, world, example_inputs=module.example_inputs())
+        # Stage i>0 takes the previous stage's boundary tuple as positional args, and PipelineStage sends a
+        # 1-tuple output as one tensor, so the Stage modules plug in directly; shapes are inferred at runtime.
+        submodule = compiled.stages[rank]
+        stage = PipelineStage(submodule, rank, world, torch.device("cpu"))
+        sched = SCHEDULES[schedule](stage, microbatches, loss_fn=F.cross_entropy)
+        opt = torch.optim.SGD(submodule.parameters(), lr=0.05, momentum=0.9)
+        gen = torch.Generator().manual_seed(seed)
+        x, y = torch.randn(batch, 3, 32, 32, generator=gen), torch.randint(0, 10, (batch,), generator=gen)
+        losses: list[torch.Tensor] = []
+        for i in range(warmup + steps):
+            if i == warmup:
+                dist.barrier()
+                t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            losses.clear()
+            if rank == 0:
+                sched.step(x)
+            elif rank == world - 1:
+                sched.step(target=y, losses=losses)
+            else:
+                sched.step()
+            opt.step()
+        dist.barrier()
+        elapsed = time.perf_counter() - t0
+        if rank == 0:
+            queue.put(("samples_per_s", steps * batch / elapsed))
+        if rank == world - 1:
+            queue.put(("loss", torch.stack(losses).mean().item()))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(model: str, schedule: str, microbatches: int, *, steps: int, warmup: int, batch: int, world: int,
+         seed: int, timeout: float) -> dict:
+    """Launch ``world`` spawned ranks; kill them all if one fails or they outlive ``timeout`` seconds."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    args = (world, _free_port(), model, schedule, microbatches, steps, warmup, batch, seed, queue)
+    procs = [ctx.Process(target=_worker, args=(rank, *args), daemon=True) for rank in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        if any(p.exitcode not in (None, 0) for p in procs):
+            break
+        time.sleep(0.1)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join()
+    codes = [p.exitcode for p in procs]
+    if any(codes):
+        raise RuntimeError(f"{model} {schedule} x{microbatches}: ranks exited with {codes}")
+    out = {}
+    while not queue.empty():
+        key, value = queue.get()
+        out[key] = value
+    if not math.isfinite(out["loss"]):
+        raise RuntimeError(f"{model} {schedule} x{microbatches}: loss {out['loss']}")
+    return out
+
+
+def pipelining_throughput(model: str, schedule: str, microbatches: int, *, steps: int = 10, warmup: int = 3,
+                          batch: int = 64, world: int = 2, seed: int = 0) -> float:
+    """Samples per second of full training steps of ``model`` on ``world`` CPU ranks with ``schedule``."""
+    return _run(model, schedule, microbatches, steps=steps, warmup=warmup, batch=batch, world=world, seed=seed,
+                timeout=180 + 30 * (steps + warmup))["samples_per_s"]
+
+
+def best_pipelining(model: str, *, microbatch_counts: tuple[int, ...] = (1, 2, 4, 8), steps: int = 10,
+                    warmup: int = 3, batch: int = 64, world: int = 2) -> dict:
+    """Both schedules at every valid microbatch count; the best count per schedule and all rows."""
+    rows, best = [], {}
+    for schedule in SCHEDULES:
+        for m in microbatch_counts:
+            row = {"model": model, "schedule": schedule, "microbatches": m, "samples_per_s": None, "loss": None}
+            if batch % m:
+                row["skipped"] = f"{m} microbatches do not divide batch {batch}"
+            elif schedule == "1f1b" and m < world:
+                row["skipped"] = f"1F1B needs microbatches >= stages ({world})"
+            else:
+                out = _run(model, schedule, m, steps=steps, warmup=warmup, batch=batch, world=world, seed=0,
+                           timeout=180 + 30 * (steps + warmup))
+                row.update(samples_per_s=out["samples_per_s"], loss=out["loss"])
+                if schedule not in best or row["samples_per_s"] > best[schedule]["samples_per_s"]:
+                    best[schedule] = {"microbatches": m, "samples_per_s": row["samples_per_s"]}
+            rows.append(row)
+    return {**best, "all": rows}
+
+
+def _markdown(res: dict) -> str:
+    lines = [f"Measured {res['date']} on {res['machine']} (torch {res['torch']}), {res['world']} ranks, "
+             f"batch {res['batch']}, {res['steps']} timed steps; SGD step on every rank.", "",
+             "| model | schedule | microbatches | samples/s | mean loss | note |", "|---|---|---|---|---|---|"]
+    for r in (r for m in res["models"].values() for r in m["all"]):
+        sps = "-" if r["samples_per_s"] is None else f"{r['samples_per_s']:.1f}"
+        loss = "-" if r["loss"] is None else f"{r['loss']:.3f}"
+        lines.append(f"| {r['model']} | {r['schedule']} | {r['microbatches']} | {sps} | {loss} | "
+                     f"{r.get('skipped', '')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--models", nargs="+", default=["resnet32", "vit_small"], choices=["resnet32", "vit_small"])
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default 10, 3 with --quick)")
+    parser.add_argument("--quick", action="store_true", help="few steps, microbatch counts 2 and 4 only")
+    parser.add_argument("--out", default="results", help="folder for pipelining.json and pipelining.md")
+    args = parser.parse_args(argv)
+    steps = args.steps or (3 if args.quick else 10)
+    warmup = 1 if args.quick else 3
+    counts = (2, 4) if args.quick else (1, 2, 4, 8)
+    res = {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, 1 thread per rank",
+        "torch": torch.__version__, "world": 2, "batch": 64, "steps": steps,
+        "models": {m: best_pipelining(m, microbatch_counts=counts, steps=steps, warmup=warmup) for m in args.models},
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "pipelining.json").write_text(json.dumps(res, indent=2))
+    md = _markdown(res)
+    (out / "pipelining.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

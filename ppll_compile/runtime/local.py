@@ -1,0 +1,265 @@
+"""The one-process runtimes: ``sequential`` (stages in order, the reference) and ``threads`` (a worker per stage)."""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import traceback
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from .stage import Message, StageError, StageRunner
+
+__all__ = ["Runtime", "SequentialRuntime", "ThreadsRuntime", "Losses", "Counts"]
+
+Losses = list[list[float]]
+"""Per stage, the losses of the batches it finished since the last call, in order."""
+Counts = list[tuple[int | None, int]]
+"""Per stage, (right predictions of its head or ``None`` if not countable, examples seen)."""
+
+_END = object()
+_POLL = 0.05  # seconds between checks for a failed stage while waiting on a queue
+
+
+class Runtime:
+    """What a trainer drives: ``step`` one batch in, ``finish`` to drain, ``evaluate`` and an epoch loop."""
+
+    runners: list[StageRunner]
+    """The stages this process runs (all of them, except under ``distributed``)."""
+    num_stages: int
+    is_main_writer: bool = True
+    """Whether this process writes a checkpoint's manifest."""
+
+    def step(self, msg: Message | None) -> Losses:
+        raise NotImplementedError
+
+    def finish(self) -> Losses:
+        """Wait until every submitted batch went through every stage; the losses not yet returned."""
+        raise NotImplementedError
+
+    def evaluate(self, messages: Iterable[Message]) -> Counts:
+        """Eval-mode forward of every batch through every stage, counting each head's right predictions."""
+        self.finish()
+        counts: list[list[Any]] = [[0, 0] for _ in self.runners]
+        for r in self.runners:
+            r.train_mode(False)
+        try:
+            for msg in messages:
+                for r, c in zip(self.runners, counts):
+                    msg_out, right = r.eval_step(msg)
+                    c[0] = None if right is None or c[0] is None else c[0] + right
+                    c[1] += msg.size
+                    msg = msg_out
+        finally:
+            for r in self.runners:
+                r.train_mode(True)
+        return [(c[0], c[1]) for c in counts]
+
+    def epoch(self, messages: Iterable[Message] | None, on_step: Callable[[Losses, int], None]) -> None:
+        """Train on every batch of ``messages`` and finish, calling ``on_step(losses, batch_size)`` as losses come.
+
+        ``messages`` is ``None`` in a process that does not read data (distributed ranks after the first).
+        """
+        assert messages is not None
+        for msg in messages:
+            on_step(self.step(msg), msg.size)
+        on_step(self.finish(), 0)
+
+    def barrier(self) -> None:
+        """Wait for every process of the pipeline (nothing to wait for in one process)."""
+
+    def gather(self, obj: Any) -> list[Any]:
+        """``obj`` of every process of the pipeline, in rank order."""
+        return [obj]
+
+    def close(self) -> None:
+        """Release threads or process groups; the runtime cannot be used afterwards."""
+
+
+class SequentialRuntime(Runtime):
+    """Every stage in order on each batch, in the calling thread: local learning without pipelining."""
+
+    def __init__(self, runners: list[StageRunner]) -> None:
+        self.runners = runners
+        self.num_stages = len(runners)
+
+    def step(self, msg: Message | None) -> Losses:
+        assert msg is not None
+        losses: Losses = []
+        for r in self.runners:
+            try:
+                msg_out, loss = r.train_step(msg)
+            except Exception as e:
+                raise StageError(r.index, msg.index, f"{type(e).__name__}: {e}", traceback.format_exc()) from e
+            losses.append([float(loss)])
+            msg = msg_out  # type: ignore[assignment]
+        return losses
+
+    def finish(self) -> Losses:
+        return [[] for _ in self.runners]
+
+
+class _Stopped(Exception):
+    """Raised inside a worker (or the caller) waiting on a queue once another stage has failed."""
+
+
+class ThreadsRuntime(Runtime):
+    """One worker thread per stage, bounded queues between them; FIFO (same computation as sequential) or latest."""
+
+    def __init__(self, runners: list[StageRunner], *, depth: int, latest: bool, threads_per_stage: int) -> None:
+        self.runners = runners
+        self.num_stages = len(runners)
+        self._depth = depth
+        self._latest = latest
+        self._threads_per_stage = threads_per_stage
+        self._workers: list[threading.Thread] = []
+        self._queues: list[queue.Queue] = []
+        self._stop = threading.Event()
+        self._error: StageError | None = None
+        self._lock = threading.Lock()
+        self._losses: list[list[Any]] = [[] for _ in runners]
+
+    # ---- the caller's side ----------------------------------------------------------------
+    def _start(self) -> None:
+        self._caller_threads = torch.get_num_threads()  # workers set their share; restored on join
+        self._queues = [queue.Queue(maxsize=self._depth) for _ in self.runners]
+        self._workers = [threading.Thread(target=self._work, args=(i,), name=f"ppll-stage-{i}", daemon=True)
+                         for i in range(self.num_stages)]
+        for w in self._workers:
+            w.start()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            self._join()
+            raise self._error
+
+    def step(self, msg: Message | None) -> Losses:
+        assert msg is not None
+        self._raise_if_failed()
+        if not self._workers:
+            self._start()
+        try:
+            self._put(self._queues[0], msg)
+        except _Stopped:
+            self._raise_if_failed()
+        return self._collect()
+
+    def finish(self) -> Losses:
+        self._raise_if_failed()
+        if self._workers:
+            try:
+                self._put(self._queues[0], _END)
+            except _Stopped:
+                pass
+            self._join()
+            self._raise_if_failed()
+        return self._collect()
+
+    def _join(self) -> None:
+        if self._error is not None:
+            self._stop.set()
+        for w in self._workers:
+            while w.is_alive():
+                w.join(_POLL)
+                if self._error is not None:
+                    self._stop.set()
+        if self._workers:
+            torch.set_num_threads(self._caller_threads)
+        self._workers = []
+
+    def _collect(self) -> Losses:
+        with self._lock:
+            taken, self._losses = self._losses, [[] for _ in self.runners]
+        out: Losses = []
+        for items in taken:
+            for _, event in items:
+                if event is not None:
+                    event.synchronize()
+            out.append([float(loss) for loss, _ in items])
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
+        self._join()
+
+    # ---- the workers' side ----------------------------------------------------------------
+    def _put(self, q: queue.Queue, item: Any) -> None:
+        while True:
+            if self._stop.is_set():
+                raise _Stopped
+            try:
+                q.put(item, timeout=_POLL)
+                return
+            except queue.Full:
+                continue
+
+    def _get(self, q: queue.Queue) -> Any:
+        while True:
+            if self._stop.is_set():
+                raise _Stopped
+            try:
+                return q.get(timeout=_POLL)
+            except queue.Empty:
+                continue
+
+    def _next(self, i: int, recent: list[list[Any]]) -> tuple[Any, bool]:
+        """The next input of stage ``i`` and whether it is a reused one (``queue="latest"``)."""
+        q = self._queues[i]
+        if self._latest and i > 0:
+            try:
+                return q.get_nowait(), False
+            except queue.Empty:
+                # no new input: train again on the newest, else the second newest, input not yet reused
+                for entry in recent:
+                    if not entry[1]:
+                        entry[1] = True
+                        m = entry[0]
+                        return Message(index=m.index, values=tuple(_clone(v) for v in m.values),
+                                       target=m.target, raw=m.raw, kind=m.kind), True
+        return self._get(q), False
+
+    def _work(self, i: int) -> None:
+        torch.set_num_threads(self._threads_per_stage)
+        r = self.runners[i]
+        out_q = self._queues[i + 1] if i + 1 < self.num_stages else None
+        stream = torch.cuda.stream(torch.cuda.Stream(r.device)) if r.device.type == "cuda" \
+            else contextlib.nullcontext()
+        recent: list[list[Any]] = []  # [pristine copy of an input, reused?], newest first, at most 2
+        msg = None
+        try:
+            with stream:
+                while True:
+                    msg, reused = self._next(i, recent)
+                    if msg is _END:
+                        if out_q is not None:
+                            self._put(out_q, _END)
+                        return
+                    if self._latest and i > 0 and not reused:
+                        recent = [[Message(index=msg.index, values=tuple(_clone(v) for v in msg.values),
+                                           target=msg.target, raw=msg.raw, kind=msg.kind), False]] + recent[:1]
+                    out, loss = r.train_step(msg)
+                    r.reused += reused
+                    event = None
+                    if r.device.type == "cuda":
+                        event = torch.cuda.Event()
+                        event.record()
+                    with self._lock:
+                        self._losses[i].append((loss, event))
+                    if out is not None and not reused:
+                        self._put(out_q, out)  # type: ignore[arg-type]
+        except _Stopped:
+            return
+        except BaseException as e:  # noqa: BLE001 - every failure must stop the pipeline and reach the caller
+            batch = msg.index if isinstance(msg, Message) else None
+            with self._lock:
+                if self._error is None:
+                    self._error = StageError(i, batch, f"{type(e).__name__}: {e}", traceback.format_exc())
+                    self._error.__cause__ = e
+            self._stop.set()
+
+
+def _clone(v: Any) -> Any:
+    return v.clone() if isinstance(v, torch.Tensor) else v

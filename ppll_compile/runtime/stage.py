@@ -1,0 +1,221 @@
+"""One stage's share of local learning: run the block, take the local loss, step its own optimizer, send on detached."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import PPLLError
+from ..heads import head_loss
+from ..lower import Stage, move
+from ..plan import StagePlan
+
+__all__ = ["Message", "StageRunner", "StageError", "TrainConfig", "dtype_of", "make_runners", "TRAIN", "EVAL"]
+
+TRAIN, EVAL = "train", "eval"
+
+
+class StageError(PPLLError, RuntimeError):
+    """A stage raised (or produced a non-finite loss) while the pipeline ran; it names the stage and batch."""
+
+    def __init__(self, stage: int, batch: int | None, message: str, traceback: str = "") -> None:
+        at = f" at batch {batch}" if batch is not None else ""
+        text = f"stage {stage} failed{at}: {message}"
+        if traceback:
+            text += f"\n--- traceback of stage {stage} ---\n{traceback.rstrip()}"
+        super().__init__(text)
+        self.stage = stage
+        self.batch = batch
+        self.traceback = traceback
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """How every stage trains: optimizer and scheduler factories, loss, clipping, autocast, fault checks."""
+
+    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+    """``fn(params) -> Optimizer``, called once per stage with that stage's block and head parameters."""
+    scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
+    """``fn(optimizer) -> LRScheduler`` per stage, stepped after every optimizer step of that stage."""
+    loss: Callable[[Any, Tensor], Tensor] | None = None
+    """Loss of the last stage, ``fn(model_output, target)``; default cross-entropy."""
+    clip_grad_norm: float | None = None
+    """Clip each stage's gradient norm (block and head together) to this value."""
+    autocast: tuple[torch.dtype | None, ...] = ()
+    """Autocast dtype per stage (``None`` = full precision); empty = none anywhere."""
+    nan_check: bool = False
+    """Fail the pipeline when a stage's loss is not finite."""
+
+
+@dataclass(kw_only=True)
+class Message:
+    """What travels between stages for one batch: the boundary values, the labels and, when a head needs it, the input."""
+
+    index: int
+    """Sequence number of the batch, from 0."""
+    values: tuple[Any, ...]
+    """The receiving stage's inputs: the model inputs for stage 0, else the previous boundary (detached)."""
+    target: Any
+    """Labels (or whatever the last stage's loss takes)."""
+    raw: Tensor | None = None
+    """The model's first input, for heads that reconstruct it (InfoPro); ``None`` when no later head needs it."""
+    kind: str = TRAIN
+    """``train`` or ``eval``."""
+    events: list[Any] = field(default_factory=list)
+    """CUDA events the receiver waits on before reading the tensors (threads runtime on GPUs)."""
+
+    @property
+    def size(self) -> int:
+        """Batch size: the first dimension of the target."""
+        return int(self.target.shape[0]) if isinstance(self.target, Tensor) and self.target.dim() else 1
+
+
+def dtype_of(name: str) -> torch.dtype | None:
+    """The torch dtype a TensorSpec names, or ``None`` for a Python scalar."""
+    dtype = getattr(torch, name, None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def _detach(v: Any) -> Any:
+    return v.detach() if isinstance(v, Tensor) else v
+
+
+def _finite(loss: Tensor) -> bool:
+    return math.isfinite(float(loss))
+
+
+class StageRunner:
+    """Owns one stage on one device: its block, aux head (none for the last stage), optimizer, scheduler and counters."""
+
+    def __init__(self, *, stage: Stage, head: nn.Module | None, plan: StagePlan, device: torch.device,
+                 config: TrainConfig, carry_raw: bool) -> None:
+        self.index = stage.index
+        self.stage = stage.to(device)
+        self.head = head.to(device) if head is not None else None
+        self.plan = plan
+        self.device = device
+        self.config = config
+        self.carry_raw = carry_raw
+        """Whether the message sent on keeps the raw input (a later head needs it)."""
+        self.params = list(self.stage.parameters()) + (list(self.head.parameters()) if self.head else [])
+        if not self.params:
+            raise PPLLError(f"stage {self.index} has no parameters to train; compile with fewer stages "
+                            f"or other split points")
+        self.optimizer = config.optimizer(self.params)
+        self.scheduler = config.scheduler(self.optimizer) if config.scheduler is not None else None
+        self.steps = 0
+        """Optimizer steps taken (batches trained on, reused inputs included)."""
+        self.reused = 0
+        """Inputs trained on again because no new one had arrived (``queue="latest"``)."""
+        dtype = config.autocast[self.index] if config.autocast else None
+        self._autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype is not None \
+            else contextlib.nullcontext
+        self._out_dtypes = tuple(dtype_of(t.dtype) for t in plan.boundary)
+
+    @property
+    def is_last(self) -> bool:
+        return self.head is None
+
+    def modules(self) -> list[nn.Module]:
+        return [self.stage] + ([self.head] if self.head is not None else [])
+
+    def train_mode(self, mode: bool) -> None:
+        for m in self.modules():
+            m.train(mode)
+
+    def _receive(self, msg: Message) -> tuple[tuple[Any, ...], Any, Tensor | None]:
+        if msg.events:
+            stream = torch.cuda.current_stream(self.device)
+            for e in msg.events:
+                stream.wait_event(e)
+        return move(msg.values, self.device), move(msg.target, self.device), move(msg.raw, self.device)
+
+    def _send(self, msg: Message, out: tuple[Any, ...], raw: Tensor | None) -> Message:
+        # the plan fixes the boundary dtypes (and so the receive buffers); autocast may have changed them
+        values = tuple(v.detach().to(d) if isinstance(v, Tensor) and d is not None and v.dtype != d else _detach(v)
+                       for v, d in zip(out, self._out_dtypes))
+        events = []
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            events.append(event)
+        return Message(index=msg.index, values=values, target=msg.target, kind=msg.kind, events=events,
+                       raw=msg.raw if self.carry_raw else None)
+
+    def loss(self, out: Any, target: Any, raw: Tensor | None) -> Tensor:
+        if self.head is None:
+            fn = self.config.loss or nn.functional.cross_entropy
+            return fn(out, target)
+        return head_loss(self.head, out[0], target, raw)
+
+    def train_step(self, msg: Message) -> tuple[Message | None, Tensor]:
+        """Forward, local loss, backward and optimizer step on one batch; the message for the next stage and the loss."""
+        values, target, raw = self._receive(msg)
+        with self._autocast():
+            out = self.stage(*values)
+            loss = self.loss(out, target, raw)
+        if self.config.nan_check and not _finite(loss):
+            raise FloatingPointError(f"loss is {float(loss)} (nan_check=True); lower the learning rate, clip "
+                                     f"gradients (clip_grad_norm=...) or check the data")
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.config.clip_grad_norm is not None:
+            nn.utils.clip_grad_norm_(self.params, self.config.clip_grad_norm)
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.steps += 1
+        return (None if self.is_last else self._send(msg, out, raw)), loss.detach()
+
+    @torch.no_grad()
+    def eval_step(self, msg: Message) -> tuple[Message | None, int | None]:
+        """Forward in eval mode; the message for the next stage and how many labels this stage's head predicts right.
+
+        The count is ``None`` when the head's output is not N x C class scores for N class labels.
+        """
+        values, target, _ = self._receive(msg)
+        with self._autocast():
+            out = self.stage(*values)
+            logits = out if self.head is None else self.head(out[0])
+        correct = _correct(logits, target)
+        return (None if self.is_last else self._send(msg, out, None)), correct
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"stage": self.index, "backbone": self.stage.state_dict(),
+                "head": self.head.state_dict() if self.head is not None else None,
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                "steps": self.steps, "reused": self.reused}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.stage.load_state_dict(state["backbone"])
+        if self.head is not None:
+            self.head.load_state_dict(state["head"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.steps = int(state["steps"])
+        self.reused = int(state["reused"])
+
+
+def _correct(logits: Any, target: Any) -> int | None:
+    """Right top-1 predictions of class ``logits`` (N x C) against labels; ``None`` when the output is not that."""
+    if not (isinstance(logits, Tensor) and isinstance(target, Tensor) and logits.dim() == 2
+            and target.dim() == 1 and logits.shape[0] == target.shape[0]):
+        return None
+    return int((logits.argmax(1) == target).sum())
+
+
+def make_runners(compiled: Any, config: TrainConfig, indices: Sequence[int],
+                 devices: Sequence[torch.device]) -> list[StageRunner]:
+    """Runners for the stages ``indices`` of ``compiled``, on ``devices`` (one per index)."""
+    needs = [bool(getattr(h, "needs_input", False)) for h in compiled.heads]
+    return [StageRunner(stage=compiled.stages[i], head=compiled.heads[i], plan=compiled.plan.stages[i],
+                        device=d, config=config, carry_raw=any(needs[i + 1:]))
+            for i, d in zip(indices, devices)]

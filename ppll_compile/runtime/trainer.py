@@ -1,0 +1,282 @@
+"""The trainer: one training-loop API over the sequential, threads and distributed runtimes."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..plan import TensorSpec
+from . import checkpoint
+from .local import Losses, Runtime, SequentialRuntime, ThreadsRuntime
+from .stage import EVAL, TRAIN, Message, TrainConfig, dtype_of, make_runners
+
+__all__ = ["Trainer", "RUNTIMES", "QUEUES"]
+
+RUNTIMES = ("sequential", "threads", "distributed")
+QUEUES = ("fifo", "latest")
+
+
+def _check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not known; choose one of {', '.join(choices)}")
+
+
+def _autocast(value: Any, n: int) -> tuple[torch.dtype | None, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, torch.dtype):
+        return (value,) * n
+    if isinstance(value, Sequence) and len(value) == n and all(v is None or isinstance(v, torch.dtype)
+                                                                 for v in value):
+        return tuple(value)
+    raise ValueError(f"autocast must be a dtype (e.g. torch.bfloat16), None, or one dtype-or-None per stage "
+                     f"({n} stages); got {value!r}")
+
+
+def _shape_text(shape: Sequence[int]) -> str:
+    return "(" + ", ".join(str(s) for s in shape) + ")"
+
+
+class Trainer:
+    """Trains a compiled pipeline by local learning; build it with :meth:`CompiledPipeline.trainer`.
+
+    ``step(inputs, target)`` feeds one batch and returns, per stage, the losses of the batches that stage
+    finished since the last call; ``finish()`` drains the pipeline. The model is trained in place.
+    """
+
+    def __init__(self, compiled: Any, *, optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                 runtime: str = "sequential", loss: Callable[[Any, Tensor], Tensor] | None = None,
+                 scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+                 clip_grad_norm: float | None = None, autocast: Any = None, queue_depth: int = 2,
+                 queue: str = "fifo", nan_check: bool = False, threads_per_stage: int | None = None,
+                 timeout: float = 300.0) -> None:
+        _check_choice("runtime", runtime, RUNTIMES)
+        _check_choice("queue", queue, QUEUES)
+        if not callable(optimizer):
+            raise TypeError(f"optimizer must be a factory fn(params) -> torch.optim.Optimizer, e.g. "
+                            f"lambda p: torch.optim.SGD(p, lr=0.1); got {optimizer!r}")
+        if not (isinstance(queue_depth, int) and queue_depth >= 1):
+            raise ValueError(f"queue_depth must be an integer >= 1, got {queue_depth!r}")
+        if queue == "latest" and runtime == "sequential":
+            raise ValueError('queue="latest" needs a pipelined runtime ("threads" or "distributed"); the '
+                             'sequential runtime never waits')
+        self.compiled = compiled
+        self.plan = compiled.plan
+        self.runtime_name = runtime
+        k = self.plan.num_stages
+        config = TrainConfig(optimizer=optimizer, scheduler=scheduler, loss=loss, clip_grad_norm=clip_grad_norm,
+                             autocast=_autocast(autocast, k), nan_check=nan_check)
+        self._carry_raw = any(getattr(h, "needs_input", False) for h in compiled.heads)
+        compiled.train()
+        self._runtime: Runtime
+        if runtime == "distributed":
+            from .distributed import DistributedRuntime
+            self._runtime = DistributedRuntime(compiled, config, depth=queue_depth, latest=queue == "latest",
+                                               timeout=timeout)
+        else:
+            runners = make_runners(compiled, config, range(k), compiled.devices)
+            if runtime == "sequential":
+                self._runtime = SequentialRuntime(runners)
+            else:
+                share = threads_per_stage or max(1, (os.cpu_count() or 1) // k)
+                self._runtime = ThreadsRuntime(runners, depth=queue_depth, latest=queue == "latest",
+                                               threads_per_stage=share)
+        self.batches = 0
+        """Batches fed in so far (by this process, under ``distributed`` the first stage's)."""
+
+    # ---- what runs here -------------------------------------------------------------------
+    @property
+    def stages(self) -> tuple[int, ...]:
+        """Indices of the stages this process trains (all of them, except under ``distributed``)."""
+        return tuple(r.index for r in self._runtime.runners)
+
+    @property
+    def reads_data(self) -> bool:
+        """Whether this process feeds batches (under ``distributed`` only the first stage's rank does)."""
+        return 0 in self.stages
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this process reports progress: the one running the last stage."""
+        return self.plan.num_stages - 1 in self.stages
+
+    @property
+    def steps(self) -> dict[int, int]:
+        """Optimizer steps per stage run here."""
+        return {r.index: r.steps for r in self._runtime.runners}
+
+    @property
+    def reused(self) -> dict[int, int]:
+        """Inputs each stage run here trained on again instead of waiting (``queue="latest"``)."""
+        return {r.index: r.reused for r in self._runtime.runners}
+
+    # ---- feeding batches -------------------------------------------------------------------
+    def _message(self, inputs: Any, target: Any, kind: str) -> Message:
+        if isinstance(inputs, dict):
+            values = self.compiled.bind(**inputs)
+        elif isinstance(inputs, (tuple, list)):
+            values = self.compiled.bind(*inputs)
+        else:
+            values = self.compiled.bind(inputs)
+        batch = self._check_inputs(values)
+        if isinstance(target, Tensor) and target.dim() and target.shape[0] != batch:
+            raise ValueError(f"target has {target.shape[0]} rows but the inputs have batch size {batch}; "
+                             f"pass one label per example")
+        raw = next((v for v in values if isinstance(v, Tensor)), None) if self._carry_raw else None
+        msg = Message(index=self.batches, values=values, target=target, raw=raw, kind=kind)
+        if kind == TRAIN:
+            self.batches += 1
+        return msg
+
+    def _check_inputs(self, values: Sequence[Any]) -> int:
+        batch = None
+        for spec, v in zip(self.plan.inputs, values):
+            dtype = dtype_of(spec.dtype)
+            if dtype is None:
+                continue
+            if not isinstance(v, Tensor):
+                raise TypeError(f"input {spec.name!r} must be a tensor of shape {self._expected(spec)} and "
+                                f"dtype {spec.dtype}; got {type(v).__name__}")
+            if v.dtype != dtype or v.dim() != len(spec.shape) or tuple(v.shape[1:]) != spec.shape[1:]:
+                raise ValueError(f"input {spec.name!r} has shape {_shape_text(v.shape)} and dtype "
+                                 f"{str(v.dtype).removeprefix('torch.')}; the plan expects "
+                                 f"{self._expected(spec)} {spec.dtype} (N = any batch size). Compile with "
+                                 f"example inputs of the shape you train on")
+            batch = batch if batch is not None else int(v.shape[0])
+        return batch if batch is not None else 1
+
+    @staticmethod
+    def _expected(spec: TensorSpec) -> str:
+        return _shape_text(("N", *spec.shape[1:]))  # type: ignore[arg-type]
+
+    def step(self, inputs: Any = None, target: Any = None) -> Losses:
+        """Train on one batch; per stage, the losses of the batches it finished since the last call.
+
+        ``inputs`` is the model's input (a tensor, a tuple of positional inputs or a dict of keyword inputs).
+        Under ``distributed`` only the first stage's rank reads them; the other ranks may pass ``None``.
+        """
+        msg = self._message(inputs, target, TRAIN) if self.reads_data else None
+        return self._runtime.step(msg)
+
+    def finish(self) -> Losses:
+        """Wait until every batch fed in has gone through every stage; the losses not returned yet."""
+        return self._runtime.finish()
+
+    def _messages(self, loader: Iterable[Any], kind: str) -> Iterable[Message] | None:
+        if not self.reads_data:
+            return None
+        return (self._message(*self._pair(item), kind) for item in loader)
+
+    @staticmethod
+    def _pair(item: Any) -> tuple[Any, Any]:
+        if isinstance(item, (tuple, list)) and len(item) == 2:
+            return item[0], item[1]
+        raise ValueError(f"a loader must yield (inputs, target) pairs; got {type(item).__name__}"
+                         + (f" of length {len(item)}" if isinstance(item, (tuple, list)) else ""))
+
+    def fit(self, loader: Iterable[Any], epochs: int = 1, progress: bool = True) -> list[dict[str, Any]]:
+        """Train ``epochs`` passes over ``loader`` (``(inputs, target)`` pairs); per epoch, losses and throughput.
+
+        Each epoch's record holds ``epoch``, ``samples``, ``seconds``, ``samples_per_s`` and ``loss`` (the mean
+        loss of every stage run here, ``None`` for stages run elsewhere).
+        """
+        history = []
+        total = len(loader) if hasattr(loader, "__len__") else None  # type: ignore[arg-type]
+        for epoch in range(epochs):
+            sums = [0.0] * self.plan.num_stages
+            counts = [0] * self.plan.num_stages
+            seen = [0]
+            bar = _progress(total, f"epoch {epoch + 1}/{epochs}", progress and self.is_main)
+            start = time.perf_counter()
+
+            def on_step(losses: Losses, size: int) -> None:
+                for i, ls in enumerate(losses):
+                    sums[i] += sum(ls)
+                    counts[i] += len(ls)
+                seen[0] += size
+                if bar is not None:
+                    rate = seen[0] / max(time.perf_counter() - start, 1e-9)
+                    shown = {f"s{i}": f"{sums[i] / counts[i]:.3f}" for i in range(len(sums)) if counts[i]}
+                    bar.set_postfix(shown | {"samples/s": f"{rate:.0f}"}, refresh=False)
+                    bar.update(1 if size else 0)
+
+            try:
+                self._runtime.epoch(self._messages(loader, TRAIN), on_step)
+            finally:
+                if bar is not None:
+                    bar.close()
+            seconds = time.perf_counter() - start
+            history.append({"epoch": epoch + 1, "samples": seen[0], "seconds": seconds,
+                            "samples_per_s": seen[0] / seconds if seconds > 0 else math.nan,
+                            "loss": [sums[i] / counts[i] if counts[i] else None for i in range(len(sums))]})
+        return history
+
+    def evaluate(self, loader: Iterable[Any]) -> dict[str, Any]:
+        """Top-1 accuracy on ``loader`` of the final head (``accuracy``) and of every head (``stage_accuracy``).
+
+        A head whose output is not class scores for class labels gets ``None``. Finishes pending batches first.
+        """
+        counts = self._runtime.evaluate(self._messages(loader, EVAL))  # type: ignore[arg-type]
+        acc = [None if right is None or not n else right / n for right, n in counts]
+        return {"accuracy": acc[-1], "stage_accuracy": acc, "samples": counts[-1][1]}
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike) -> None:
+        """Write every stage's state (block, head, optimizer, scheduler, counters) to the directory ``path``.
+
+        Pending batches are finished first. The manifest is removed first and written last, so a save that
+        is cut short leaves nothing :meth:`load` accepts.
+        """
+        self.finish()
+        rt = self._runtime
+        if rt.is_main_writer:
+            checkpoint.remove_manifest(path)
+        rt.barrier()
+        files = [checkpoint.save_stage(path, r.state_dict()) for r in rt.runners]
+        files = [f for part in rt.gather(files) for f in part]
+        if rt.is_main_writer:
+            checkpoint.write_manifest(path, checkpoint.identity(self.compiled), files, {"batches": self.batches})
+        rt.barrier()
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Restore a checkpoint written by :meth:`save` (under any runtime) for the same model and plan."""
+        self.finish()
+        trainer, states = checkpoint.read(path, checkpoint.identity(self.compiled), list(self.stages))
+        for r in self._runtime.runners:
+            r.load_state_dict(states[r.index])
+        self.batches = int(trainer["batches"])
+        self._runtime.barrier()
+
+    # ---- lifetime ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Finish pending work and release worker threads or the process group."""
+        try:
+            self.finish()
+        finally:
+            self._runtime.close()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if exc[0] is None:
+            self.close()
+        else:
+            self._runtime.close()
+
+    def __repr__(self) -> str:
+        return (f"Trainer({self.plan.model}, runtime={self.runtime_name!r}, stages here={list(self.stages)}, "
+                f"batches={self.batches})")
+
+
+def _progress(total: int | None, desc: str, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc=desc, unit="batch", dynamic_ncols=True)
