@@ -85,20 +85,26 @@ class SequentialRuntime(Runtime):
     def __init__(self, runners: list[StageRunner]) -> None:
         self.runners = runners
         self.num_stages = len(runners)
+        self._error: StageError | None = None  # after a failure the stages disagree on what they trained on
 
     def step(self, msg: Message | None) -> Losses:
         assert msg is not None
+        if self._error is not None:
+            raise self._error
         losses: Losses = []
         for r in self.runners:
             try:
                 msg_out, loss = r.train_step(msg)
             except Exception as e:
-                raise StageError(r.index, msg.index, f"{type(e).__name__}: {e}", traceback.format_exc()) from e
+                self._error = StageError(r.index, msg.index, f"{type(e).__name__}: {e}", traceback.format_exc())
+                raise self._error from e
             losses.append([float(loss)])
             msg = msg_out  # type: ignore[assignment]
         return losses
 
     def finish(self) -> Losses:
+        if self._error is not None:
+            raise self._error
         return [[] for _ in self.runners]
 
 

@@ -1,0 +1,357 @@
+"""The one-process runtimes: threads reproduce sequential local learning, faults stop the pipeline, checkpoints resume."""
+
+import copy
+import json
+import threading
+import time
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ppll_compile
+from ppll_compile import CheckpointError, StageError
+from tests.models import Residual
+
+BATCH = 8
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Deterministic kernels: the same reduction order in every runtime."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the CPU fallback warning of compile
+        yield
+    torch.set_num_threads(threads)
+
+
+def _data(n: int, last: int = BATCH, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` batches of 3x8x8 images and labels in [0, 5); the last batch has ``last`` examples."""
+    g = torch.Generator().manual_seed(seed)
+    sizes = [BATCH] * (n - 1) + [last]
+    return [(torch.randn(b, 3, 8, 8, generator=g), torch.randint(0, 5, (b,), generator=g)) for b in sizes]
+
+
+def _compiled(gpus: int = 2, policy: str = "dgl", seed: int = 0, **options):
+    torch.manual_seed(seed)
+    model = Residual()
+    return ppll_compile.compile(model, gpus, example_inputs=(torch.randn(BATCH, 3, 8, 8),), policy=policy,
+                                **options)
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def _state(compiled) -> list[torch.Tensor]:
+    return [p.detach().clone() for i in range(compiled.plan.num_stages) for p in compiled.stage_parameters(i)]
+
+
+def _train(runtime: str, data, gpus: int = 2, policy: str = "dgl", **kw):
+    compiled = _compiled(gpus, policy)
+    losses = [[] for _ in range(gpus)]
+    with compiled.trainer(optimizer=_sgd, runtime=runtime, **kw) as trainer:
+        for x, y in data:
+            for i, ls in enumerate(trainer.step(x, y)):
+                losses[i] += ls
+        for i, ls in enumerate(trainer.finish()):
+            losses[i] += ls
+    return compiled, losses
+
+
+def _assert_same(a, b) -> None:
+    for p, q in zip(_state(a), _state(b), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+# ---- the same computation ----------------------------------------------------------------------
+@pytest.mark.parametrize("gpus,policy", [(2, "dgl"), (3, "dgl"), (2, "infopro")])
+def test_threads_fifo_equals_sequential(gpus, policy):
+    data = _data(6, last=5)
+    seq, seq_losses = _train("sequential", data, gpus, policy)
+    thr, thr_losses = _train("threads", data, gpus, policy, queue_depth=1 if gpus == 3 else 2)
+    _assert_same(seq, thr)
+    assert thr_losses == seq_losses
+    assert all(len(ls) == len(data) for ls in seq_losses)
+
+
+def test_sequential_is_local_learning_by_hand():
+    """Each stage: forward its block on the detached input, its own loss, its own optimizer step."""
+    data = _data(3)
+    compiled, _ = _train("sequential", data)
+    ref = _compiled()
+    opts = [_sgd(ref.stage_parameters(i)) for i in range(2)]
+    for x, y in data:
+        h = ref.stages[0](x)
+        loss0 = ref.heads[0].loss(h[0], y)
+        opts[0].zero_grad()
+        loss0.backward()
+        opts[0].step()
+        loss1 = F.cross_entropy(ref.stages[1](*(v.detach() for v in h)), y)
+        opts[1].zero_grad()
+        loss1.backward()
+        opts[1].step()
+    _assert_same(compiled, ref)
+
+
+def test_model_is_trained_in_place():
+    compiled = _compiled()
+    before = copy.deepcopy(compiled.model.state_dict())
+    trainer = compiled.trainer(optimizer=_sgd)
+    for x, y in _data(2):
+        trainer.step(x, y)
+    after = compiled.model.state_dict()
+    assert all(not torch.equal(before[k], after[k]) for k in before if after[k].is_floating_point())
+
+
+def test_evaluate_matches_the_model():
+    compiled, _ = _train("threads", _data(3))
+    test = _data(2, seed=1)
+    result = compiled.trainer(optimizer=_sgd).evaluate(test)
+    model = compiled.model.eval()
+    with torch.no_grad():
+        right = sum(int((model(x).argmax(1) == y).sum()) for x, y in test)
+        h = [compiled.stages[0](x)[0] for x, _ in test]
+        head_right = sum(int((compiled.heads[0].eval()(a).argmax(1) == y).sum()) for a, (_, y) in zip(h, test))
+    n = sum(len(y) for _, y in test)
+    assert result == {"accuracy": right / n, "stage_accuracy": [head_right / n, right / n], "samples": n}
+    assert compiled.stages[0].training  # evaluate restores train mode
+
+
+def test_fit_reports_every_batch_and_equals_steps():
+    data = _data(4, last=3)
+    compiled = _compiled()
+    history = compiled.trainer(optimizer=_sgd, runtime="threads").fit(data, epochs=2, progress=False)
+    ref, _ = _train("sequential", data + data)
+    _assert_same(compiled, ref)
+    assert [h["samples"] for h in history] == [3 * BATCH + 3] * 2
+    assert all(len(h["loss"]) == 2 and all(v is not None for v in h["loss"]) for h in history)
+
+
+def test_scheduler_steps_per_batch_on_every_stage():
+    compiled = _compiled()
+    trainer = compiled.trainer(optimizer=_sgd, runtime="threads",
+                               scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5))
+    for x, y in _data(5):
+        trainer.step(x, y)
+    trainer.finish()
+    lrs = [r.optimizer.param_groups[0]["lr"] for r in trainer._runtime.runners]
+    assert lrs == [0.05 * 0.5 ** 2] * 2
+    assert trainer.steps == {0: 5, 1: 5}
+
+
+def test_clip_grad_norm_bounds_each_stage():
+    compiled = _compiled()
+    seen = []
+
+    class Spy(torch.optim.SGD):
+        def step(self, closure=None):
+            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+            seen.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
+            return super().step(closure)
+
+    trainer = compiled.trainer(optimizer=lambda p: Spy(p, lr=10.0), clip_grad_norm=1e-3)
+    for x, y in _data(2):
+        trainer.step(x, y)
+    assert len(seen) == 4 and max(seen) <= 1e-3 * (1 + 1e-4)
+
+
+def test_bf16_autocast_keeps_planned_boundary_dtype():
+    x, y = _data(1)[0]
+    full = _compiled().trainer(optimizer=_sgd).step(x, y)
+    trainer = _compiled().trainer(optimizer=_sgd, autocast=torch.bfloat16)
+    msg, loss = trainer._runtime.runners[0].train_step(trainer._message(x, y, "train"))
+    assert msg.values[0].dtype == torch.float32  # what the plan (and a distributed receiver) expects
+    assert float(loss) == pytest.approx(full[0][0], rel=0.05) and float(loss) != full[0][0]
+
+
+# ---- queue="latest" ----------------------------------------------------------------------------
+def test_latest_reuses_inputs_when_upstream_is_slow():
+    compiled = _compiled()
+    first = {id(p) for p in compiled.stage_parameters(0)}
+
+    class Slow(torch.optim.SGD):
+        def step(self, closure=None):
+            if any(id(p) in first for g in self.param_groups for p in g["params"]):
+                time.sleep(0.05)
+            return super().step(closure)
+
+    trainer = compiled.trainer(optimizer=lambda p: Slow(p, lr=0.01), runtime="threads", queue="latest")
+    data = _data(6)
+    n_losses = [0, 0]
+    for x, y in data:
+        for i, ls in enumerate(trainer.step(x, y)):
+            n_losses[i] += len(ls)
+    for i, ls in enumerate(trainer.finish()):
+        n_losses[i] += len(ls)
+    assert trainer.reused[0] == 0 and 0 < trainer.reused[1] <= len(data)
+    assert trainer.steps == {0: len(data), 1: len(data) + trainer.reused[1]}
+    assert n_losses == [trainer.steps[0], trainer.steps[1]]
+
+
+# ---- faults ------------------------------------------------------------------------------------
+def _no_workers_left() -> bool:
+    return not [t for t in threading.enumerate() if t.name.startswith("ppll-stage-")]
+
+
+def _failing_loss(at: int):
+    calls = [0]
+
+    def loss(out, y):
+        calls[0] += 1
+        if calls[0] == at:
+            raise RuntimeError("boom in the user's loss")
+        return F.cross_entropy(out, y)
+    return loss
+
+
+@pytest.mark.parametrize("runtime", ["sequential", "threads"])
+def test_a_failing_stage_stops_the_pipeline(runtime):
+    trainer = _compiled().trainer(optimizer=_sgd, runtime=runtime, loss=_failing_loss(3))
+    start = time.monotonic()
+    with pytest.raises(StageError) as info:
+        for x, y in _data(20):
+            trainer.step(x, y)
+        trainer.finish()
+    assert time.monotonic() - start < 10
+    err = info.value
+    assert (err.stage, err.batch) == (1, 2)
+    assert str(err).startswith("stage 1 failed at batch 2: RuntimeError: boom in the user's loss")
+    assert "in loss" in err.traceback and "boom in the user's loss" in err.traceback
+    assert _no_workers_left()
+    with pytest.raises(StageError):  # the pipeline stays stopped
+        trainer.step(*_data(1)[0])
+
+
+def test_nan_check_names_the_stage():
+    trainer = _compiled().trainer(optimizer=_sgd, runtime="threads", nan_check=True,
+                                  loss=lambda out, y: F.cross_entropy(out, y) * float("nan"))
+    with pytest.raises(StageError, match=r"^stage 1 failed at batch 0: FloatingPointError: loss is nan "):
+        for x, y in _data(4):
+            trainer.step(x, y)
+        trainer.finish()
+    assert _no_workers_left()
+
+
+def test_first_stage_failure_in_threads():
+    compiled = _compiled()
+    first = {id(p) for p in compiled.stage_parameters(0)}
+
+    class Broken(torch.optim.SGD):
+        def step(self, closure=None):
+            if any(id(p) in first for g in self.param_groups for p in g["params"]):
+                raise ValueError("optimizer exploded")
+            return super().step(closure)
+
+    trainer = compiled.trainer(optimizer=lambda p: Broken(p, lr=0.1), runtime="threads")
+    with pytest.raises(StageError, match="^stage 0 failed at batch 0: ValueError: optimizer exploded"):
+        for x, y in _data(10):
+            trainer.step(x, y)
+        trainer.finish()
+    assert _no_workers_left()
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+def test_step_rejects_a_batch_that_does_not_fit_the_plan():
+    trainer = _compiled().trainer(optimizer=_sgd)
+    y = torch.zeros(4, dtype=torch.long)
+    with pytest.raises(ValueError) as info:
+        trainer.step(torch.randn(4, 3, 16, 16), y)
+    assert str(info.value) == ("input 'x' has shape (4, 3, 16, 16) and dtype float32; the plan expects "
+                               "(N, 3, 8, 8) float32 (N = any batch size). Compile with example inputs of the "
+                               "shape you train on")
+    with pytest.raises(ValueError, match=r"has shape \(4, 3, 8, 8\) and dtype float64; the plan expects"):
+        trainer.step(torch.randn(4, 3, 8, 8, dtype=torch.float64), y)
+    with pytest.raises(ValueError, match="^target has 5 rows but the inputs have batch size 4"):
+        trainer.step(torch.randn(4, 3, 8, 8), torch.zeros(5, dtype=torch.long))
+    with pytest.raises(TypeError, match="^input 'x' must be a tensor"):
+        trainer.step([[1.0]], y)
+    assert trainer.batches == 0 and trainer.steps == {0: 0, 1: 0}
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"runtime": "gpu"}, "runtime='gpu' is not known; choose one of sequential, threads, distributed"),
+    ({"queue": "lifo"}, "queue='lifo' is not known; choose one of fifo, latest"),
+    ({"queue": "latest"}, 'queue="latest" needs a pipelined runtime'),
+    ({"queue_depth": 0}, "queue_depth must be an integer >= 1, got 0"),
+    ({"autocast": "bf16"}, "autocast must be a dtype"),
+])
+def test_trainer_options_are_checked(options, message):
+    with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
+        _compiled().trainer(optimizer=_sgd, **options)
+
+
+def test_optimizer_must_be_a_factory():
+    compiled = _compiled()
+    with pytest.raises(TypeError, match="optimizer must be a factory fn"):
+        compiled.trainer(optimizer=torch.optim.SGD(compiled.model.parameters(), lr=0.1))
+
+
+# ---- checkpoints -------------------------------------------------------------------------------
+def test_resume_equals_never_stopping(tmp_path):
+    data = _data(6, last=7)
+    straight, _ = _train("threads", data, scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 2, 0.5))
+    sched = lambda o: torch.optim.lr_scheduler.StepLR(o, 2, 0.5)  # noqa: E731
+    first = _compiled().trainer(optimizer=_sgd, runtime="threads", scheduler=sched)
+    for x, y in data[:3]:
+        first.step(x, y)
+    first.save(tmp_path / "ckpt")
+    first.close()
+    resumed_pipeline = _compiled(seed=123)  # other initial weights: everything must come from the checkpoint
+    resumed = resumed_pipeline.trainer(optimizer=_sgd, runtime="sequential", scheduler=sched)
+    resumed.load(tmp_path / "ckpt")
+    assert resumed.batches == 3 and resumed.steps == {0: 3, 1: 3}
+    for x, y in data[3:]:
+        resumed.step(x, y)
+    _assert_same(resumed_pipeline, straight)
+    manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())
+    assert [f["file"] for f in manifest["files"]] == ["stage-0.pt", "stage-1.pt"]
+
+
+def _saved(tmp_path):
+    trainer = _compiled().trainer(optimizer=_sgd)
+    trainer.step(*_data(1)[0])
+    trainer.save(tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+def test_load_rejects_a_checkpoint_without_manifest(tmp_path):
+    path = _saved(tmp_path)
+    (path / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="^no manifest.json in .*: not a checkpoint, or a save that did not "
+                                              "finish; load an earlier checkpoint"):
+        _compiled().trainer(optimizer=_sgd).load(path)
+
+
+def test_load_rejects_a_corrupt_stage_file(tmp_path):
+    path = _saved(tmp_path)
+    data = bytearray((path / "stage-1.pt").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (path / "stage-1.pt").write_bytes(bytes(data))
+    trainer = _compiled(seed=5).trainer(optimizer=_sgd)
+    before = _state(trainer.compiled)
+    with pytest.raises(CheckpointError, match=r"stage-1.pt' has \d+ bytes and another sha256; manifest.json "
+                                              r"expects \d+ bytes"):
+        trainer.load(path)
+    for p, q in zip(before, _state(trainer.compiled)):  # nothing was half-loaded
+        assert torch.equal(p, q)
+
+
+def test_load_rejects_another_plan(tmp_path):
+    path = _saved(tmp_path)
+    other = _compiled(3)
+    with pytest.raises(CheckpointError) as info:
+        other.trainer(optimizer=_sgd).load(path)
+    text = str(info.value)
+    assert "was saved for another pipeline: stages: checkpoint has 2, this pipeline has 3; cuts: checkpoint has" \
+           in text and "compile(model, plan=...)" in text
+
+
+def test_save_refuses_a_file_path(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(CheckpointError, match="is a file; a checkpoint is a directory"):
+        _compiled().trainer(optimizer=_sgd).save(tmp_path / "f")
