@@ -3,115 +3,72 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
 import platform
-import socket
 import time
 import warnings
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from pathlib import Path
-from types import ModuleType
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 import ppll_compile
 
+from .launch import load_example, spawn
+
 __all__ = ["main"]
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-
-
-def _load(model: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"_bench_{model}", EXAMPLES / f"{model}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _worker(rank: int, world: int, port: int, model: str, schedule: str, microbatches: int, steps: int,
-            warmup: int, batch: int, seed: int, queue) -> None:
+def _worker(rank: int, world: int, model: str, schedule: str, microbatches: int, steps: int, warmup: int,
+            batch: int, seed: int) -> dict:
     """One pipeline rank: build and split the model, train ``warmup + steps`` steps, report time and loss."""
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
-    try:
-        torch.manual_seed(seed)
-        module = _load(model)
-        net = module.build_model(num_classes=10)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the compiler's CPU-fallback warning
-            compiled = ppll_compile.compile(net, world, example_inputs=module.example_inputs())
-        # Stage i>0 takes the previous stage's boundary tuple as positional args, and PipelineStage sends a
-        # 1-tuple output as one tensor, so the Stage modules plug in directly; shapes are inferred at runtime.
-        submodule = compiled.stages[rank]
-        stage = PipelineStage(submodule, rank, world, torch.device("cpu"))
-        sched = SCHEDULES[schedule](stage, microbatches, loss_fn=F.cross_entropy)
-        opt = torch.optim.SGD(submodule.parameters(), lr=0.05, momentum=0.9)
-        gen = torch.Generator().manual_seed(seed)
-        x, y = torch.randn(batch, 3, 32, 32, generator=gen), torch.randint(0, 10, (batch,), generator=gen)
-        losses: list[torch.Tensor] = []
-        for i in range(warmup + steps):
-            if i == warmup:
-                dist.barrier()
-                t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            losses.clear()
-            if rank == 0:
-                sched.step(x)
-            elif rank == world - 1:
-                sched.step(target=y, losses=losses)
-            else:
-                sched.step()
-            opt.step()
-        dist.barrier()
-        elapsed = time.perf_counter() - t0
+    torch.manual_seed(seed)
+    module = load_example(model)
+    net = module.build_model(num_classes=10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the compiler's CPU-fallback warning
+        compiled = ppll_compile.compile(net, world, example_inputs=module.example_inputs())
+    # Stage i>0 takes the previous stage's boundary tuple as positional args, and PipelineStage sends a
+    # 1-tuple output as one tensor, so the Stage modules plug in directly; shapes are inferred at runtime.
+    submodule = compiled.stages[rank]
+    stage = PipelineStage(submodule, rank, world, torch.device("cpu"))
+    sched = SCHEDULES[schedule](stage, microbatches, loss_fn=F.cross_entropy)
+    opt = torch.optim.SGD(submodule.parameters(), lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(batch, 3, 32, 32, generator=gen), torch.randint(0, 10, (batch,), generator=gen)
+    losses: list[torch.Tensor] = []
+    for i in range(warmup + steps):
+        if i == warmup:
+            dist.barrier()
+            t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        losses.clear()
         if rank == 0:
-            queue.put(("samples_per_s", steps * batch / elapsed))
-        if rank == world - 1:
-            queue.put(("loss", torch.stack(losses).mean().item()))
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+            sched.step(x)
+        elif rank == world - 1:
+            sched.step(target=y, losses=losses)
+        else:
+            sched.step()
+        opt.step()
+    dist.barrier()
+    elapsed = time.perf_counter() - t0
+    out = {}
+    if rank == 0:
+        out["samples_per_s"] = steps * batch / elapsed
+    if rank == world - 1:
+        out["loss"] = torch.stack(losses).mean().item()
+    return out
 
 
 def _run(model: str, schedule: str, microbatches: int, *, steps: int, warmup: int, batch: int, world: int,
          seed: int, timeout: float) -> dict:
     """Launch ``world`` spawned ranks; kill them all if one fails or they outlive ``timeout`` seconds."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    args = (world, _free_port(), model, schedule, microbatches, steps, warmup, batch, seed, queue)
-    procs = [ctx.Process(target=_worker, args=(rank, *args), daemon=True) for rank in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-        if any(p.exitcode not in (None, 0) for p in procs):
-            break
-        time.sleep(0.1)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-        p.join()
-    codes = [p.exitcode for p in procs]
-    if any(codes):
-        raise RuntimeError(f"{model} {schedule} x{microbatches}: ranks exited with {codes}")
-    out = {}
-    while not queue.empty():
-        key, value = queue.get()
-        out[key] = value
+    out = spawn(_worker, world, (model, schedule, microbatches, steps, warmup, batch, seed), timeout=timeout)
     if not math.isfinite(out["loss"]):
         raise RuntimeError(f"{model} {schedule} x{microbatches}: loss {out['loss']}")
     return out
