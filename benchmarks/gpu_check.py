@@ -1,4 +1,4 @@
-"""A short CUDA check: stages on a GPU equal the model; measured stage times against the FLOP plan."""
+"""A short CUDA check: stages equal the model, stage times vs the FLOP plan, the runtimes on the GPU, peak memory."""
 
 from __future__ import annotations
 
@@ -51,13 +51,42 @@ def check(name: str, batch: int, stages: int, device: str, size: int) -> dict:
     def step_model() -> None:
         model(x).sum().backward()
 
-    def step_pipeline() -> None:  # every stage on the same GPU, one after the other, detached at the cuts
-        values = (x,)
-        for stage, head in zip(compiled.stages, compiled.heads):
-            out = stage(*values)
-            loss = (head(out[0]) if head is not None else out).float().sum()
-            loss.backward()
-            values = tuple(v.detach() if isinstance(v, torch.Tensor) else v for v in out) if head is not None else ()
+    y = torch.randint(0, 1000, (batch,), device=device)
+    sgd = lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9)  # noqa: E731
+    rates, params = {}, {}
+    for runtime in ("sequential", "threads"):  # threads: one worker and CUDA stream per stage, events between
+        torch.manual_seed(0)
+        fresh = getattr(torchvision.models, name)(**({"image_size": size} if name.startswith("vit") else {}))
+        pipe = ppll_compile.compile(fresh.to(device), plan=flops_plan, example_inputs=(x,))
+        trainer = pipe.trainer(optimizer=sgd, runtime=runtime)
+        for _ in range(3):
+            trainer.step(x, y)
+        trainer.finish()
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(10):
+            trainer.step(x, y)
+        trainer.finish()
+        _sync(device)
+        rates[runtime] = batch * 10 / (time.perf_counter() - t0)
+        params[runtime] = [p.detach().float() for p in fresh.parameters()]
+    drift = max((a - b).abs().max().item() for a, b in zip(params["sequential"], params["threads"]))
+    peak = []
+    if device.startswith("cuda"):  # each stage's peak during a (second) training step, vs the plan
+        trainer = compiled.trainer(optimizer=sgd)
+        msgs = [trainer._message(x, y, "train")]
+        for runner in trainer._runtime.runners[:-1]:
+            msgs.append(runner.train_step(msgs[-1])[0])  # also creates gradients and momentum buffers
+        trainer._runtime.runners[-1].train_step(msgs[-1])
+        for runner, msg, sp in zip(trainer._runtime.runners, msgs, flops_plan.stages):
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            runner.train_step(msg)
+            state = [v for st in runner.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+            own = sum(t.numel() * t.element_size() for t in [*runner.params, *state])
+            peak.append({"stage": runner.index, "peak_bytes": torch.cuda.max_memory_allocated() - base + own,
+                         "planned_bytes": sp.memory_bytes})
 
     predicted = [s.cost / flops_plan.sequential_cost for s in flops_plan.stages]
     measured = [s.cost / timed.sequential_cost for s in timed.stages]
@@ -68,7 +97,8 @@ def check(name: str, batch: int, stages: int, device: str, size: int) -> dict:
         "measured_stage_ms": [s.cost * 1e3 for s in timed.stages],
         "measured_imbalance": timed.imbalance, "flops_imbalance": flops_plan.imbalance,
         "e2e_train_samples_per_s": _train_throughput(step_model, batch, device),
-        "local_learning_sequential_samples_per_s": _train_throughput(step_pipeline, batch, device),
+        "sequential_runtime_samples_per_s": rates["sequential"], "threads_runtime_samples_per_s": rates["threads"],
+        "threads_vs_sequential_max_param_diff": drift, "stage_peak_memory": peak,
         "device": torch.cuda.get_device_name() if device.startswith("cuda") else device, "torch": torch.__version__,
     }
 
