@@ -7,7 +7,7 @@ import dataclasses
 import difflib
 import inspect
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any

@@ -77,7 +77,9 @@ class Message:
 
 
 def dtype_of(name: str) -> torch.dtype | None:
-    """The torch dtype a TensorSpec names, or ``None`` for a Python scalar."""
+    """The torch dtype a TensorSpec names, or ``None`` for a Python scalar (``int``, ``float``, ``bool``)."""
+    if name in ("int", "float", "bool"):  # getattr(torch, "int") would be torch.int32
+        return None
     dtype = getattr(torch, name, None)
     return dtype if isinstance(dtype, torch.dtype) else None
 

@@ -183,8 +183,8 @@ class Trainer:
     def fit(self, loader: Iterable[Any], epochs: int = 1, progress: bool = True) -> list[dict[str, Any]]:
         """Train ``epochs`` passes over ``loader`` (``(inputs, target)`` pairs); per epoch, losses and throughput.
 
-        Each epoch's record holds ``epoch``, ``samples``, ``seconds``, ``samples_per_s`` and ``loss`` (the mean
-        loss of every stage run here, ``None`` for stages run elsewhere).
+        Each epoch's record holds ``epoch``, ``samples``, ``seconds``, ``samples_per_s`` and ``loss`` (every
+        stage's mean loss; under ``distributed`` gathered from all ranks at the end of the epoch).
         """
         history = []
         total = len(loader) if hasattr(loader, "__len__") else None  # type: ignore[arg-type]

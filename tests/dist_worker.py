@@ -1,0 +1,245 @@
+"""Workers of the distributed-runtime tests: ``python tests/dist_worker.py K PORT TIMEOUT SCENARIO OUT [ARG]``."""
+
+# The tests import the same functions to run the sequential reference in-process, so both sides build the
+# same model from the same seed and train it on the same batches.
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import ppll_compile  # noqa: E402
+from models import Residual  # noqa: E402
+
+__all__ = ["Trap", "Chain", "SizedResidual", "fifo_pipeline", "fifo_program", "fifo_fit", "chain_pipeline",
+           "stage_states", "main", "launch"]
+
+warnings.simplefilter("ignore")  # the CPU fallback note of compile()
+
+
+class Trap(nn.Module):
+    """Identity that misbehaves once armed: raises, returns NaN or kills its process at call ``at``, or sleeps."""
+
+    def __init__(self, mode: str, at: float) -> None:
+        super().__init__()
+        self.mode, self.at = mode, at
+        self.armed = False  # compile() runs the module while planning
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.armed:
+            return x
+        n, self.calls = self.calls, self.calls + 1
+        if self.mode == "sleep":
+            time.sleep(self.at)
+        elif n == self.at:
+            if self.mode == "raise":
+                raise RuntimeError(f"boom at call {n}")
+            if self.mode == "nan":
+                return x * float("nan")
+            if self.mode == "exit":
+                os._exit(17)
+        return x
+
+
+class Chain(nn.Module):
+    """``stages`` blocks of linear + ReLU, the trap at the end of block ``trap_stage``, then a classifier."""
+
+    def __init__(self, stages: int, trap: Trap | None = None, trap_stage: int = 0) -> None:
+        super().__init__()
+        blocks = []
+        for i in range(stages):
+            layers: list[nn.Module] = [nn.Linear(8, 8), nn.ReLU()]
+            if trap is not None and i == trap_stage:
+                layers.append(trap)
+            blocks.append(nn.Sequential(*layers))
+        self.blocks = nn.Sequential(*blocks)
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.blocks(x))
+
+
+def _sgd(p: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(p, lr=0.05, momentum=0.9)
+
+
+def _batches(seed: int, sizes: list[int], shape: tuple[int, ...], classes: int) -> list[tuple[torch.Tensor, ...]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, *shape, generator=g), torch.randint(0, classes, (n,), generator=g)) for n in sizes]
+
+
+# ---- FIFO equality, fit/evaluate, checkpoints --------------------------------------------------------
+
+class SizedResidual(Residual):
+    """Residual whose output is reshaped by the batch size read off the input: a Python int crosses every cut."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        return super().forward(x).reshape(n, -1)
+
+
+def fifo_pipeline(k: int, runtime: str) -> Any:
+    """SizedResidual in ``k`` stages; 3 stages cut at two feature maps with InfoPro heads (the raw input travels)."""
+    torch.manual_seed(0)
+    model = SizedResidual()
+    x = torch.randn(8, 3, 8, 8)
+    if k == 3:
+        compiled = ppll_compile.compile(model, example_inputs=(x,), split_points=["relu", "add"], policy="infopro")
+    else:
+        compiled = ppll_compile.compile(model, example_inputs=(x,), split_points=["add"], policy="dgl")
+    return compiled.trainer(optimizer=_sgd, runtime=runtime, timeout=60)
+
+
+def stage_states(trainer: Any) -> dict[int, dict[str, torch.Tensor]]:
+    """Block and head tensors (parameters and buffers) of every stage this process trains."""
+    c = trainer.compiled
+    out = {}
+    for i in trainer.stages:
+        head = c.heads[i]
+        out[i] = {f"block.{k}": v.detach().cpu().clone() for k, v in c.stages[i].state_dict().items()} | \
+                 ({f"head.{k}": v.detach().cpu().clone() for k, v in head.state_dict().items()} if head else {})
+    return out
+
+
+STEP_SIZES = [8, 8, 8, 8, 5]  # the last batch is smaller
+FIT_SIZES = [8, 8, 6]
+
+
+def fifo_program(trainer: Any, out: Path, load: str | None = None) -> dict[str, Any]:
+    """steps (a smaller last batch) -> finish -> save to ``out/ckpt`` -> :func:`fifo_fit`; states along the way."""
+    for x, y in _batches(1, STEP_SIZES, (3, 8, 8), 5):
+        trainer.step(x, y)
+    trainer.finish()
+    after_steps = stage_states(trainer)
+    trainer.save(out / "ckpt")
+    return {"after_steps": after_steps} | fifo_fit(trainer, load)
+
+
+def fifo_fit(trainer: Any, load: str | Path | None = None) -> dict[str, Any]:
+    """[load a checkpoint] -> fit 2 epochs -> evaluate; the losses, accuracies and final states."""
+    if load is not None:
+        trainer.load(load)
+    history = trainer.fit(_batches(2, FIT_SIZES, (3, 8, 8), 5), epochs=2, progress=False)
+    return {"history": [h["loss"] for h in history], "samples": [h["samples"] for h in history],
+            "accuracy": trainer.evaluate(_batches(3, [8, 7], (3, 8, 8), 5)), "final": stage_states(trainer),
+            "steps": trainer.steps, "batches": trainer.batches}
+
+
+# ---- faults and queue="latest" ----------------------------------------------------------------------
+
+def chain_pipeline(k: int, runtime: str, trap: Trap | None, trap_stage: int, **options: Any) -> Any:
+    torch.manual_seed(0)
+    model = Chain(k, trap, trap_stage)
+    compiled = ppll_compile.compile(model, example_inputs=(torch.randn(8, 8),), policy="dgl",
+                                    split_points=[f"blocks.{i}" for i in range(k - 1)], leaf_modules=(Trap,))
+    if trap is not None:
+        trap.armed = True
+    return compiled.trainer(optimizer=_sgd, runtime=runtime, timeout=60, **options)
+
+
+def _fault(out: Path, k: int, mode: str, trap_stage: int, **options: Any) -> None:
+    rank = int(os.environ["RANK"])
+    trainer = chain_pipeline(k, "distributed", Trap(mode, 3 if mode != "nan" else 2), trap_stage, **options)
+    try:
+        with trainer:
+            trainer.fit(_batches(4, [8] * 12, (8,), 4), epochs=1, progress=False)
+        text, kind = "no error", None
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        text, kind = str(e), type(e).__name__
+    (out / f"error-{rank}.json").write_text(json.dumps({"text": text, "type": kind, "time": time.time()}))
+    sys.exit(1 if kind else 0)
+
+
+def _latest(out: Path) -> None:
+    rank = int(os.environ["RANK"])
+    trainer = chain_pipeline(3, "distributed", Trap("sleep", 0.03), 0, queue="latest")
+    with trainer:
+        history = trainer.fit(_batches(5, [8] * 9 + [5], (8,), 4), epochs=2, progress=False)
+        accuracy = trainer.evaluate(_batches(6, [8, 8], (8,), 4))
+    (out / f"latest-{rank}.json").write_text(json.dumps({"steps": trainer.steps, "reused": trainer.reused,
+                                                         "loss": [h["loss"] for h in history],
+                                                         "accuracy": accuracy}))
+
+
+def main(argv: list[str]) -> None:
+    torch.set_num_threads(1)
+    scenario, out = argv[0], Path(argv[1])
+    if scenario == "fifo":
+        k, load = int(argv[2]), (argv[3] if len(argv) > 3 else None)
+        rank = int(os.environ["RANK"])
+        with fifo_pipeline(k, "distributed") as trainer:
+            record = fifo_program(trainer, out / f"fifo-{k}", load)
+        torch.save(record, out / f"fifo-{k}" / f"rank-{rank}.pt")
+    elif scenario == "raise":
+        _fault(out, 3, "raise", 1)
+    elif scenario == "nan":
+        _fault(out, 2, "nan", 0, nan_check=True)
+    elif scenario == "exit":
+        _fault(out, 3, "exit", 1)
+    elif scenario == "latest":
+        _latest(out)
+    else:
+        raise SystemExit(f"unknown scenario {scenario!r}")
+
+
+def _child(rank: int, k: int, port: int, argv: list[str]) -> None:
+    """Body of a forked worker: rank ``rank`` of ``k``; never returns."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(k), OMP_NUM_THREADS="1")
+    code = 0
+    try:
+        main(argv)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:  # noqa: BLE001
+        traceback.print_exc()
+        code = 2
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def launch(k: int, port: int, argv: list[str], timeout: float) -> None:
+    """Fork ``k`` workers (torch and the compiler imported once, before any thread starts); print their exit codes.
+
+    A worker still running after ``timeout`` seconds is killed and reported as ``null``.
+    """
+    import torch._dynamo  # noqa: F401 - imported by compile(); loaded once here instead of in every worker
+
+    pids = []
+    for rank in range(k):
+        pid = os.fork()
+        if pid == 0:
+            _child(rank, k, port, argv)
+        pids.append(pid)
+    deadline = time.monotonic() + timeout
+    codes: dict[int, int | None] = {}
+    while len(codes) < k and time.monotonic() < deadline:
+        for rank, pid in enumerate(pids):
+            if rank not in codes:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    codes[rank] = os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    for rank, pid in enumerate(pids):
+        if rank not in codes:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+    print(json.dumps({"codes": [codes.get(r) for r in range(k)]}), flush=True)
+
+
+if __name__ == "__main__":
+    # python tests/dist_worker.py K PORT TIMEOUT SCENARIO OUT [ARG]
+    launch(int(sys.argv[1]), int(sys.argv[2]), sys.argv[4:], float(sys.argv[3]))
