@@ -79,50 +79,48 @@ def _e2e(model: str, data: list, warmup: int) -> float:
     return (len(data) - warmup) * BATCH / (time.perf_counter() - start)
 
 
-def _distributed_worker(rank: int, world: int, model: str, steps: int, warmup: int) -> dict:
+def _distributed_worker(rank: int, world: int, model: str, steps: int, warmup: int, rounds: int) -> dict:
     compiled = _compiled(model, world)
     trainer = compiled.trainer(optimizer=_sgd, runtime="distributed")
     data = _batches(steps + warmup) if rank == 0 else [(None, None)] * (steps + warmup)
     for x, y in data[:warmup]:
         trainer.step(x, y)
     trainer.finish()
-    dist.barrier()
-    start = time.perf_counter()
-    for x, y in data[warmup:]:
-        trainer.step(x, y)
-    trainer.finish()
-    dist.barrier()
-    rate = steps * BATCH / (time.perf_counter() - start)
+    rates = []
+    for _ in range(rounds):
+        dist.barrier()
+        start = time.perf_counter()
+        for x, y in data[warmup:]:
+            trainer.step(x, y)
+        trainer.finish()
+        dist.barrier()
+        rates.append(steps * BATCH / (time.perf_counter() - start))
     trainer.close()
-    return {"samples_per_s": rate} if rank == 0 else {}
+    return {"samples_per_s": statistics.median(rates)} if rank == 0 else {}
 
 
-def throughput(model: str, *, k: int = 2, steps: int, warmup: int, microbatches: tuple[int, ...]) -> dict:
-    """Samples/s of E2E, sequential local learning, PPLL threads and distributed, and the best torch schedule."""
+def throughput(model: str, *, k: int = 2, steps: int, warmup: int, rounds: int,
+               microbatches: tuple[int, ...]) -> dict:
+    """Samples/s of E2E, sequential local learning, PPLL threads and distributed, and the best torch schedule.
+
+    The one-process figures are medians of ``rounds`` alternating runs, so a burst of load on the machine
+    does not favour one of them.
+    """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         data = _batches(steps + warmup)
-        out = {"e2e": _e2e(model, data, warmup)}
-        out["sequential"] = _timed_fit(_compiled(model, k).trainer(optimizer=_sgd), data, warmup)
-        out["threads"] = _timed_fit(_compiled(model, k).trainer(optimizer=_sgd, runtime="threads",
-                                                                threads_per_stage=1), data, warmup)
+        runs: dict[str, list[float]] = {"e2e": [], "sequential": [], "threads": []}
+        for _ in range(rounds):
+            runs["e2e"].append(_e2e(model, data, warmup))
+            runs["sequential"].append(_timed_fit(_compiled(model, k).trainer(optimizer=_sgd), data, warmup))
+            runs["threads"].append(_timed_fit(_compiled(model, k).trainer(
+                optimizer=_sgd, runtime="threads", threads_per_stage=1), data, warmup))
+        out: dict[str, Any] = {name: statistics.median(v) for name, v in runs.items()}
     finally:
         torch.set_num_threads(threads)
-    out["distributed"] = spawn(_distributed_worker, k, (model, steps, warmup),
-                               timeout=300 + 20 * (steps + warmup))["samples_per_s"]
-    torch_best = best_pipelining(model, microbatch_counts=microbatches, steps=steps, warmup=warmup, world=k)
-    out["torch"] = {s: torch_best[s] for s in ("gpipe", "1f1b") if s in torch_best}
-    best = max(out["torch"].values(), key=lambda r: r["samples_per_s"])
-    out["ratios"] = {
-        "threads/sequential": out["threads"] / out["sequential"],
-        "distributed/sequential": out["distributed"] / out["sequential"],
-        "threads/best_torch": out["threads"] / best["samples_per_s"],
-        "distributed/best_torch": out["distributed"] / best["samples_per_s"],
-    }
-    return out
-
-
+    out["distributed"] = spawn(_distributed_worker, k, (model, steps, warmup, rounds),
+                               timeout=300 + 20 * (steps * rounds + warmup))["samples_per_s"]
 def _stage_messages(trainer: Any, x: torch.Tensor, y: torch.Tensor) -> list[Any]:
     """The message each stage receives for batch (x, y), made by running the stages before it."""
     msgs = [trainer._message(x, y, "train")]
@@ -189,7 +187,8 @@ def stage_memory(model: str, k: int) -> list[dict]:
 
 def _markdown(res: dict) -> str:
     lines = [f"Measured {res['date']} on {res['machine']} (torch {res['torch']}); batch {BATCH}, "
-             f"{res['steps']} timed steps, one thread per stage, SGD momentum.", "",
+             f"{res['steps']} timed steps (one-process figures: median of 3 alternating runs), one thread per "
+             f"stage, SGD momentum; policies {', '.join(f'{m} {p}' for m, p in POLICY.items())}.", "",
              "| model | E2E 1 dev | sequential LL | PPLL threads | PPLL distributed | best torch pipelining "
              "| threads/seq | dist/seq | dist/torch |", "|---|---|---|---|---|---|---|---|---|"]
     for name, t in res["throughput"].items():
@@ -225,10 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps or (5 if args.quick else 20)
     warmup = 2 if args.quick else 4
     counts = (2, 4) if args.quick else (1, 2, 4, 8)
+    rounds = 1 if args.quick else 3
     res: dict[str, Any] = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "torch": torch.__version__, "steps": steps,
-        "throughput": {m: throughput(m, steps=steps, warmup=warmup, microbatches=counts) for m in args.models},
+        "throughput": {m: throughput(m, steps=steps, warmup=warmup, rounds=rounds, microbatches=counts)
+                       for m in args.models},
         "balance": [stage_balance("resnet32", 4, p, repeat=5 if args.quick else 15, profile=f)
                     for p, f in (("exact", "flops"), ("exact", "time"), ("uniform", "flops"))],
         "memory": stage_memory("resnet32", 4),
