@@ -121,6 +121,18 @@ def throughput(model: str, *, k: int = 2, steps: int, warmup: int, rounds: int,
         torch.set_num_threads(threads)
     out["distributed"] = spawn(_distributed_worker, k, (model, steps, warmup, rounds),
                                timeout=300 + 20 * (steps * rounds + warmup))["samples_per_s"]
+    torch_best = best_pipelining(model, microbatch_counts=microbatches, steps=steps, warmup=warmup, world=k)
+    out["torch"] = {s: torch_best[s] for s in ("gpipe", "1f1b") if s in torch_best}
+    best = max(out["torch"].values(), key=lambda r: r["samples_per_s"])
+    out["ratios"] = {
+        "threads/sequential": out["threads"] / out["sequential"],
+        "distributed/sequential": out["distributed"] / out["sequential"],
+        "threads/best_torch": out["threads"] / best["samples_per_s"],
+        "distributed/best_torch": out["distributed"] / best["samples_per_s"],
+    }
+    return out
+
+
 def _stage_messages(trainer: Any, x: torch.Tensor, y: torch.Tensor) -> list[Any]:
     """The message each stage receives for batch (x, y), made by running the stages before it."""
     msgs = [trainer._message(x, y, "train")]
