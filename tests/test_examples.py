@@ -1,0 +1,34 @@
+"""The runnable examples: ``train_digits.py --quick`` trains every configuration and learns well above chance."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sklearn")
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+CHANCE = 0.1  # digits has 10 balanced classes
+
+
+def test_train_digits_quick(tmp_path: Path) -> None:
+    out = tmp_path / "digits.json"
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "train_digits.py"), "--quick", "--json", str(out)],
+                          capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, f"train_digits.py --quick failed:\n{proc.stdout}\n{proc.stderr}"
+    rows = json.loads(out.read_text())["rows"]
+    configs = [(r["method"], r["K"], r["policy"]) for r in rows]
+    assert configs == [("e2e", 1, None), ("ppll", 2, "dgl"), ("ppll", 2, "infopro"), ("ppll", 4, "dgl"),
+                       ("ppll", 4, "infopro")]
+    for r in rows:  # every configuration is printed in the table with its accuracy
+        line = f"{r['method']:<6} {r['K']:>2} {r['policy'] or '-':<8} {r['accuracy']:>8.3f}"
+        assert line in proc.stdout, f"no table row {line!r} in:\n{proc.stdout}"
+        assert len(r["stage_accuracy"]) == r["K"] - 1
+    by_config = {(r["method"], r["K"], r["policy"]): r["accuracy"] for r in rows}
+    assert by_config[("e2e", 1, None)] > 5 * CHANCE
+    assert by_config[("ppll", 2, "dgl")] > 5 * CHANCE
+    assert by_config[("ppll", 2, "infopro")] > 5 * CHANCE
