@@ -75,10 +75,10 @@ def check(name: str, batch: int, stages: int, device: str, size: int) -> dict:
     if device.startswith("cuda"):  # each stage's peak during a (second) training step, vs the plan
         trainer = compiled.trainer(optimizer=sgd)
         msgs = [trainer._message(x, y, "train")]
-        for runner in trainer._runtime.runners[:-1]:
+        for runner in trainer.runners[:-1]:
             msgs.append(runner.train_step(msgs[-1])[0])  # also creates gradients and momentum buffers
-        trainer._runtime.runners[-1].train_step(msgs[-1])
-        for runner, msg, sp in zip(trainer._runtime.runners, msgs, flops_plan.stages):
+        trainer.runners[-1].train_step(msgs[-1])
+        for runner, msg, sp in zip(trainer.runners, msgs, flops_plan.stages):
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()

@@ -25,14 +25,14 @@ __all__ = ["main"]
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 def _worker(rank: int, world: int, model: str, schedule: str, microbatches: int, steps: int, warmup: int,
-            batch: int, seed: int) -> dict:
+            batch: int, seed: int, plan: str | None) -> dict:
     """One pipeline rank: build and split the model, train ``warmup + steps`` steps, report time and loss."""
     torch.manual_seed(seed)
     module = load_example(model)
     net = module.build_model(num_classes=10)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the compiler's CPU-fallback warning
-        compiled = ppll_compile.compile(net, world, example_inputs=module.example_inputs())
+        compiled = ppll_compile.compile(net, world, example_inputs=module.example_inputs(), plan=plan)
     # Stage i>0 takes the previous stage's boundary tuple as positional args, and PipelineStage sends a
     # 1-tuple output as one tensor, so the Stage modules plug in directly; shapes are inferred at runtime.
     submodule = compiled.stages[rank]
@@ -66,9 +66,9 @@ def _worker(rank: int, world: int, model: str, schedule: str, microbatches: int,
 
 
 def _run(model: str, schedule: str, microbatches: int, *, steps: int, warmup: int, batch: int, world: int,
-         seed: int, timeout: float) -> dict:
+         seed: int, timeout: float, plan: str | None = None) -> dict:
     """Launch ``world`` spawned ranks; kill them all if one fails or they outlive ``timeout`` seconds."""
-    out = spawn(_worker, world, (model, schedule, microbatches, steps, warmup, batch, seed), timeout=timeout)
+    out = spawn(_worker, world, (model, schedule, microbatches, steps, warmup, batch, seed, plan), timeout=timeout)
     if not math.isfinite(out["loss"]):
         raise RuntimeError(f"{model} {schedule} x{microbatches}: loss {out['loss']}")
     return out
@@ -82,8 +82,11 @@ def pipelining_throughput(model: str, schedule: str, microbatches: int, *, steps
 
 
 def best_pipelining(model: str, *, microbatch_counts: tuple[int, ...] = (1, 2, 4, 8), steps: int = 10,
-                    warmup: int = 3, batch: int = 64, world: int = 2) -> dict:
-    """Both schedules at every valid microbatch count; the best count per schedule and all rows."""
+                    warmup: int = 3, batch: int = 64, world: int = 2, plan: str | None = None) -> dict:
+    """Both schedules at every valid microbatch count; the best count per schedule and all rows.
+
+    ``plan`` (a saved plan's path) fixes the split; by default the compiler's FLOP plan chooses it.
+    """
     rows, best = [], {}
     for schedule in SCHEDULES:
         for m in microbatch_counts:
@@ -94,7 +97,7 @@ def best_pipelining(model: str, *, microbatch_counts: tuple[int, ...] = (1, 2, 4
                 row["skipped"] = f"1F1B needs microbatches >= stages ({world})"
             else:
                 out = _run(model, schedule, m, steps=steps, warmup=warmup, batch=batch, world=world, seed=0,
-                           timeout=180 + 30 * (steps + warmup))
+                           timeout=180 + 30 * (steps + warmup), plan=plan)
                 row.update(samples_per_s=out["samples_per_s"], loss=out["loss"])
                 if schedule not in best or row["samples_per_s"] > best[schedule]["samples_per_s"]:
                     best[schedule] = {"microbatches": m, "samples_per_s": row["samples_per_s"]}

@@ -79,8 +79,9 @@ def _e2e(model: str, data: list, warmup: int) -> float:
     return (len(data) - warmup) * BATCH / (time.perf_counter() - start)
 
 
-def _distributed_worker(rank: int, world: int, model: str, steps: int, warmup: int, rounds: int) -> dict:
-    compiled = _compiled(model, world)
+def _distributed_worker(rank: int, world: int, model: str, steps: int, warmup: int, rounds: int,
+                        plan: str) -> dict:
+    compiled = _compiled(model, world, plan=plan)
     trainer = compiled.trainer(optimizer=_sgd, runtime="distributed")
     data = _batches(steps + warmup) if rank == 0 else [(None, None)] * (steps + warmup)
     for x, y in data[:warmup]:
@@ -100,28 +101,33 @@ def _distributed_worker(rank: int, world: int, model: str, steps: int, warmup: i
 
 
 def throughput(model: str, *, k: int = 2, steps: int, warmup: int, rounds: int,
-               microbatches: tuple[int, ...]) -> dict:
+               microbatches: tuple[int, ...], folder: Path) -> dict:
     """Samples/s of E2E, sequential local learning, PPLL threads and distributed, and the best torch schedule.
 
-    The one-process figures are medians of ``rounds`` alternating runs, so a burst of load on the machine
-    does not favour one of them.
+    Every pipeline (ours and torch's) uses the same cuts: a plan measured by time on this machine
+    (``profile="time"``), saved once and re-applied in every process. The one-process figures are medians of
+    ``rounds`` alternating runs, so a burst of load on the machine does not favour one of them.
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
+        plan = str(_compiled(model, k, profile="time").plan.save(folder / f"plan-{model}-{k}.json"))
         data = _batches(steps + warmup)
         runs: dict[str, list[float]] = {"e2e": [], "sequential": [], "threads": []}
         for _ in range(rounds):
             runs["e2e"].append(_e2e(model, data, warmup))
-            runs["sequential"].append(_timed_fit(_compiled(model, k).trainer(optimizer=_sgd), data, warmup))
-            runs["threads"].append(_timed_fit(_compiled(model, k).trainer(
+            runs["sequential"].append(_timed_fit(_compiled(model, k, plan=plan).trainer(optimizer=_sgd), data,
+                                                 warmup))
+            runs["threads"].append(_timed_fit(_compiled(model, k, plan=plan).trainer(
                 optimizer=_sgd, runtime="threads", threads_per_stage=1), data, warmup))
         out: dict[str, Any] = {name: statistics.median(v) for name, v in runs.items()}
     finally:
         torch.set_num_threads(threads)
-    out["distributed"] = spawn(_distributed_worker, k, (model, steps, warmup, rounds),
+    out["cuts"] = list(ppll_compile.Plan.load(plan).cuts)
+    out["distributed"] = spawn(_distributed_worker, k, (model, steps, warmup, rounds, plan),
                                timeout=300 + 20 * (steps * rounds + warmup))["samples_per_s"]
-    torch_best = best_pipelining(model, microbatch_counts=microbatches, steps=steps, warmup=warmup, world=k)
+    torch_best = best_pipelining(model, microbatch_counts=microbatches, steps=steps, warmup=warmup, world=k,
+                                 plan=plan)
     out["torch"] = {s: torch_best[s] for s in ("gpipe", "1f1b") if s in torch_best}
     best = max(out["torch"].values(), key=lambda r: r["samples_per_s"])
     out["ratios"] = {
@@ -136,7 +142,7 @@ def throughput(model: str, *, k: int = 2, steps: int, warmup: int, rounds: int,
 def _stage_messages(trainer: Any, x: torch.Tensor, y: torch.Tensor) -> list[Any]:
     """The message each stage receives for batch (x, y), made by running the stages before it."""
     msgs = [trainer._message(x, y, "train")]
-    for r in trainer._runtime.runners[:-1]:
+    for r in trainer.runners[:-1]:
         msgs.append(r.train_step(msgs[-1])[0])
     return msgs
 
@@ -150,7 +156,7 @@ def stage_balance(model: str, k: int, partitioner: str, repeat: int, profile: st
         trainer = compiled.trainer(optimizer=_sgd)
         msgs = _stage_messages(trainer, *_batches(1)[0])
         times = []
-        for r, msg in zip(trainer._runtime.runners, msgs):
+        for r, msg in zip(trainer.runners, msgs):
             r.train_step(msg)  # warm-up
             samples = []
             for _ in range(repeat):
@@ -180,7 +186,7 @@ def stage_memory(model: str, k: int) -> list[dict]:
     trainer = compiled.trainer(optimizer=_sgd)
     msgs = _stage_messages(trainer, *_batches(1)[0])
     rows = []
-    for r, msg, sp in zip(trainer._runtime.runners, msgs, compiled.plan.stages):
+    for r, msg, sp in zip(trainer.runners, msgs, compiled.plan.stages):
         r.train_step(msg)  # gradients and momentum buffers exist from here on
         saved: list[torch.Tensor] = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
@@ -200,7 +206,8 @@ def stage_memory(model: str, k: int) -> list[dict]:
 def _markdown(res: dict) -> str:
     lines = [f"Measured {res['date']} on {res['machine']} (torch {res['torch']}); batch {BATCH}, "
              f"{res['steps']} timed steps (one-process figures: median of 3 alternating runs), one thread per "
-             f"stage, SGD momentum; policies {', '.join(f'{m} {p}' for m, p in POLICY.items())}.", "",
+             f"stage, SGD momentum; policies {', '.join(f'{m} {p}' for m, p in POLICY.items())}; every pipeline "
+             f"(ours and torch's) uses the same cuts, planned with profile=\"time\" on this machine.", "",
              "| model | E2E 1 dev | sequential LL | PPLL threads | PPLL distributed | best torch pipelining "
              "| threads/seq | dist/seq | dist/torch |", "|---|---|---|---|---|---|---|---|---|"]
     for name, t in res["throughput"].items():
@@ -210,6 +217,7 @@ def _markdown(res: dict) -> str:
                      f"{t['distributed']:.1f} | {best[1]['samples_per_s']:.1f} ({best[0]}, "
                      f"{best[1]['microbatches']} mb) | {r['threads/sequential']:.2f}x | "
                      f"{r['distributed/sequential']:.2f}x | {r['distributed/best_torch']:.2f}x |")
+    lines += [""] + [f"{name} cut after {', '.join(t['cuts'])}." for name, t in res["throughput"].items()]
     lines += ["", "Per-stage step time, ResNet-32, K=4, dgl (measured alone in the sequential runtime):", "",
               "| partitioner | profile | stage times (ms) | measured max/mean | predicted max/mean |",
               "|---|---|---|---|---|"]
@@ -237,17 +245,17 @@ def main(argv: list[str] | None = None) -> int:
     warmup = 2 if args.quick else 4
     counts = (2, 4) if args.quick else (1, 2, 4, 8)
     rounds = 1 if args.quick else 3
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     res: dict[str, Any] = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "torch": torch.__version__, "steps": steps,
-        "throughput": {m: throughput(m, steps=steps, warmup=warmup, rounds=rounds, microbatches=counts)
-                       for m in args.models},
+        "throughput": {m: throughput(m, steps=steps, warmup=warmup, rounds=rounds, microbatches=counts,
+                                     folder=out) for m in args.models},
         "balance": [stage_balance("resnet32", 4, p, repeat=5 if args.quick else 15, profile=f)
                     for p, f in (("exact", "flops"), ("exact", "time"), ("uniform", "flops"))],
         "memory": stage_memory("resnet32", 4),
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "runtime.json").write_text(json.dumps(res, indent=2))
     md = _markdown(res)
     (out / "runtime.md").write_text(md)

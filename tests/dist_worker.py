@@ -173,6 +173,18 @@ def _latest(out: Path) -> None:
                                                          "accuracy": accuracy}))
 
 
+def _plans(out: Path) -> None:
+    """Each rank cuts a 3-block chain elsewhere: the runtime must refuse before any batch moves."""
+    rank = int(os.environ["RANK"])
+    compiled = ppll_compile.compile(Chain(3), example_inputs=(torch.randn(8, 8),), split_points=[f"blocks.{rank}"])
+    try:
+        compiled.trainer(optimizer=_sgd, runtime="distributed", timeout=60)
+        text = "no error"
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        text = f"{type(e).__name__}: {e}"
+    (out / f"plans-{rank}.json").write_text(json.dumps({"text": text}))
+
+
 def main(argv: list[str]) -> None:
     torch.set_num_threads(1)
     scenario, out = argv[0], Path(argv[1])
@@ -190,6 +202,8 @@ def main(argv: list[str]) -> None:
         _fault(out, 3, "exit", 1)
     elif scenario == "latest":
         _latest(out)
+    elif scenario == "plans":
+        _plans(out)
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
 

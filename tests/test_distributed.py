@@ -178,6 +178,16 @@ def test_latest_reuses_inputs_by_the_threads_rules(tmp_path):
     assert stats[1]["reused"]["1"] > 0  # stage 0 sleeps: stage 1 trains again instead of waiting
 
 
+def test_ranks_with_different_plans_are_refused(tmp_path):
+    codes, text = _launch(2, "plans", tmp_path)
+    assert codes == [0, 0], text[-3000:]
+    for r in range(2):
+        e = json.loads((tmp_path / f"plans-{r}.json").read_text())["text"]
+        assert e == ("PPLLError: the processes compiled different plans: rank 0 cuts after ['blocks_0'], rank 1 "
+                     "after ['blocks_1']. Plan once (e.g. plan.save('plan.json') on one process) and compile "
+                     "with plan='plan.json' on every rank"), e
+
+
 # ---- in one process ----------------------------------------------------------------------------------------
 
 def _tiny() -> Any:

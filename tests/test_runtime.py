@@ -138,7 +138,7 @@ def test_scheduler_steps_per_batch_on_every_stage():
     for x, y in _data(5):
         trainer.step(x, y)
     trainer.finish()
-    lrs = [r.optimizer.param_groups[0]["lr"] for r in trainer._runtime.runners]
+    lrs = [r.optimizer.param_groups[0]["lr"] for r in trainer.runners]
     assert lrs == [0.05 * 0.5 ** 2] * 2
     assert trainer.steps == {0: 5, 1: 5}
 
@@ -163,7 +163,7 @@ def test_bf16_autocast_keeps_planned_boundary_dtype():
     x, y = _data(1)[0]
     full = _compiled().trainer(optimizer=_sgd).step(x, y)
     trainer = _compiled().trainer(optimizer=_sgd, autocast=torch.bfloat16)
-    msg, loss = trainer._runtime.runners[0].train_step(trainer._message(x, y, "train"))
+    msg, loss = trainer.runners[0].train_step(trainer._message(x, y, "train"))
     assert msg.values[0].dtype == torch.float32  # what the plan (and a distributed receiver) expects
     assert float(loss) == pytest.approx(full[0][0], rel=0.05) and float(loss) != full[0][0]
 

@@ -139,6 +139,19 @@ def _init_group(stages: int, timeout: float) -> bool:
     return True
 
 
+def _check_same_plan(plan: Any, world: int) -> None:
+    """Every rank must run the same cuts and heads: a plan measured by time may differ from process to process."""
+    mine = {"cuts": list(plan.cuts), "heads": [s.head.config for s in plan.stages]}
+    plans: list[Any] = [None] * world
+    dist.all_gather_object(plans, mine)
+    differ = [r for r, p in enumerate(plans) if p != plans[0]]
+    if differ:
+        raise PPLLError(f"the processes compiled different plans: rank 0 cuts after {plans[0]['cuts']}, rank "
+                        f"{differ[0]} after {plans[differ[0]]['cuts']}" + (" (and other heads)" if plans[0]["cuts"]
+                        == plans[differ[0]]["cuts"] else "") + ". Plan once (e.g. plan.save('plan.json') on "
+                        "one process) and compile with plan='plan.json' on every rank")
+
+
 def _device(rank: int) -> torch.device:
     if not torch.cuda.is_available():
         return torch.device("cpu")
@@ -194,6 +207,7 @@ class DistributedRuntime(Runtime):
                 raise PPLLError(f"the plan has {k} stages, so it needs {k} processes; got world size {world} "
                                 f"(launch with torchrun --nproc-per-node={k}, or compile with gpus={world})")
             self.rank = dist.get_rank()
+            _check_same_plan(plan, world)
             self.device = _device(self.rank)
             self.runners = make_runners(compiled, config, [self.rank], [self.device])
         except BaseException:

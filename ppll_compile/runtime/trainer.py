@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from ..plan import TensorSpec
 from . import checkpoint
 from .local import Losses, Runtime, SequentialRuntime, ThreadsRuntime
-from .stage import EVAL, TRAIN, Message, TrainConfig, dtype_of, make_runners
+from .stage import EVAL, TRAIN, Message, StageRunner, TrainConfig, dtype_of, make_runners
 
 __all__ = ["Trainer", "RUNTIMES", "QUEUES"]
 
@@ -92,9 +92,14 @@ class Trainer:
 
     # ---- what runs here -------------------------------------------------------------------
     @property
+    def runners(self) -> list[StageRunner]:
+        """The stages this process trains, each with its block, head, optimizer, scheduler and counters."""
+        return self._runtime.runners
+
+    @property
     def stages(self) -> tuple[int, ...]:
         """Indices of the stages this process trains (all of them, except under ``distributed``)."""
-        return tuple(r.index for r in self._runtime.runners)
+        return tuple(r.index for r in self.runners)
 
     @property
     def reads_data(self) -> bool:
@@ -109,12 +114,12 @@ class Trainer:
     @property
     def steps(self) -> dict[int, int]:
         """Optimizer steps per stage run here."""
-        return {r.index: r.steps for r in self._runtime.runners}
+        return {r.index: r.steps for r in self.runners}
 
     @property
     def reused(self) -> dict[int, int]:
         """Inputs each stage run here trained on again instead of waiting (``queue="latest"``)."""
-        return {r.index: r.reused for r in self._runtime.runners}
+        return {r.index: r.reused for r in self.runners}
 
     # ---- feeding batches -------------------------------------------------------------------
     def _message(self, inputs: Any, target: Any, kind: str) -> Message:
