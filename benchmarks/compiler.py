@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import time
 import warnings
-from datetime import datetime, timezone
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -17,6 +13,8 @@ import torchvision
 
 import partitioners
 import ppll_compile
+
+from .report import environment, write
 
 __all__ = ["main"]
 
@@ -84,20 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")  # the CPU-fallback warning on machines without GPUs
     res = {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
-                   f"{'CUDA ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'}",
-        "torch": torch.__version__,
+        **environment(f"{torch.get_num_threads()} threads"),
         "compile": compile_time(args.repeat),
         "partitioner": partitioner_time(args.repeat),
         "imbalance": imbalance(["resnet50", "vit_b_16"]),
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "compiler.json").write_text(json.dumps(res, indent=2))
-    md = _markdown(res)
-    (out / "compiler.md").write_text(md)
-    print(md)
+    write(args.out, "compiler", res, _markdown(res))
     return 0
 
 

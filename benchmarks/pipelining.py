@@ -3,27 +3,36 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import platform
 import time
 import warnings
-from datetime import datetime, timezone
-from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 import ppll_compile
 
 from .launch import load_example, spawn
+from .report import environment, write
 
 __all__ = ["main"]
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+class _CopyInputs(nn.Module):
+    """Run ``stage`` on copies of its inputs, so that in-place ops at its start leave the received leaves alone."""
+
+    def __init__(self, stage: nn.Module) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, *inputs: torch.Tensor) -> Any:
+        return self.stage(*(x.clone() for x in inputs))
+
+
 def _worker(rank: int, world: int, model: str, schedule: str, microbatches: int, steps: int, warmup: int,
             batch: int, seed: int, plan: str | None) -> dict:
     """One pipeline rank: build and split the model, train ``warmup + steps`` steps, report time and loss."""
@@ -36,7 +45,9 @@ def _worker(rank: int, world: int, model: str, schedule: str, microbatches: int,
     # Stage i>0 takes the previous stage's boundary tuple as positional args, and PipelineStage sends a
     # 1-tuple output as one tensor, so the Stage modules plug in directly; shapes are inferred at runtime.
     submodule = compiled.stages[rank]
-    stage = PipelineStage(submodule, rank, world, torch.device("cpu"))
+    # PipelineStage hands a later stage its input as a leaf that requires grad; a stage that starts with an
+    # in-place op (a ReLU after a cut at a residual add) needs a copy of it first
+    stage = PipelineStage(submodule if rank == 0 else _CopyInputs(submodule), rank, world, torch.device("cpu"))
     sched = SCHEDULES[schedule](stage, microbatches, loss_fn=F.cross_entropy)
     opt = torch.optim.SGD(submodule.parameters(), lr=0.05, momentum=0.9)
     gen = torch.Generator().manual_seed(seed)
@@ -75,10 +86,10 @@ def _run(model: str, schedule: str, microbatches: int, *, steps: int, warmup: in
 
 
 def pipelining_throughput(model: str, schedule: str, microbatches: int, *, steps: int = 10, warmup: int = 3,
-                          batch: int = 64, world: int = 2, seed: int = 0) -> float:
+                          batch: int = 64, world: int = 2, seed: int = 0, plan: str | None = None) -> float:
     """Samples per second of full training steps of ``model`` on ``world`` CPU ranks with ``schedule``."""
     return _run(model, schedule, microbatches, steps=steps, warmup=warmup, batch=batch, world=world, seed=seed,
-                timeout=180 + 30 * (steps + warmup))["samples_per_s"]
+                timeout=180 + 30 * (steps + warmup), plan=plan)["samples_per_s"]
 
 
 def best_pipelining(model: str, *, microbatch_counts: tuple[int, ...] = (1, 2, 4, 8), steps: int = 10,
@@ -128,17 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     warmup = 1 if args.quick else 3
     counts = (2, 4) if args.quick else (1, 2, 4, 8)
     res = {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, 1 thread per rank",
-        "torch": torch.__version__, "world": 2, "batch": 64, "steps": steps,
+        **environment("1 thread per rank"), "world": 2, "batch": 64, "steps": steps,
         "models": {m: best_pipelining(m, microbatch_counts=counts, steps=steps, warmup=warmup) for m in args.models},
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "pipelining.json").write_text(json.dumps(res, indent=2))
-    md = _markdown(res)
-    (out / "pipelining.md").write_text(md)
-    print(md)
+    write(args.out, "pipelining", res, _markdown(res))
     return 0
 
 

@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import time
 import warnings
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +18,7 @@ from ppll_compile.plan import format_bytes
 
 from .launch import load_example, spawn
 from .pipelining import best_pipelining
+from .report import environment, write
 
 __all__ = ["main", "throughput", "stage_balance", "stage_memory"]
 
@@ -248,18 +245,14 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res: dict[str, Any] = {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "torch": torch.__version__, "steps": steps,
+        **environment("1 thread per stage"), "steps": steps,
         "throughput": {m: throughput(m, steps=steps, warmup=warmup, rounds=rounds, microbatches=counts,
                                      folder=out) for m in args.models},
         "balance": [stage_balance("resnet32", 4, p, repeat=5 if args.quick else 15, profile=f)
                     for p, f in (("exact", "flops"), ("exact", "time"), ("uniform", "flops"))],
         "memory": stage_memory("resnet32", 4),
     }
-    (out / "runtime.json").write_text(json.dumps(res, indent=2))
-    md = _markdown(res)
-    (out / "runtime.md").write_text(md)
-    print(md)
+    write(out, "runtime", res, _markdown(res))
     return 0
 
 

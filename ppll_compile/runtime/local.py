@@ -147,6 +147,10 @@ class ThreadsRuntime(Runtime):
         self._raise_if_failed()
         if not self._workers:
             self._start()
+        if any(isinstance(v, torch.Tensor) and v.is_cuda for v in (*msg.values, msg.target)):
+            event = torch.cuda.Event()  # the caller made them on its stream; stage 0 works on its own
+            event.record()
+            msg.events.append(event)
         try:
             self._put(self._queues[0], msg)
         except _Stopped:
@@ -230,6 +234,8 @@ class ThreadsRuntime(Runtime):
     def _work(self, i: int) -> None:
         torch.set_num_threads(self._threads_per_stage)
         r = self.runners[i]
+        if r.device.type == "cuda":
+            torch.cuda.set_device(r.device)
         out_q = self._queues[i + 1] if i + 1 < self.num_stages else None
         stream = torch.cuda.stream(torch.cuda.Stream(r.device)) if r.device.type == "cuda" \
             else contextlib.nullcontext()
@@ -251,7 +257,7 @@ class ThreadsRuntime(Runtime):
                     event = None
                     if r.device.type == "cuda":
                         event = torch.cuda.Event()
-                        event.record()
+                        event.record(torch.cuda.current_stream(r.device))
                     with self._lock:
                         self._losses[i].append((loss, event))
                     if out is not None and not reused:

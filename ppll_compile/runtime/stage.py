@@ -132,10 +132,17 @@ class StageRunner:
             m.train(mode)
 
     def _receive(self, msg: Message) -> tuple[tuple[Any, ...], Any, Tensor | None]:
-        if msg.events:
+        if msg.events:  # produced on another stage's CUDA stream (threads runtime)
             stream = torch.cuda.current_stream(self.device)
-            for e in msg.events:
-                stream.wait_event(e)
+            tensors = [v for v in (*msg.values, msg.target, msg.raw) if isinstance(v, Tensor) and v.is_cuda]
+            if all(t.device == self.device for t in tensors):
+                for e in msg.events:
+                    stream.wait_event(e)
+                for t in tensors:
+                    t.record_stream(stream)  # the producer's allocator must not reuse them before we are done
+            else:  # a copy from another GPU: wait until the producer's stream has written them
+                for e in msg.events:
+                    e.synchronize()
         return move(msg.values, self.device), move(msg.target, self.device), move(msg.raw, self.device)
 
     def _send(self, msg: Message, out: tuple[Any, ...], raw: Tensor | None) -> Message:
