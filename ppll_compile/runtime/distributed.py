@@ -19,7 +19,7 @@ from torch import Tensor
 from ..errors import PPLLError
 from ..plan import TensorSpec
 from .local import Counts, Losses, Runtime
-from .stage import EVAL, TRAIN, Message, StageError, TrainConfig, dtype_of, make_runners
+from .stage import EVAL, TRAIN, Message, Recent, StageError, TrainConfig, dtype_of, make_runners
 
 __all__ = ["DistributedRuntime", "ERROR_KEY"]
 
@@ -102,11 +102,6 @@ def _expected(spec: TensorSpec, planned: int, batch: int) -> tuple[int, ...]:
 
 def _text(shape: Iterable[int]) -> str:
     return "(" + ", ".join(str(s) for s in shape) + ")"
-
-
-def _copy(m: Message) -> Message:
-    return Message(index=m.index, values=tuple(v.clone() if isinstance(v, Tensor) else v for v in m.values),
-                   target=m.target, raw=m.raw, kind=m.kind)
 
 
 def _raise(error: BaseException) -> None:
@@ -228,7 +223,7 @@ class DistributedRuntime(Runtime):
         self._raw_spec = next((s for s in plan.inputs if dtype_of(s.dtype) is not None), None)
         self._sends: deque[tuple[list[Any], list[Tensor]]] = deque()
         self._inbox: _Inbox | None = None
-        self._recent: list[list[Any]] = []  # [pristine copy of an input, reused?], newest first, at most 2
+        self._recent = Recent()
         self._open = False  # batches sent (rank 0) or taken (others) since the last END
         self._ended = False  # an END taken by step() that no finish() has matched yet
         self._error: StageError | None = None
@@ -492,18 +487,16 @@ class DistributedRuntime(Runtime):
         if reuse:
             item = self._get(block=False)
             if item is None:
-                # no new input: train again on the newest, else the second newest, input not yet reused
-                for entry in self._recent:
-                    if not entry[1]:
-                        entry[1] = True
-                        return _copy(entry[0]), True
+                again = self._recent.reuse()
+                if again is not None:
+                    return again, True
                 item = self._get(block=True)
             if isinstance(item, Message):
-                self._recent = [[_copy(item), False]] + self._recent[:1]
+                self._recent.remember(item)
         else:
             item = self._get(block=True)
         if item is _END_ITEM:
-            self._recent = []
+            self._recent.clear()
             self._end()
         return item, False
 

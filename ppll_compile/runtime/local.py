@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .stage import Message, StageError, StageRunner
+from .stage import Message, Recent, StageError, StageRunner
 
 __all__ = ["Runtime", "SequentialRuntime", "ThreadsRuntime", "Losses", "Counts"]
 
@@ -215,20 +215,20 @@ class ThreadsRuntime(Runtime):
             except queue.Empty:
                 continue
 
-    def _next(self, i: int, recent: list[list[Any]]) -> tuple[Any, bool]:
+    def _next(self, i: int, recent: Recent) -> tuple[Any, bool]:
         """The next input of stage ``i`` and whether it is a reused one (``queue="latest"``)."""
         q = self._queues[i]
         if self._latest and i > 0:
             try:
-                return q.get_nowait(), False
+                msg = q.get_nowait()
             except queue.Empty:
-                # no new input: train again on the newest, else the second newest, input not yet reused
-                for entry in recent:
-                    if not entry[1]:
-                        entry[1] = True
-                        m = entry[0]
-                        return Message(index=m.index, values=tuple(_clone(v) for v in m.values),
-                                       target=m.target, raw=m.raw, kind=m.kind), True
+                again = recent.reuse()
+                if again is not None:
+                    return again, True
+                msg = self._get(q)
+            if isinstance(msg, Message):
+                recent.remember(msg)
+            return msg, False
         return self._get(q), False
 
     def _work(self, i: int) -> None:
@@ -239,7 +239,7 @@ class ThreadsRuntime(Runtime):
         out_q = self._queues[i + 1] if i + 1 < self.num_stages else None
         stream = torch.cuda.stream(torch.cuda.Stream(r.device)) if r.device.type == "cuda" \
             else contextlib.nullcontext()
-        recent: list[list[Any]] = []  # [pristine copy of an input, reused?], newest first, at most 2
+        recent = Recent()
         msg = None
         try:
             with stream:
@@ -249,9 +249,6 @@ class ThreadsRuntime(Runtime):
                         if out_q is not None:
                             self._put(out_q, _END)
                         return
-                    if self._latest and i > 0 and not reused:
-                        recent = [[Message(index=msg.index, values=tuple(_clone(v) for v in msg.values),
-                                           target=msg.target, raw=msg.raw, kind=msg.kind), False]] + recent[:1]
                     out, loss = r.train_step(msg)
                     r.reused += reused
                     event = None
@@ -271,7 +268,3 @@ class ThreadsRuntime(Runtime):
                     self._error = StageError(i, batch, f"{type(e).__name__}: {e}", traceback.format_exc())
                     self._error.__cause__ = e
             self._stop.set()
-
-
-def _clone(v: Any) -> Any:
-    return v.clone() if isinstance(v, torch.Tensor) else v

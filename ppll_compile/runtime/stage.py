@@ -16,7 +16,8 @@ from ..heads import head_loss
 from ..lower import Stage, move
 from ..plan import StagePlan
 
-__all__ = ["Message", "StageRunner", "StageError", "TrainConfig", "dtype_of", "make_runners", "TRAIN", "EVAL"]
+__all__ = ["Message", "StageRunner", "StageError", "TrainConfig", "Recent", "dtype_of", "make_runners", "TRAIN",
+           "EVAL"]
 
 TRAIN, EVAL = "train", "eval"
 
@@ -74,6 +75,34 @@ class Message:
     def size(self) -> int:
         """Batch size: the first dimension of the target."""
         return int(self.target.shape[0]) if isinstance(self.target, Tensor) and self.target.dim() else 1
+
+
+class Recent:
+    """``queue="latest"``: a stage's two newest inputs, each trained on again at most once when none is waiting."""
+
+    def __init__(self) -> None:
+        self._entries: list[list[Any]] = []  # [pristine copy, reused?], newest first
+
+    @staticmethod
+    def _copy(m: Message) -> Message:
+        # a stage may modify its input in place (a ReLU right after the cut): keep and hand out copies
+        return Message(index=m.index, values=tuple(v.clone() if isinstance(v, Tensor) else v for v in m.values),
+                       target=m.target, raw=m.raw, kind=m.kind)
+
+    def remember(self, msg: Message) -> None:
+        """Keep a copy of a new input (call it before the stage runs on ``msg``)."""
+        self._entries = [[self._copy(msg), False]] + self._entries[:1]
+
+    def reuse(self) -> Message | None:
+        """A copy of the newest, else the second newest, input not yet reused; ``None`` if there is none."""
+        for entry in self._entries:
+            if not entry[1]:
+                entry[1] = True
+                return self._copy(entry[0])
+        return None
+
+    def clear(self) -> None:
+        self._entries = []
 
 
 def dtype_of(name: str) -> torch.dtype | None:
