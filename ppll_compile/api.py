@@ -303,7 +303,17 @@ def _time_profile(a: _Analysis, heads: dict[int, HeadSpec], policy: _heads.Polic
         with train_mode(gm):
             for i, seg in enumerate(split_stages(gm, a.cuts)):
                 xs = tuple(v.detach() if isinstance(v, Tensor) else v for v in values)  # as a stage receives them
-                seg_times.append(time_callable(lambda: _backward_sum(seg(*xs)), device=device))
+                if i == 0:
+                    seg_times.append(time_callable(lambda: _backward_sum(seg(*xs)), device=device))
+                else:
+                    # inside a stage a segment also computes its input's gradient (so a stage's first segment is
+                    # charged one input gradient too many); copies of grad-requiring leaves let in-place ops at
+                    # its start run, and the copying time is taken off again
+                    leaves = tuple(v.requires_grad_(v.is_floating_point()) if isinstance(v, Tensor) else v
+                                   for v in xs)
+                    copy = lambda: tuple(v.clone() if isinstance(v, Tensor) else v for v in leaves)  # noqa: E731
+                    full = time_callable(lambda: _backward_sum(seg(*copy())), device=device)
+                    seg_times.append(max(0.0, full - time_callable(copy, device=device)))
                 with torch.no_grad():
                     values = seg(*xs)
                 if i in heads:
