@@ -62,6 +62,19 @@ def _train(runtime: str, data, gpus: int = 2, policy: str = "dgl", **kw):
     return compiled, losses
 
 
+def _on_first_stage(compiled, action, lr: float):
+    """An SGD factory whose optimizer of stage 0 calls ``action()`` before every step."""
+    first = {id(p) for p in compiled.stage_parameters(0)}
+
+    class Hooked(torch.optim.SGD):
+        def step(self, closure=None):
+            if any(id(p) in first for g in self.param_groups for p in g["params"]):
+                action()
+            return super().step(closure)
+
+    return lambda params: Hooked(params, lr=lr)
+
+
 def _assert_same(a, b) -> None:
     for p, q in zip(_state(a), _state(b), strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
@@ -171,15 +184,8 @@ def test_bf16_autocast_keeps_planned_boundary_dtype():
 # ---- queue="latest" ----------------------------------------------------------------------------
 def test_latest_reuses_inputs_when_upstream_is_slow():
     compiled = _compiled()
-    first = {id(p) for p in compiled.stage_parameters(0)}
-
-    class Slow(torch.optim.SGD):
-        def step(self, closure=None):
-            if any(id(p) in first for g in self.param_groups for p in g["params"]):
-                time.sleep(0.05)
-            return super().step(closure)
-
-    trainer = compiled.trainer(optimizer=lambda p: Slow(p, lr=0.01), runtime="threads", queue="latest")
+    trainer = compiled.trainer(optimizer=_on_first_stage(compiled, lambda: time.sleep(0.05), lr=0.01),
+                               runtime="threads", queue="latest")
     data = _data(6)
     n_losses = [0, 0]
     for x, y in data:
@@ -238,15 +244,11 @@ def test_nan_check_names_the_stage():
 
 def test_first_stage_failure_in_threads():
     compiled = _compiled()
-    first = {id(p) for p in compiled.stage_parameters(0)}
 
-    class Broken(torch.optim.SGD):
-        def step(self, closure=None):
-            if any(id(p) in first for g in self.param_groups for p in g["params"]):
-                raise ValueError("optimizer exploded")
-            return super().step(closure)
+    def explode():
+        raise ValueError("optimizer exploded")
 
-    trainer = compiled.trainer(optimizer=lambda p: Broken(p, lr=0.1), runtime="threads")
+    trainer = compiled.trainer(optimizer=_on_first_stage(compiled, explode, lr=0.1), runtime="threads")
     with pytest.raises(StageError, match="^stage 0 failed at batch 0: ValueError: optimizer exploded"):
         for x, y in _data(10):
             trainer.step(x, y)
