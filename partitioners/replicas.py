@@ -1,0 +1,361 @@
+"""Exact hybrid partitioning: contiguous pipeline stages, each data-parallel over its own number of replicas."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import InfeasibleMemoryError, PartitionError, _check_ends, _fmt_bytes, _vector
+
+__all__ = ["ReplicaProblem", "Layout", "solve_replicated", "solve_fixed_replicas", "brute_force_replicated",
+           "layout_costs"]
+
+_SEGMENT_FIELDS = ("head", "comm", "grad_bytes", "head_grad_bytes", "memory", "head_memory")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicaProblem:
+    """Per-segment costs of a model cut into ``n`` segments, to be laid out as replicated stages on ``devices`` devices.
+
+    A stage over segments ``[a, b)`` with ``r`` replicas costs ``work / r + sync`` seconds, where
+    ``work = sum(compute[a:b]) + head[b-1] + comm[b-1]`` and, when ``r > 1``,
+    ``sync = 2 (r-1)/r * (sum(grad_bytes[a:b]) + head_grad_bytes[b-1]) / allreduce_bandwidth``; each replica
+    needs ``sum(memory[a:b]) + head_memory[b-1]`` bytes. ``None`` means zeros for per-segment fields.
+    """
+
+    compute: Sequence[float]
+    """Per segment: seconds of work at the full batch on one device (split over replicas)."""
+    head: Sequence[float] | None = None
+    """Per segment ``i``: seconds of the aux head paid by a stage ending at ``i`` (split over replicas)."""
+    comm: Sequence[float] | None = None
+    """Per segment ``i``: seconds to send the boundary after ``i`` at the full batch (0 for the last)."""
+    grad_bytes: Sequence[float] | None = None
+    """Per segment: bytes of gradients all-reduced when its stage is replicated."""
+    head_grad_bytes: Sequence[float] | None = None
+    """Per segment ``i``: bytes of the aux head's gradients at the cut after ``i`` (the head is replicated too)."""
+    allreduce_bandwidth: float = 25e9
+    """Bytes per second of the all-reduce inside a replicated stage."""
+    memory: Sequence[float] | None = None
+    """Per segment: bytes one replica needs (replication does not split it)."""
+    head_memory: Sequence[float] | None = None
+    """Per segment ``i``: bytes of the aux head at the cut after ``i``."""
+    memory_limit: float | None = None
+    """Per-device memory cap in bytes, or ``None`` for no cap."""
+    devices: int
+    """Devices available; the replicas of all stages together use at most this many."""
+    max_replicas: int | None = None
+    """Cap on each stage's replica count (1 disables replication); ``None`` means ``devices``."""
+    stages: int | None = None
+    """Exact number of stages, or ``None`` to let the solver choose any from 1 to ``min(n, devices)``."""
+
+    def __post_init__(self) -> None:
+        n = len(_column("compute", self.compute))
+        if n == 0:
+            raise PartitionError(
+                "ReplicaProblem.compute is empty; expected one cost per segment (a model has at least one)"
+            )
+        for name in _SEGMENT_FIELDS:
+            values = getattr(self, name)
+            if values is not None and len(_column(name, values)) != n:
+                raise PartitionError(
+                    f"ReplicaProblem.{name} has {len(values)} entries but compute has {n}; "
+                    "expected one entry per segment (or None)"
+                )
+        if not (_is_number(self.allreduce_bandwidth) and self.allreduce_bandwidth > 0):
+            raise PartitionError(
+                f"ReplicaProblem.allreduce_bandwidth is {self.allreduce_bandwidth!r}; "
+                "expected a positive number of bytes per second"
+            )
+        if self.memory_limit is not None and not (_is_number(self.memory_limit) and self.memory_limit >= 0):
+            raise PartitionError(
+                f"ReplicaProblem.memory_limit is {self.memory_limit!r}; "
+                "expected a non-negative number of bytes (use None for no cap)"
+            )
+        if not (_is_whole(self.devices) and self.devices >= 1):
+            raise PartitionError(f"ReplicaProblem.devices is {self.devices!r}; expected a whole number of devices >= 1")
+        if self.max_replicas is not None and not (_is_whole(self.max_replicas) and self.max_replicas >= 1):
+            raise PartitionError(
+                f"ReplicaProblem.max_replicas is {self.max_replicas!r}; expected a whole number >= 1 "
+                "(1 disables replication), or None for up to devices"
+            )
+        most = min(n, self.devices)
+        if self.stages is not None and not (_is_whole(self.stages) and 1 <= self.stages <= most):
+            raise PartitionError(
+                f"ReplicaProblem.stages is {self.stages!r} but {n} segments on {self.devices} devices allow 1 to "
+                f"{most} stages; set stages in that range (each stage needs a segment and a device), or None"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """Contiguous stages and the replica count of each, with the stages' costs."""
+
+    ends: tuple[int, ...]
+    """Stage ends: strictly increasing, the last equal to the number of segments."""
+    replicas: tuple[int, ...]
+    """Per stage: the number of data-parallel replicas (devices) it runs on."""
+    costs: tuple[float, ...]
+    """Per stage: its time in seconds."""
+
+    @property
+    def bottleneck(self) -> float:
+        """Time of the slowest stage, which bounds the pipeline's throughput."""
+        return max(self.costs)
+
+    @property
+    def devices(self) -> int:
+        """Devices the layout uses."""
+        return sum(self.replicas)
+
+
+def solve_replicated(problem: ReplicaProblem) -> Layout:
+    """The layout with the fastest slowest stage, then the fewest devices, then the fewest stages.
+
+    Every candidate bottleneck is some stage's cost, so a binary search over the sorted stage costs finds the
+    optimum exactly: a threshold is feasible when the fewest devices over layouts whose stages all cost at most
+    it (a DP over stages and segments, giving each stage its smallest sufficient replica count) is within
+    ``devices``. At the optimum the same DP yields the fewest devices, then the fewest stages.
+    Raises ``InfeasibleMemoryError`` (with the smallest memory limit that would work) when no layout fits.
+    """
+    t = _Tables.of(problem)
+    n, counts = len(t.work_top), _stage_counts(problem)
+    a, b = np.arange(n + 1)[:, None], np.arange(n + 1)[None, :]
+    memory = np.where(a < b, _memory(t, a, np.maximum(b, 1)), math.inf)
+    min_limit = float(min(_layers(memory, np.maximum, max(counts))[s, n] for s in counts))
+    if not min_limit <= t.limit:
+        raise _infeasible(problem, min_limit)
+    fits = (a < b) & (memory <= t.limit)
+    r = np.arange(1, t.max_replicas + 1)
+    costs = np.where(fits[..., None], _cost(t, a[..., None], np.maximum(b, 1)[..., None], r), math.inf)
+
+    def fewest(limit: float) -> tuple[np.ndarray, np.ndarray, int]:
+        """Smallest replica count per stage span, DP table of fewest devices, and the best stage count."""
+        ok = costs <= limit
+        least = np.where(ok.any(-1), ok.argmax(-1) + 1.0, math.inf)
+        table = _layers(least, np.add, max(counts))
+        return least, table, min(counts, key=lambda s: (table[s, n], s))
+
+    candidates = np.unique(costs[fits])
+    lo, hi = 0, len(candidates) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        _, table, s = fewest(candidates[mid])
+        lo, hi = (lo, mid) if table[s, n] <= problem.devices else (mid + 1, hi)
+    least, table, count = fewest(candidates[lo])
+    ends, replicas, end = [], [], n
+    for s in range(count, 0, -1):
+        start = int(np.flatnonzero(table[s - 1] + least[:, end] == table[s, end])[0])
+        ends.append(end)
+        replicas.append(int(least[start, end]))
+        end = start
+    return _layout(t, ends[::-1], replicas[::-1])
+
+
+def solve_fixed_replicas(problem: ReplicaProblem, replicas: Sequence[int]) -> Layout:
+    """The stage ends with the fastest slowest stage when stage ``j`` runs on ``replicas[j]`` devices.
+
+    A min-max DP over (stage, end); ``problem.stages`` and ``max_replicas`` are ignored (the replicas are given).
+    """
+    t = _Tables.of(problem)
+    n, k = len(t.work_top), len(replicas)
+    if not (1 <= k <= n) or not all(_is_whole(r) and r >= 1 for r in replicas):
+        raise PartitionError(f"replicas {tuple(replicas)} must be 1 to {n} positive whole numbers, one per stage "
+                             f"of {n} segments")
+    if sum(replicas) > problem.devices:
+        raise PartitionError(f"replicas {tuple(replicas)} use {sum(replicas)} devices but the problem has "
+                             f"{problem.devices}; use fewer replicas or more devices")
+    a, b = np.arange(n + 1)[:, None], np.arange(n + 1)[None, :]
+    memory = np.where(a < b, _memory(t, a, np.maximum(b, 1)), math.inf)
+    if not _layers(memory, np.maximum, k)[k, n] <= t.limit:
+        raise _infeasible(dataclasses.replace(problem, stages=k), float(_layers(memory, np.maximum, k)[k, n]))
+    best = np.full((k + 1, n + 1), math.inf)
+    best[0, 0] = 0.0
+    start = np.zeros((k + 1, n + 1), dtype=int)
+    for j, r in enumerate(replicas, 1):
+        cost = np.where((a < b) & (memory <= t.limit), _cost(t, a, np.maximum(b, 1), r), math.inf)
+        step = np.maximum(best[j - 1][:, None], cost)
+        best[j], start[j] = step.min(axis=0), step.argmin(axis=0)
+    ends, end = [], n
+    for j in range(k, 0, -1):
+        ends.append(end)
+        end = int(start[j, end])
+    return _layout(t, ends[::-1], replicas)
+
+
+def brute_force_replicated(problem: ReplicaProblem) -> Layout:
+    """Reference layout found by trying every stage split and every replica assignment; for small problems and tests."""
+    t = _Tables.of(problem)
+    n = len(t.work_top)
+    best: tuple[tuple[float, int, int], Layout] | None = None
+    min_limit = math.inf
+    for k in _stage_counts(problem):
+        for cuts in itertools.combinations(range(1, n), k - 1):
+            spans = list(zip((0, *cuts), (*cuts, n)))
+            worst = max(float(_memory(t, a, b)) for a, b in spans)
+            min_limit = min(min_limit, worst)
+            if worst > t.limit:
+                continue
+            for replicas in _assignments(k, problem.devices - k, t.max_replicas):
+                layout = _layout(t, [b for _, b in spans], list(replicas))
+                key = (layout.bottleneck, layout.devices, k)
+                if best is None or key < best[0]:
+                    best = key, layout
+    if best is None:
+        raise _infeasible(problem, min_limit)
+    return best[1]
+
+
+def layout_costs(problem: ReplicaProblem, ends: Sequence[int], replicas: Sequence[int]) -> list[float]:
+    """Time in seconds of each stage of the layout ``ends`` with ``replicas`` per stage."""
+    t = _Tables.of(problem)
+    _check_ends(tuple(ends), len(t.work_top))
+    if len(replicas) != len(ends):
+        raise PartitionError(
+            f"{len(replicas)} replica counts for {len(ends)} stages; expected one replica count per stage"
+        )
+    for j, r in enumerate(replicas):
+        if not (_is_whole(r) and 1 <= r <= t.max_replicas):
+            raise PartitionError(
+                f"replicas[{j}] is {r!r}; expected a whole number from 1 to {t.max_replicas} "
+                "(max_replicas, at most devices)"
+            )
+    if sum(replicas) > problem.devices:
+        raise PartitionError(
+            f"replicas {tuple(replicas)} use {sum(replicas)} devices but the problem has {problem.devices}; "
+            "expected at most that many in total (use fewer replicas or more devices)"
+        )
+    return list(_layout(t, ends, replicas).costs)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Tables:
+    """A validated problem as float64 prefix sums and per-cut terms."""
+
+    compute_prefix: np.ndarray
+    """``compute_prefix[i]`` is the summed compute of segments ``0 .. i-1`` (length n + 1)."""
+    work_top: np.ndarray
+    """``compute_prefix[b] + head[b-1] + comm[b-1]`` at index ``b-1``: a stage's work ending at ``b``, from 0."""
+    grad_prefix: np.ndarray
+    """``grad_prefix[i]`` is the summed gradient bytes of segments ``0 .. i-1`` (length n + 1)."""
+    grad_top: np.ndarray
+    """``grad_prefix[b] + head_grad_bytes[b-1]`` at index ``b-1``."""
+    memory_prefix: np.ndarray
+    """``memory_prefix[i]`` is the summed memory of segments ``0 .. i-1`` (length n + 1)."""
+    memory_top: np.ndarray
+    """``memory_prefix[b] + head_memory[b-1]`` at index ``b-1``."""
+    bandwidth: float
+    """Bytes per second of the all-reduce."""
+    limit: float
+    """Per-device memory cap (``inf`` for none)."""
+    max_replicas: int
+    """Largest replica count a stage may have."""
+
+    @classmethod
+    def of(cls, problem: ReplicaProblem) -> _Tables:
+        n = len(problem.compute)
+
+        def column(values: Sequence[float] | None) -> np.ndarray:
+            return np.zeros(n) if values is None else np.asarray(values, dtype=np.float64)
+
+        def prefix(values: Sequence[float] | None) -> np.ndarray:
+            return np.concatenate(([0.0], np.cumsum(column(values))))
+
+        compute, grad, memory = prefix(problem.compute), prefix(problem.grad_bytes), prefix(problem.memory)
+        return cls(
+            compute_prefix=compute,
+            work_top=compute[1:] + column(problem.head) + column(problem.comm),
+            grad_prefix=grad,
+            grad_top=grad[1:] + column(problem.head_grad_bytes),
+            memory_prefix=memory,
+            memory_top=memory[1:] + column(problem.head_memory),
+            bandwidth=float(problem.allreduce_bandwidth),
+            limit=math.inf if problem.memory_limit is None else float(problem.memory_limit),
+            max_replicas=min(problem.max_replicas or problem.devices, problem.devices),
+        )
+
+
+def _cost(t: _Tables, a, b, r):
+    """Time of the stage ``[a, b)`` on ``r`` replicas; scalars or broadcast arrays, identical bits either way.
+
+    With ``r == 1`` the all-reduce term is exactly zero, so the cost is exactly the stage's work.
+    """
+    work = t.work_top[b - 1] - t.compute_prefix[a]
+    grad = t.grad_top[b - 1] - t.grad_prefix[a]
+    return work / r + 2 * (r - 1) / r * grad / t.bandwidth
+
+
+def _memory(t: _Tables, a, b):
+    """Bytes one replica of the stage ``[a, b)`` needs; scalars or broadcast arrays."""
+    return t.memory_top[b - 1] - t.memory_prefix[a]
+
+
+def _layout(t: _Tables, ends: Sequence[int], replicas: Sequence[int]) -> Layout:
+    """``ends`` and ``replicas`` as a ``Layout`` with each stage's cost."""
+    spans = zip((0, *ends), ends, replicas)
+    costs = tuple(float(_cost(t, a, b, r)) for a, b, r in spans)
+    return Layout(ends=tuple(int(b) for b in ends), replicas=tuple(int(r) for r in replicas), costs=costs)
+
+
+def _layers(step: np.ndarray, combine: Callable, count: int) -> np.ndarray:
+    """``table[s, b]``: best ``combine`` over ``s`` stages ending at ``b`` of ``step[a, b]`` (minimised)."""
+    table = np.full((count + 1, step.shape[1]), math.inf)
+    table[0, 0] = 0.0
+    for s in range(1, count + 1):
+        table[s] = combine(table[s - 1][:, None], step).min(axis=0)
+    return table
+
+
+def _stage_counts(problem: ReplicaProblem) -> range:
+    """The stage counts a layout of ``problem`` may have."""
+    if problem.stages is not None:
+        return range(problem.stages, problem.stages + 1)
+    return range(1, min(len(problem.compute), problem.devices) + 1)
+
+
+def _assignments(k: int, spare: int, cap: int) -> Iterator[tuple[int, ...]]:
+    """Every tuple of ``k`` replica counts in ``1 .. cap`` that uses at most ``spare`` devices beyond one each."""
+    if k == 0:
+        yield ()
+        return
+    for r in range(1, min(cap, spare + 1) + 1):
+        for rest in _assignments(k - 1, spare - (r - 1), cap):
+            yield (r, *rest)
+
+
+def _infeasible(problem: ReplicaProblem, min_limit: float) -> InfeasibleMemoryError:
+    """The error for a memory limit that no layout fits."""
+    n, devices, stages = len(problem.compute), problem.devices, problem.stages
+    shape = f"{n} segments on {devices} devices" + ("" if stages is None else f" in {stages} stages")
+    way = "raise memory_limit"
+    if stages is None and devices < n:
+        way += " or use more devices"
+    elif stages is not None and stages < n:
+        way += " or use more stages" + (" and devices" if stages == devices else "")
+    return InfeasibleMemoryError(
+        f"no layout of {shape} fits a memory limit of {_fmt_bytes(problem.memory_limit)} per device; "
+        f"the smallest limit that works is {_fmt_bytes(min_limit)} ({way})",
+        min_limit=min_limit,
+    )
+
+
+def _column(name: str, values: object) -> np.ndarray:
+    """``partitioners._vector`` with errors naming ``ReplicaProblem`` instead of ``Problem``."""
+    try:
+        return _vector(name, values)
+    except PartitionError as error:
+        raise PartitionError(str(error).replace("Problem.", "ReplicaProblem.", 1)) from None
+
+
+def _is_whole(value: object) -> bool:
+    """Whether ``value`` is an integer (a Python or NumPy one, not a bool)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    """Whether ``value`` is a real number that is not NaN (a bool is not one)."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool) and value == value
