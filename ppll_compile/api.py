@@ -19,13 +19,14 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 import partitioners
+from partitioners.replicas import ReplicaProblem, solve_fixed_replicas, solve_replicated
 
 from . import heads as _heads
 from .cost import META_KEY, OPTIMIZER_STATES, ModuleCost, measure_graph, measure_module, time_callable
 from .cuts import Cut, legal_cuts
 from .errors import CutError, PartitionError, PlanError, PolicyError
 from .lower import CompiledPipeline, split_stages
-from .plan import PLAN_VERSION, HeadSpec, Plan, StagePlan, TensorSpec
+from .plan import MODES, PLAN_VERSION, HeadSpec, Plan, StagePlan, TensorSpec
 from .trace import module_path, trace, train_mode
 
 __all__ = ["PlanOptions", "plan", "compile", "DEFAULT_FLOPS_PER_SECOND", "DEFAULT_LINK_BANDWIDTH"]
@@ -69,6 +70,10 @@ class PlanOptions:
     """Cut by hand after these modules (or nodes), instead of running the partitioner."""
     num_classes: int | None = None
     """Classes the aux heads predict; inferred from a 2-D model output when omitted."""
+    replicas: bool | int | tuple[int, ...] | None = None
+    """Data-parallel replicas per stage: ``True`` lets the exact partitioner choose stages and replicas for
+    ``gpus`` devices, an int also caps the replicas of a stage, a tuple fixes them per stage (with
+    ``split_points``); ``False`` or ``None`` (the PPLL default) means one device per stage."""
 
     def __post_init__(self) -> None:
         if self.gpus is not None and (not isinstance(self.gpus, int) or self.gpus < 1):
@@ -89,6 +94,31 @@ class PlanOptions:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
         if self.device_speeds is not None and not all(s > 0 for s in self.device_speeds):
             raise ValueError(f"device_speeds must all be positive, got {list(self.device_speeds)}")
+        r = self.replicas
+        if not (r is None or isinstance(r, bool) or (isinstance(r, int) and r >= 1) or (
+                isinstance(r, tuple) and r and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1
+                                                   for v in r))):
+            raise ValueError(f"replicas must be True, False, a positive cap per stage, or one positive count per "
+                             f"stage; got {r!r}")
+        if self.replicated and self.device_speeds is not None:
+            raise ValueError("replicated stages split the batch evenly over identical devices; drop device_speeds "
+                             "or replicas")
+        if self.replicas_chosen and self.partitioner != "exact":
+            raise ValueError(f"replicas={r!r} lets the exact partitioner place replicas; drop "
+                             f"partitioner={self.partitioner!r}")
+
+    @property
+    def replicas_chosen(self) -> bool:
+        """Whether the partitioner chooses the stages and their replicas (``replicas`` is True or a cap)."""
+        return isinstance(self.replicas, int) and (self.replicas is True or not isinstance(self.replicas, bool))
+
+    @property
+    def replicated(self) -> bool:
+        """Whether a stage may run on more than one device."""
+        r = self.replicas
+        if isinstance(r, tuple):
+            return any(v > 1 for v in r)
+        return r is True or (self.replicas_chosen and r > 1)
 
     @classmethod
     def make(cls, **kwargs: Any) -> PlanOptions:
@@ -97,6 +127,8 @@ class PlanOptions:
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(f"unknown option(s) {unknown}; known options: {sorted(known)}")
+        if isinstance(kwargs.get("replicas"), list):
+            kwargs["replicas"] = tuple(kwargs["replicas"])
         for name in ("devices", "device_speeds", "leaf_modules", "split_points"):
             if kwargs.get(name) is not None:
                 kwargs[name] = tuple(kwargs[name])
@@ -138,6 +170,13 @@ def _inputs_from_specs(specs: Sequence[TensorSpec]) -> tuple[Tensor, ...]:
 
 
 # ---- devices -----------------------------------------------------------------------------
+
+def first_device(requested: Sequence[str] | None) -> torch.device:
+    """The device a time profile runs on: the first requested one, else the first GPU, else the CPU."""
+    if requested:
+        return torch.device(requested[0])
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
 
 def _devices(n: int, requested: tuple[str, ...] | None, notes: list[str]) -> tuple[str, ...]:
     """One device per stage: ``requested`` or ``cuda:0..n-1``, falling back to the CPU (with one warning)."""
@@ -202,7 +241,8 @@ class _Analysis:
 
 
 def _analyse(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwargs: dict[str, Any] | None,
-             opts: PlanOptions, planned_inputs: Sequence[TensorSpec] | None) -> _Analysis:
+             opts: PlanOptions, planned_inputs: Sequence[TensorSpec] | None, *,
+             need_classes: bool = True) -> _Analysis:
     if example_inputs is None and not example_kwargs:
         example_inputs = _inputs_from_specs(planned_inputs) if planned_inputs else _infer_inputs(model)
     example_inputs = tuple(example_inputs or ())
@@ -225,11 +265,14 @@ def _analyse(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwa
     out_value = _model_output_spec(nodes[-1])
     num_classes = opts.num_classes
     if num_classes is None:
-        if out_value is None or len(out_value.shape) != 2:
+        if not need_classes:
+            num_classes = out_value.shape[1] if out_value is not None and len(out_value.shape) == 2 else 0
+        elif out_value is None or len(out_value.shape) != 2:
             raise ValueError(f"cannot infer the number of classes: {type(model).__name__} returns "
                              f"{'shape ' + str(list(out_value.shape)) if out_value else 'a structured output'}, "
                              "not N x classes logits; pass num_classes=...")
-        num_classes = out_value.shape[1]
+        else:
+            num_classes = out_value.shape[1]
     analysis = _Analysis(
         gm=gm, nodes=nodes, cuts=legal_cuts(gm),
         inputs=tuple(dataclasses.replace(n.meta[META_KEY].value, name=n.name) for n in nodes
@@ -383,19 +426,32 @@ def _stage_request(a: _Analysis, opts: PlanOptions, base: _Override | None) -> t
         manual = sorted({_resolve_cut(a, c) for c in opts.split_points})
         if len(manual) != len(opts.split_points):
             raise CutError(f"split_points {list(opts.split_points)} name the same cut more than once")
+    fixed = opts.replicas if isinstance(opts.replicas, tuple) else None
+    if opts.replicas_chosen and manual is not None:
+        raise ValueError("with split_points the stages are fixed: give their replicas as a tuple, e.g. "
+                         "replicas=(1, 2), or drop split_points to let the partitioner choose both")
     if manual is not None:
         n_stages = len(manual) + 1
-        if opts.gpus is not None and opts.gpus != n_stages:
-            raise CutError(f"{len(manual)} cut(s) make {n_stages} stages, but gpus={opts.gpus}; "
-                           "drop gpus= or give gpus - 1 cuts")
+        if fixed is not None and len(fixed) != n_stages:
+            raise ValueError(f"replicas lists {len(fixed)} count(s) for {n_stages} stages; give one per stage")
+        world = sum(fixed) if fixed is not None else n_stages
+        if opts.gpus is not None and opts.gpus != world:
+            raise CutError(f"{len(manual)} cut(s) make {n_stages} stages" + (f" on {world} devices" if fixed else "")
+                           + f", but gpus={opts.gpus}; drop gpus= or give gpus - 1 cuts")
+    elif fixed is not None:
+        n_stages = len(fixed)
+        if opts.gpus is not None and opts.gpus != sum(fixed):
+            raise ValueError(f"replicas {list(fixed)} use {sum(fixed)} devices, but gpus={opts.gpus}; drop gpus=")
     elif opts.gpus is not None or opts.devices is not None:
         n_stages = opts.gpus or len(opts.devices or ())
     else:
         raise ValueError("say how many devices to plan for: gpus=N (or devices=[...], split_points=[...])")
+    if opts.replicas_chosen:
+        n_stages = min(n_stages, len(a.cuts) + 1)  # the partitioner chooses how many stages, at most one per device
     if n_stages - 1 > len(a.cuts):
         raise CutError(f"model has {len(a.cuts)} legal cut points, so at most {len(a.cuts) + 1} stages; "
                        f"got gpus={n_stages} (pass split_points=... or fewer gpus)")
-    if opts.gpus is not None and opts.devices is not None and len(opts.devices) != opts.gpus:
+    if opts.gpus is not None and opts.devices is not None and len(opts.devices) != opts.gpus and fixed is None:
         raise ValueError(f"devices lists {len(opts.devices)} device(s) but gpus={opts.gpus}")
     return manual, n_stages
 
@@ -412,10 +468,10 @@ def _build(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwarg
     policy = _heads.load_policy(opts.policy)
 
     manual, n_stages = _stage_request(a, opts, base)
-    devices = _devices(n_stages, opts.devices, notes)
-    speeds = opts.device_speeds or (1.0,) * n_stages
-    if len(speeds) != n_stages:
-        raise ValueError(f"device_speeds has {len(speeds)} entries for {n_stages} stages; give one per device")
+    if not opts.replicas_chosen:
+        speeds = opts.device_speeds or (1.0,) * n_stages
+        if len(speeds) != n_stages:
+            raise ValueError(f"device_speeds has {len(speeds)} entries for {n_stages} stages; give one per device")
 
     # heads: policy's choice at every candidate cut, or the plan's (possibly edited) head at its cuts
     head_cfg: dict[int, dict[str, Any]] = dict(zip(manual, base.heads)) if base is not None and manual else {}
@@ -436,16 +492,33 @@ def _build(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwarg
     n_seg = len(a.cuts) + 1
     seg = [a.summary(a.segment_nodes(i, i), opts.optimizer) for i in range(n_seg)]
     if opts.profile == "time":
-        seg_time, head_time = _time_profile(a, heads, policy, torch.device(devices[0]))
-        notes.append(f"costs measured as median forward+backward time on {devices[0]}")
+        device = first_device(opts.devices)
+        seg_time, head_time = _time_profile(a, heads, policy, device)
+        notes.append(f"costs measured as median forward+backward time on {device}")
     else:
         seg_time = [(s["flops_fwd"] + s["flops_bwd"]) / opts.flops_per_second for s in seg]
         head_time = {i: (h.flops_fwd + h.flops_bwd) / opts.flops_per_second for i, h in heads.items()}
     comm = [sum(t.bytes for t in a.boundary(c)) / opts.link_bandwidth for c in a.cuts] + [0.0]
 
+    head_grad = [heads[i].param_count * 4 if i in heads else 0 for i in range(n_seg)]  # float32 heads
+    replicas = opts.replicas if isinstance(opts.replicas, tuple) else None
     if manual is not None:
         ends = tuple(c + 1 for c in manual) + (n_seg,)
         partitioner = "manual"
+    elif opts.replicas_chosen or replicas is not None:
+        problem = ReplicaProblem(
+            compute=seg_time, head=[head_time.get(i, 0.0) for i in range(n_seg)], comm=comm,
+            grad_bytes=[s["grad_bytes"] for s in seg], head_grad_bytes=head_grad,
+            allreduce_bandwidth=opts.link_bandwidth, memory=[_memory(s) for s in seg],
+            head_memory=[heads[i].memory_bytes if i in heads else 0 for i in range(n_seg)],
+            memory_limit=opts.memory_limit, devices=sum(replicas or ()) or opts.gpus or len(opts.devices or ()),
+            max_replicas=opts.replicas if opts.replicas_chosen and opts.replicas is not True else None)
+        try:
+            layout = solve_fixed_replicas(problem, replicas) if replicas else solve_replicated(problem)
+        except partitioners.PartitionError as e:
+            raise PartitionError(str(e)) from None
+        ends, replicas, partitioner = layout.ends, layout.replicas, "exact-replicas"
+        speeds = (1.0,) * len(ends)
     else:
         problem = partitioners.Problem(
             compute=seg_time, head=[head_time.get(i, 0.0) for i in range(n_seg)], comm=comm,
@@ -458,20 +531,24 @@ def _build(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwarg
             raise PartitionError(str(e)) from None
         partitioner = opts.partitioner
 
+    replicas = replicas or (1,) * len(ends)
+    devices = _devices(sum(replicas), opts.devices, notes)
     stages = []
     start = 0
     multi = tuple(c.node for c in a.cuts if len(c.boundary) > 1)
     for j, end in enumerate(ends):
+        r = replicas[j]
         nodes = [n for n in a.segment_nodes(start, end - 1) if n.op not in ("placeholder", "get_attr")] \
             or a.segment_nodes(start, end - 1)
         s = a.summary(nodes, opts.optimizer)
         last = j == len(ends) - 1
         cut = None if last else a.cuts[end - 1]
         head = _model_head() if last else heads[end - 1]
-        compute = (sum(seg_time[start:end]) + (0.0 if last else head_time[end - 1])) / speeds[j]
-        send = 0.0 if last else comm[end - 1]
+        sync = 2 * (r - 1) / r * (s["grad_bytes"] + (0 if last else head_grad[end - 1])) / opts.link_bandwidth
+        compute = (sum(seg_time[start:end]) + (0.0 if last else head_time[end - 1])) / speeds[j] / r + sync
+        send = 0.0 if last else comm[end - 1] / r
         stages.append(StagePlan(
-            index=j, device=devices[j], first_node=nodes[0].name, last_node=nodes[-1].name,
+            index=j, device=devices[sum(replicas[:j])], replicas=r, first_node=nodes[0].name, last_node=nodes[-1].name,
             first_module=module_path(nodes[0]), last_module=module_path(nodes[-1]),
             nodes=tuple(n.name for n in nodes), aux_flops=head.flops_fwd + head.flops_bwd,
             memory_bytes=_memory(s) + head.memory_bytes,
@@ -506,6 +583,10 @@ class _Override:
     """Head config of every stage but the last."""
     settings: dict[str, Any]
     """The plan's :class:`PlanOptions` values (devices, policy, optimizer, ...), the defaults for re-planning."""
+    mode: str = "ppll"
+    """The plan's kind."""
+    blocks: tuple[tuple[str, str], ...] | None = None
+    """``pipebd``: the (teacher, student) node where every block but the last ends."""
 
 
 _CARRIED = ("batch_size", "num_classes", "policy", "profile", "optimizer", "memory_limit", "device_speeds",
@@ -541,8 +622,21 @@ def _override(plan: Plan | str | Path | None) -> _Override | None:
         raise PlanError(f"{source}: 'stages' must be a non-empty list")
     try:
         settings = {k: d[k] for k in _CARRIED if d.get(k) is not None}
-        settings["devices"] = [str(get(s, "device", f"stages[{i}]")) for i, s in enumerate(stages)]
+        replicas = tuple(int(s.get("replicas", 1)) if isinstance(s, dict) else 1 for s in stages)
+        if any(r > 1 for r in replicas):  # the devices of the other replicas are not listed: default ones
+            settings["replicas"] = replicas
+            settings.pop("device_speeds", None)
+        else:
+            settings["devices"] = [str(get(s, "device", f"stages[{i}]")) for i, s in enumerate(stages)]
+        blocks = None
+        if d.get("mode") == "pipebd":
+            settings["replicas"] = replicas
+            settings["split_points"] = [str(get(s, "last_node", f"stages[{i}]")) for i, s in enumerate(stages[:-1])]
+            blocks = tuple((str(get(b, "teacher_nodes", f"blocks[{i}]")[-1]),
+                            str(get(b, "student_nodes", f"blocks[{i}]")[-1]))
+                           for i, b in enumerate(get(d, "blocks", "the plan")[:-1]))
         return _Override(
+            mode=str(d.get("mode", "ppll")), blocks=blocks,
             source=source,
             inputs=tuple(TensorSpec.from_dict(t) for t in get(d, "inputs", "the plan")),
             cuts=tuple(str(get(s, "last_node", f"stages[{i}]")) for i, s in enumerate(stages[:-1])),
@@ -558,31 +652,63 @@ def _options(gpus: int | None, base: _Override | None, options: dict[str, Any]) 
     return PlanOptions.make(gpus=gpus, **{**(base.settings if base is not None else {}), **options})
 
 
-def plan(model: nn.Module, gpus: int | None = None, *, example_inputs: Sequence[Any] | None = None,
+def _mode(mode: str | None, teacher: nn.Module | None, base: _Override | None) -> str:
+    mode = mode or (base.mode if base is not None else "pipebd" if teacher is not None else "ppll")
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is not known; choose one of {', '.join(MODES)}")
+    if mode == "pipebd" and not isinstance(teacher, nn.Module):
+        raise TypeError("mode='pipebd' distils the model from a teacher: pass teacher=<the frozen nn.Module>")
+    if mode == "ppll" and teacher is not None:
+        raise ValueError("a teacher is only used by mode='pipebd' (blockwise distillation); drop teacher= or "
+                         "pass mode='pipebd'")
+    return mode
+
+
+def plan(model: nn.Module, gpus: int | None = None, *, teacher: nn.Module | None = None, mode: str | None = None,
+         blocks: Sequence[Sequence[str]] | None = None, example_inputs: Sequence[Any] | None = None,
          example_kwargs: dict[str, Any] | None = None, plan: Plan | str | Path | None = None,
          **options: Any) -> Plan:
     """Trace, measure and partition ``model`` into a :class:`Plan` for ``gpus`` devices.
 
     ``options`` are the fields of :class:`PlanOptions` (policy, partitioner, profile, optimizer,
-    memory_limit, device_speeds, devices, batch_size, leaf_modules, split_points, num_classes, ...).
+    memory_limit, device_speeds, devices, batch_size, leaf_modules, split_points, num_classes, replicas).
     ``plan`` re-applies a saved (possibly hand-edited) plan: its cuts, devices and heads are validated
     against the model and its costs measured afresh.
+
+    With ``teacher=`` (``mode="pipebd"``) the plan is for blockwise distillation of ``model`` from the
+    frozen teacher: see :func:`ppll_compile.distill.build` (``blocks`` names aligned block ends by hand).
     """
     base = _override(plan)
-    return _build(model, example_inputs, example_kwargs, _options(gpus, base, options), base)[0]
+    opts = _options(gpus, base, options)
+    if _mode(mode, teacher, base) == "pipebd":
+        from .distill import build
+        return build(model, teacher, example_inputs, example_kwargs, opts, blocks or (base and base.blocks))[0]
+    _no_blocks(blocks)
+    return _build(model, example_inputs, example_kwargs, opts, base)[0]
 
 
-def compile(model: nn.Module, gpus: int | None = None, *, example_inputs: Sequence[Any] | None = None,
-            example_kwargs: dict[str, Any] | None = None, plan: Plan | str | Path | None = None,
-            **options: Any) -> CompiledPipeline:
+def _no_blocks(blocks: Any) -> None:
+    if blocks is not None:
+        raise ValueError("blocks= aligns a teacher with a student; it needs mode='pipebd' and teacher=")
+
+
+def compile(model: nn.Module, gpus: int | None = None, *, teacher: nn.Module | None = None,
+            mode: str | None = None, blocks: Sequence[Sequence[str]] | None = None,
+            example_inputs: Sequence[Any] | None = None, example_kwargs: dict[str, Any] | None = None,
+            plan: Plan | str | Path | None = None, **options: Any) -> CompiledPipeline:
     """Plan ``model`` (see :func:`plan`) and lower it to stage modules and auxiliary heads on their devices.
 
     The stages share the model's parameter objects (each stage is moved to its device, and the model's
     parameters with it); calling the result runs the stages in order and, in eval mode, gives the model's
-    own output.
+    own output. With ``teacher=`` the result is a :class:`~ppll_compile.distill.DistillPipeline`.
     """
     base = _override(plan)
-    result, a, policy = _build(model, example_inputs, example_kwargs, _options(gpus, base, options), base)
+    opts = _options(gpus, base, options)
+    if _mode(mode, teacher, base) == "pipebd":
+        from .distill import compile_pipebd
+        return compile_pipebd(model, teacher, example_inputs, example_kwargs, opts, blocks or (base and base.blocks))
+    _no_blocks(blocks)
+    result, a, policy = _build(model, example_inputs, example_kwargs, opts, base)
     by_name = {c.node: c for c in a.cuts}
     stages = split_stages(a.gm, [by_name[c] for c in result.cuts])
     heads: list[nn.Module | None] = []

@@ -179,6 +179,17 @@ class CompiledPipeline:
         head = self.heads[index]
         return params + (list(head.parameters()) if head is not None else [])
 
+    def make_runners(self, config: Any, indices: Sequence[int], devices: Sequence[torch.device],
+                     groups: Sequence[Any] | None = None) -> list[Any]:
+        """The runtime's runners for stages ``indices`` on ``devices`` (``groups``: each one's replica group)."""
+        from .runtime.stage import make_runners
+        return make_runners(self, config, indices, devices, groups)
+
+    @property
+    def carries_input(self) -> bool:
+        """Whether a head needs the model's raw input (InfoPro), so messages carry it."""
+        return any(getattr(h, "needs_input", False) for h in self.heads)
+
     def trainer(self, **options: Any) -> Any:
         """A :class:`~ppll_compile.runtime.Trainer` for this pipeline; ``options`` are its keyword arguments.
 

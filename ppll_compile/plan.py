@@ -18,12 +18,16 @@ __all__ = [
     "TensorSpec",
     "HeadSpec",
     "StagePlan",
+    "BlockPlan",
     "Plan",
+    "MODES",
     "format_bytes",
     "format_flops",
 ]
 
 PLAN_VERSION = 1
+MODES = ("ppll", "pipebd")
+"""Plan kinds: local learning with aux heads, and blockwise distillation from a teacher."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,7 +124,11 @@ class StagePlan:
     comm_cost: float
     """Time in seconds to send the boundary to the next stage."""
     cost: float
-    """Predicted step time of the stage in seconds: ``compute_cost + comm_cost``."""
+    """Predicted step time of the stage in seconds: ``compute_cost + comm_cost`` (over its replicas)."""
+    replicas: int = 1
+    """Devices that run the stage data-parallel, each on a slice of the batch (gradients all-reduced)."""
+    blocks: tuple[int, ...] = ()
+    """``pipebd``: the distillation blocks the stage trains (indices into :attr:`Plan.blocks`)."""
 
     @property
     def is_last(self) -> bool:
@@ -129,17 +137,73 @@ class StagePlan:
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["nodes"] = list(self.nodes)
+        d["blocks"] = list(self.blocks)
         d["boundary"] = [t.to_dict() for t in self.boundary]
         d["head"] = self.head.to_dict()
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StagePlan:
-        kw = {f.name: d[f.name] for f in dataclasses.fields(cls)}
+        kw = {f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d or _required(f)}
         kw["nodes"] = tuple(d["nodes"])
+        kw["blocks"] = tuple(int(b) for b in d.get("blocks", ()))
         kw["boundary"] = tuple(TensorSpec.from_dict(t) for t in d["boundary"])
         kw["head"] = HeadSpec.from_dict(d["head"])
         return cls(**kw)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockPlan:
+    """``pipebd``: one aligned pair of teacher and student blocks; the student block learns the teacher block."""
+
+    index: int
+    """Position of the block, from 0."""
+    teacher_nodes: tuple[str, ...]
+    """Traced nodes of the teacher block, in graph order."""
+    student_nodes: tuple[str, ...]
+    """Traced nodes of the student block, in graph order."""
+    teacher_module: str
+    """Module path of the teacher block's last node (``""`` for a top-level function call)."""
+    student_module: str
+    """Module path of the student block's last node."""
+    output: TensorSpec
+    """The teacher's output of the block: the student block's target and the next block's input."""
+    teacher_flops: int
+    """Forward FLOPs of the teacher block."""
+    flops_fwd: int
+    """Forward FLOPs of the student block."""
+    flops_bwd: int
+    """Backward FLOPs of the student block."""
+    param_count: int
+    """Parameters of the student block."""
+    teacher_param_count: int
+    """Parameters of the teacher block (frozen)."""
+    memory_bytes: int
+    """Teacher parameters + student parameters, gradients, optimizer state and saved activations, in bytes."""
+    grad_bytes: int
+    """Bytes of the student block's gradients (what a replicated stage all-reduces)."""
+    loss: dict[str, Any]
+    """The block's distillation loss, e.g. ``{"type": "mse"}`` or ``{"type": "kl", "temperature": 4.0}``."""
+    cost: float
+    """Teacher forward + student forward, backward and step time of the block in seconds, at the full batch."""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["teacher_nodes"], d["student_nodes"] = list(self.teacher_nodes), list(self.student_nodes)
+        d["output"] = self.output.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> BlockPlan:
+        kw = {f.name: d[f.name] for f in dataclasses.fields(cls)}
+        kw["teacher_nodes"], kw["student_nodes"] = tuple(d["teacher_nodes"]), tuple(d["student_nodes"])
+        kw["output"] = TensorSpec.from_dict(d["output"])
+        kw["loss"] = dict(d["loss"])
+        return cls(**kw)
+
+
+def _required(f: dataclasses.Field) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,9 +213,13 @@ class Plan:
     version: int = PLAN_VERSION
     """Plan format version."""
     mode: str = "ppll"
-    """Plan kind: ``ppll`` (local learning)."""
+    """Plan kind: ``ppll`` (local learning with aux heads) or ``pipebd`` (blockwise distillation)."""
     model: str
-    """Class name of the planned model."""
+    """Class name of the planned model (the student under ``pipebd``)."""
+    teacher: str = ""
+    """``pipebd``: class name of the frozen teacher."""
+    blocks: tuple[BlockPlan, ...] = ()
+    """``pipebd``: the aligned teacher/student blocks; stages train contiguous runs of them."""
     inputs: tuple[TensorSpec, ...]
     """The model's inputs at the planned batch size, in call order."""
     batch_size: int
@@ -192,7 +260,13 @@ class Plan:
 
     @property
     def devices(self) -> tuple[str, ...]:
+        """The device of every stage (its first replica's)."""
         return tuple(s.device for s in self.stages)
+
+    @property
+    def world_size(self) -> int:
+        """Processes the distributed runtime needs: one per replica of every stage."""
+        return sum(s.replicas for s in self.stages)
 
     @property
     def cuts(self) -> tuple[str, ...]:
@@ -235,10 +309,8 @@ class Plan:
         d: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name == "inputs":
+            if f.name in ("inputs", "stages", "blocks"):
                 v = [t.to_dict() for t in v]
-            elif f.name == "stages":
-                v = [s.to_dict() for s in v]
             elif isinstance(v, tuple):
                 v = list(v)
             d[f.name] = v
@@ -257,9 +329,7 @@ class Plan:
         unknown = sorted(set(d) - names - {"totals"})
         if unknown:
             raise PlanError(f"unknown plan field(s) {unknown}; known fields: {sorted(names)}")
-        missing = sorted(f.name for f in dataclasses.fields(cls)
-                         if f.name not in d and f.default is dataclasses.MISSING
-                         and f.default_factory is dataclasses.MISSING)
+        missing = sorted(f.name for f in dataclasses.fields(cls) if f.name not in d and _required(f))
         if missing:
             raise PlanError(f"plan is missing field(s) {missing}")
         kw: dict[str, Any] = {}
@@ -267,11 +337,12 @@ class Plan:
             v = d[k]
             if k == "inputs":
                 v = tuple(TensorSpec.from_dict(t) for t in v)
-            elif k == "stages":
+            elif k in ("stages", "blocks"):
+                item = StagePlan if k == "stages" else BlockPlan
                 try:
-                    v = tuple(StagePlan.from_dict(s) for s in v)
+                    v = tuple(item.from_dict(s) for s in v)
                 except KeyError as e:
-                    raise PlanError(f"a stage of the plan is missing field {e.args[0]!r}") from None
+                    raise PlanError(f"a {k[:-1]} of the plan is missing field {e.args[0]!r}") from None
             elif isinstance(v, list):
                 v = tuple(v)
             kw[k] = v
@@ -319,14 +390,27 @@ class Plan:
         """Check internal consistency; raise :class:`PlanError` naming the first problem."""
         if not self.stages:
             raise PlanError("plan has no stages")
+        if self.mode not in MODES:
+            raise PlanError(f"plan mode {self.mode!r} is not known; modes: {', '.join(MODES)}")
+        distill = self.mode == "pipebd"
+        if distill != bool(self.blocks):
+            raise PlanError("a pipebd plan lists its distillation blocks; a ppll plan has none")
+        covered = [b for s in self.stages for b in s.blocks]
+        if covered != list(range(len(self.blocks))):
+            raise PlanError(f"the stages train blocks {covered}; every block 0..{len(self.blocks) - 1} must be "
+                            "trained by exactly one stage, in order")
         for i, s in enumerate(self.stages):
+            if not (isinstance(s.replicas, int) and s.replicas >= 1):
+                raise PlanError(f"stage {i}: replicas must be a positive integer, got {s.replicas!r}")
             if s.index != i:
                 raise PlanError(f"stage {i} has index {s.index}; stages must be numbered 0..{len(self.stages) - 1}")
             if not s.nodes or s.nodes[0] != s.first_node or s.nodes[-1] != s.last_node:
                 raise PlanError(f"stage {i}: first_node/last_node must be the first/last of its nodes")
             if (i == len(self.stages) - 1) != (not s.boundary):
                 raise PlanError(f"stage {i}: every stage but the last sends a boundary; the last sends none")
-            if (s.head.kind == "model") != (i == len(self.stages) - 1):
+            if distill and s.head.kind != "distill":
+                raise PlanError(f"stage {i}: a pipebd stage trains on distillation losses (head kind 'distill')")
+            if not distill and (s.head.kind == "model") != (i == len(self.stages) - 1):
                 raise PlanError(f"stage {i}: only the last stage uses the model's own head")
             for name in ("flops_fwd", "flops_bwd", "aux_flops", "param_count", "param_bytes", "grad_bytes",
                          "optim_bytes", "activation_bytes", "memory_bytes"):
@@ -353,7 +437,7 @@ class Plan:
     # ---- display --------------------------------------------------------------------------
     def table(self) -> str:
         """The stage table and totals as plain aligned text."""
-        header = ["stage", "device", "first", "last", "nodes", "params", "fwd", "bwd", "aux",
+        header = ["stage", "device", "first", "last", "nodes", "params", "fwd", "bwd", "teacher" if self.blocks else "aux",
                   "memory", "boundary", "head", "cost ms"]
         rows = []
         b = self.bottleneck_stage
@@ -361,21 +445,18 @@ class Plan:
             bnd = " + ".join("x".join(map(str, t.shape)) or "int" for t in s.boundary) or "-"
             head = s.head.config.get("type", "?") if s.head.kind != "model" else "model"
             rows.append([
-                f"{s.index}{'*' if s.index == b else ''}", s.device, s.first_module or s.first_node,
+                f"{s.index}{'*' if s.index == b else ''}",
+                s.device + (f" x{s.replicas}" if s.replicas > 1 else ""), s.first_module or s.first_node,
                 s.last_module or s.last_node, str(len(s.nodes)), f"{s.param_count / 1e6:.2f}M",
                 format_flops(s.flops_fwd), format_flops(s.flops_bwd), format_flops(s.aux_flops),
                 format_bytes(s.memory_bytes), bnd, head, f"{s.cost * 1e3:.3f}",
             ])
-        widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
-        right = {4, 5, 6, 7, 8, 9, 12}
-
-        def fmt(r: list[str]) -> str:
-            return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
-
+        teacher = f" from teacher {self.teacher} ({len(self.blocks)} blocks)" if self.blocks else ""
         lines = [
-            f"{self.mode.upper()} plan for {self.model}: {len(self.stages)} stages, batch {self.batch_size}, "
-            f"policy {self.policy}, partitioner {self.partitioner}, profile {self.profile}",
-            fmt(header), fmt(["-" * w for w in widths]), *map(fmt, rows),
+            f"{self.mode.upper()} plan for {self.model}{teacher}: {len(self.stages)} stages on "
+            f"{self.world_size} devices, batch {self.batch_size}, policy {self.policy}, partitioner "
+            f"{self.partitioner}, profile {self.profile}",
+            _aligned(header, rows, right={4, 5, 6, 7, 8, 9, 12}),
             f"bottleneck {self.bottleneck_cost * 1e3:.3f} ms (stage {b}, marked *)  "
             f"ideal {self.ideal_cost * 1e3:.3f} ms  imbalance {self.imbalance:.3f}  "
             f"predicted speedup {self.predicted_speedup:.2f}x over sequential "
@@ -384,11 +465,32 @@ class Plan:
             f"{format_bytes(self.link_bandwidth)}/s links, optimizer {self.optimizer}"
             + (f", memory limit {format_bytes(self.memory_limit)}" if self.memory_limit else ""),
         ]
+        if self.blocks:
+            lines += ["", self.block_table()]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
+    def block_table(self) -> str:
+        """``pipebd``: each block's teacher and student ends, the teacher output it learns, and its loss."""
+        stage_of = {b: s.index for s in self.stages for b in s.blocks}
+        header = ["block", "stage", "teacher ends at", "student ends at", "output", "teacher fwd", "student fwd",
+                  "params", "loss", "cost ms"]
+        rows = [[str(k.index), str(stage_of[k.index]), k.teacher_module or k.teacher_nodes[-1],
+                 k.student_module or k.student_nodes[-1], "x".join(map(str, k.output.shape)),
+                 format_flops(k.teacher_flops), format_flops(k.flops_fwd), f"{k.param_count / 1e6:.2f}M",
+                 " ".join(f"{key}={v}" if key != "type" else str(v) for key, v in k.loss.items()),
+                 f"{k.cost * 1e3:.3f}"] for k in self.blocks]
+        return _aligned(header, rows, right={5, 6, 7, 9})
+
     def __str__(self) -> str:
         return self.table()
+
+
+def _aligned(header: list[str], rows: list[list[str]], *, right: set[int]) -> str:
+    """A text table: the header, a rule, the rows; columns in ``right`` right-aligned."""
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+    return "\n".join("  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                     for r in [header, ["-" * w for w in widths], *rows])
 
 
 def format_bytes(n: float) -> str:
