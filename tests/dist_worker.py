@@ -20,10 +20,10 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ppll_compile  # noqa: E402
-from models import Residual  # noqa: E402
+from models import Residual, conv_student, conv_teacher  # noqa: E402
 
 __all__ = ["Trap", "Chain", "SizedResidual", "fifo_pipeline", "fifo_program", "fifo_fit", "chain_pipeline",
-           "stage_states", "main", "launch"]
+           "stage_states", "distill_pipeline", "distill_program", "replicated_chain", "main", "launch"]
 
 warnings.simplefilter("ignore")  # the CPU fallback note of compile()
 
@@ -106,6 +106,11 @@ def stage_states(trainer: Any) -> dict[int, dict[str, torch.Tensor]]:
     """Block and head tensors (parameters and buffers) of every stage this process trains."""
     c = trainer.compiled
     out = {}
+    if c.plan.mode == "pipebd":
+        for i in trainer.stages:
+            out[i] = {f"block{k}.{n}": v.detach().cpu().clone() for k in c.plan.stages[i].blocks
+                      for n, v in c.student_blocks[k].state_dict().items()}
+        return out
     for i in trainer.stages:
         head = c.heads[i]
         out[i] = {f"block.{k}": v.detach().cpu().clone() for k, v in c.stages[i].state_dict().items()} | \
@@ -135,6 +140,51 @@ def fifo_fit(trainer: Any, load: str | Path | None = None) -> dict[str, Any]:
     return {"history": [h["loss"] for h in history], "samples": [h["samples"] for h in history],
             "accuracy": trainer.evaluate(_batches(3, [8, 7], (3, 8, 8), 5)), "final": stage_states(trainer),
             "steps": trainer.steps, "batches": trainer.batches}
+
+
+# ---- Pipe-BD, replicated stages, the DNA baseline ----------------------------------------------------------
+
+DISTILL_LAYOUTS = {"two": (["5"], (1, 1)), "replicated": (["5"], (2, 1)), "one": (None, (1,))}
+"""Stage ends (student block ends) and replicas per stage of the distillation scenarios."""
+
+
+def distill_pipeline(runtime: str, layout: str, **options: Any) -> Any:
+    """The small CNN student distilled from the CNN teacher (4 aligned blocks), in ``layout``."""
+    torch.manual_seed(0)
+    teacher, student = conv_teacher(), conv_student()
+    split, replicas = DISTILL_LAYOUTS[layout]
+    compiled = ppll_compile.compile(student, teacher=teacher, example_inputs=(torch.randn(8, 3, 16, 16),),
+                                    split_points=split, replicas=replicas)
+    return compiled.trainer(optimizer=_sgd, runtime=runtime, timeout=60, **options)
+
+
+def distill_program(trainer: Any, out: Path) -> dict[str, Any]:
+    """steps without labels (a smaller last batch) -> save -> fit 2 epochs -> evaluate; states along the way."""
+    for (x, _) in _batches(1, STEP_SIZES, (3, 16, 16), 10):
+        trainer.step(x)
+    trainer.finish()
+    after_steps = stage_states(trainer)
+    trainer.save(out / "ckpt")
+    history = trainer.fit(_batches(2, FIT_SIZES, (3, 16, 16), 10), epochs=2, progress=False)
+    return {"after_steps": after_steps, "final": stage_states(trainer), "history": [h["loss"] for h in history],
+            "evaluation": trainer.evaluate(_batches(3, [8, 7], (3, 16, 16), 10))}
+
+
+def replicated_chain(runtime: str) -> Any:
+    """A 2-stage chain whose second stage runs on two replicas."""
+    torch.manual_seed(0)
+    compiled = ppll_compile.compile(Chain(2), example_inputs=(torch.randn(8, 8),), policy="dgl",
+                                    split_points=["blocks.0"], replicas=(1, 2))
+    return compiled.trainer(optimizer=_sgd, runtime=runtime, timeout=60)
+
+
+def replicated_program(trainer: Any) -> dict[str, Any]:
+    for x, y in _batches(7, [8, 8, 8, 5], (8,), 4):
+        trainer.step(x, y)
+    trainer.finish()
+    history = trainer.fit(_batches(8, [8, 6], (8,), 4), epochs=1, progress=False)
+    return {"final": stage_states(trainer), "accuracy": trainer.evaluate(_batches(9, [8, 7], (8,), 4)),
+            "samples": [h["samples"] for h in history]}
 
 
 # ---- faults and queue="latest" ----------------------------------------------------------------------
@@ -194,6 +244,17 @@ def main(argv: list[str]) -> None:
         with fifo_pipeline(k, "distributed") as trainer:
             record = fifo_program(trainer, out / f"fifo-{k}", load)
         torch.save(record, out / f"fifo-{k}" / f"rank-{rank}.pt")
+    elif scenario == "distill":
+        runtime, layout = argv[2], argv[3]
+        rank = int(os.environ["RANK"])
+        options = {"decoupled": False} if layout == "relay" else {}
+        with distill_pipeline(runtime, "two" if layout == "relay" else layout, **options) as trainer:
+            record = distill_program(trainer, out / layout)
+        torch.save(record, out / layout / f"rank-{rank}.pt")
+    elif scenario == "replicated":
+        rank = int(os.environ["RANK"])
+        with replicated_chain("distributed") as trainer:
+            torch.save(replicated_program(trainer), out / f"replicated-{rank}.pt")
     elif scenario == "raise":
         _fault(out, 3, "raise", 1)
     elif scenario == "nan":

@@ -123,3 +123,21 @@ class WithNoisy(nn.Module):
 
     def forward(self, x):
         return self.l2(self.noise(torch.relu(self.l1(x))))
+
+
+def conv_teacher(classes: int = 10) -> nn.Module:
+    """A small CNN teacher whose stage outputs are 8x16x16, 16x8x8 and 32x4x4, then logits."""
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(8, 24, 1), nn.ReLU(), nn.Conv2d(24, 16, 3, stride=2, padding=1), nn.ReLU(),
+        nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, classes))
+
+
+def conv_student(classes: int = 10) -> nn.Module:
+    """A slimmer student with the teacher's stage output shapes (and other widths inside its stages)."""
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(8, 12, 1), nn.ReLU(), nn.Conv2d(12, 16, 3, stride=2, padding=1), nn.ReLU(),
+        nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, classes))

@@ -236,3 +236,48 @@ def test_example_with_torchrun_on_one_node():
     out = _wait([proc], timeout=120)[0]
     assert proc.returncode == 0 and "final accuracy" in out, out[-3000:]
     assert out.count("final accuracy") == 1  # printed by the main process only
+
+
+# ---- Pipe-BD, replicated stages, the DNA baseline ------------------------------------------------------
+
+def _check_distill(tmp_path: Path, layout: str, world: int, stage_of_rank: list[int], ref: dict[str, Any]) -> None:
+    for r in range(world):
+        rec = torch.load(tmp_path / layout / f"rank-{r}.pt")
+        for key in ("after_steps", "final"):
+            for stage in rec[key]:
+                _assert_states(rec[key], ref[key], stage)
+        assert set(rec["final"]) == ({stage_of_rank[r]} if layout != "one" else set(ref["final"]))
+        assert rec["evaluation"]["samples"] == ref["evaluation"]["samples"] == 15
+        assert rec["evaluation"]["block_loss"] == pytest.approx(ref["evaluation"]["block_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("layout,world,stage_of_rank", [("two", 2, [0, 1]), ("relay", 2, [0, 1]),
+                                                        ("replicated", 3, [0, 0, 1])])
+def test_pipebd_equals_sequential_distillation(tmp_path, layout, world, stage_of_rank):
+    # relay: decoupled=False; replicated: stage 0 on two processes, rank 0 sends the other its half of each batch
+    codes, text = _launch(world, "distill", tmp_path, "distributed", layout)
+    assert codes == [0] * world, text[-3000:]
+    ref = w.distill_program(w.distill_pipeline("sequential", "two" if layout == "relay" else layout), tmp_path / "ref")
+    _check_distill(tmp_path, layout, world, stage_of_rank, ref)
+    if layout == "two":  # the distributed checkpoint resumes under the sequential runtime
+        again = w.distill_pipeline("sequential", "two")
+        again.load(tmp_path / "two" / "ckpt")
+        _assert_states(w.stage_states(again), ref["after_steps"], 1)
+
+
+def test_dna_baseline_is_data_parallel_and_equals_sequential(tmp_path):
+    codes, text = _launch(2, "distill", tmp_path, "dna", "one")
+    assert codes == [0, 0], text[-3000:]
+    ref = w.distill_program(w.distill_pipeline("sequential", "one"), tmp_path / "ref")
+    _check_distill(tmp_path, "one", 2, [0, 0], ref)
+
+
+def test_a_replicated_ppll_stage_equals_sequential(tmp_path):
+    codes, text = _launch(3, "replicated", tmp_path)
+    assert codes == [0, 0, 0], text[-3000:]
+    ref = w.replicated_program(w.replicated_chain("sequential"))
+    for r, stage in enumerate([0, 1, 1]):
+        rec = torch.load(tmp_path / f"replicated-{r}.pt")
+        _assert_states(rec["final"], ref["final"], stage)
+        assert rec["accuracy"] == ref["accuracy"]
+    assert torch.load(tmp_path / "replicated-1.pt")["samples"] == ref["samples"] == [14]

@@ -19,7 +19,7 @@ from torch import Tensor
 from ..errors import PPLLError
 from ..plan import TensorSpec
 from .local import Counts, Losses, Runtime
-from .stage import EVAL, TRAIN, Message, Recent, StageError, TrainConfig, dtype_of, make_runners
+from .stage import EVAL, TRAIN, Message, Recent, StageError, TrainConfig, add_counts, dtype_of
 
 __all__ = ["DistributedRuntime", "ERROR_KEY"]
 
@@ -136,15 +136,43 @@ def _init_group(stages: int, timeout: float) -> bool:
 
 def _check_same_plan(plan: Any, world: int) -> None:
     """Every rank must run the same cuts and heads: a plan measured by time may differ from process to process."""
-    mine = {"cuts": list(plan.cuts), "heads": [s.head.config for s in plan.stages]}
+    mine = {"cuts": list(plan.cuts), "heads": [s.head.config for s in plan.stages],
+            "replicas": [s.replicas for s in plan.stages], "blocks": [list(s.blocks) for s in plan.stages]}
     plans: list[Any] = [None] * world
     dist.all_gather_object(plans, mine)
     differ = [r for r, p in enumerate(plans) if p != plans[0]]
     if differ:
         raise PPLLError(f"the processes compiled different plans: rank 0 cuts after {plans[0]['cuts']}, rank "
-                        f"{differ[0]} after {plans[differ[0]]['cuts']}" + (" (and other heads)" if plans[0]["cuts"]
+                        f"{differ[0]} after {plans[differ[0]]['cuts']}" + (" (and other heads or replicas)" if plans[0]["cuts"]
                         == plans[differ[0]]["cuts"] else "") + ". Plan once (e.g. plan.save('plan.json') on "
                         "one process) and compile with plan='plan.json' on every rank")
+
+
+def _rows(v: Any, spec: TensorSpec | None, planned: int) -> bool:
+    """Whether ``v`` is split by rows between replicas: a tensor whose dimension 0 is the batch."""
+    return isinstance(v, Tensor) and spec is not None and bool(spec.shape) and spec.shape[0] == planned
+
+
+def _split(msg: Message, specs: tuple[TensorSpec, ...], planned: int, parts: int) -> list[Message]:
+    """``msg`` cut by rows into ``parts`` near-equal slices, one per replica (other values go to each whole)."""
+    if parts == 1:
+        return [msg]
+    if msg.size < parts:
+        raise PPLLError(f"a batch of {msg.size} example(s) cannot be split over {parts} replicas; feed batches of "
+                        f"at least {parts} examples")
+
+    def cut(v: Any, rows: bool) -> Any:
+        return v.tensor_split(parts) if rows else [v] * parts
+
+    columns = [cut(v, _rows(v, s, planned)) for v, s in zip(msg.values, specs)]
+    targets, raws = cut(msg.target, True), cut(msg.raw, msg.raw is not None)
+    return [Message(index=msg.index, values=tuple(c[i] for c in columns), target=targets[i], raw=raws[i],
+                    kind=msg.kind, whole=msg.whole or msg.size) for i in range(parts)]
+
+
+def _join(values: list[Any], spec: TensorSpec | None, planned: int) -> Any:
+    """The parts of one value received from several replicas, joined by rows (or the first, if not split)."""
+    return torch.cat(values) if _rows(values[0], spec, planned) and len(values) > 1 else values[0]
 
 
 def _device(rank: int) -> torch.device:
@@ -160,7 +188,9 @@ def _device(rank: int) -> torch.device:
 
 
 class DistributedRuntime(Runtime):
-    """One process per stage: rank ``r`` trains stage ``r``; FIFO (same computation as sequential) or latest.
+    """One process per stage replica: ranks are given to the stages in order, ``plan.stages[j].replicas`` each.
+
+    FIFO is the same computation as sequential; ``queue="latest"`` needs one process per stage.
 
     ``step``/``finish``/``epoch`` must be called in the same order on every process (the trainer's ``fit``,
     ``evaluate``, ``save`` and ``load`` do). ``epoch`` ends with an all-gather of the stage losses, so on
@@ -169,8 +199,8 @@ class DistributedRuntime(Runtime):
     Rank ``r`` runs on ``cuda:LOCAL_RANK`` (or the CPU). Only rank 0 reads data; every batch travels down
     the ranks as a fixed-length int64 header followed by its tensors::
 
-        header   kind, batch index, batch size, target dtype code, target ndim, raw present, extra bytes, 0,
-                 target shape (padded to 8 dims)
+        header   kind, batch index, batch size, target dtype code, target ndim, raw present, extra bytes,
+                 whole batch size (0 unless the part is a replica's slice), target shape (padded to 8 dims)
         tensors  the boundary values (in the plan's order), the target, the raw input if a later head needs it
 
     Receive buffers are sized from the plan (``plan.stages[r - 1].boundary``; the raw input from the first
@@ -178,6 +208,12 @@ class DistributedRuntime(Runtime):
     header's batch size, so a smaller last batch works and no shapes are exchanged per step. Python scalars
     that cross a cut (sizes read off tensors) travel as one-element tensors (int64 for ``int`` and ``bool``,
     float64 for ``float``) and arrive as the same Python type.
+
+    Replicas: a sender cuts each batch by rows into one slice per replica of the next stage (rank 0 also
+    for the other replicas of stage 0), and a replica joins the slices it gets from every replica before
+    it. Each replica trains under DDP in its stage's group on its slice, its loss scaled by
+    ``slice * replicas / batch`` so that the all-reduced gradient is the whole batch's. ``decoupled=False``
+    puts a barrier over all ranks after every batch (relaying without decoupled updates).
 
     A thread per process receives one epoch's batches (until the END header) into a bounded queue; the main
     thread trains and sends on with ``isend`` (at most ``depth`` batches outstanding) and, with
@@ -192,37 +228,68 @@ class DistributedRuntime(Runtime):
     peer.
     """
 
-    def __init__(self, compiled: Any, config: TrainConfig, *, depth: int, latest: bool, timeout: float) -> None:
+    def __init__(self, compiled: Any, config: TrainConfig, *, depth: int, latest: bool, timeout: float,
+                 decoupled: bool = True) -> None:
         plan = compiled.plan
         k = plan.num_stages
-        self._owns_group = _init_group(k, timeout)
+        self._owns_group = _init_group(plan.world_size, timeout)
         try:
             world = dist.get_world_size()
-            if world != k:
-                raise PPLLError(f"the plan has {k} stages, so it needs {k} processes; got world size {world} "
-                                f"(launch with torchrun --nproc-per-node={k}, or compile with gpus={world})")
+            if world != plan.world_size:
+                replicas = f" ({' + '.join(str(s.replicas) for s in plan.stages)} replicas)" \
+                    if plan.world_size != k else ""
+                raise PPLLError(f"the plan has {k} stages{replicas}, so it needs {plan.world_size} processes; got "
+                                f"world size {world} (launch with torchrun --nproc-per-node={plan.world_size}, or "
+                                f"compile with gpus={world})")
+            if latest and plan.world_size != k:
+                raise PPLLError('queue="latest" needs one process per stage: the replicas of a stage must train '
+                                'on the same number of batches; compile with replicas=False or use queue="fifo"')
             self.rank = dist.get_rank()
             _check_same_plan(plan, world)
+            first = [sum(s.replicas for s in plan.stages[:j]) for j in range(k + 1)]
+            self._ranks = [list(range(first[j], first[j + 1])) for j in range(k)]
+            """The ranks of every stage's replicas."""
+            self.stage = max(j for j in range(k) if first[j] <= self.rank)
+            self.replica = self.rank - first[self.stage]
+            group = None
+            for j, ranks in enumerate(self._ranks):  # every rank creates every group, in the same order
+                g = dist.new_group(ranks) if len(ranks) > 1 else None
+                group = g if j == self.stage else group
+            self._sync = None if decoupled else dist.new_group(list(range(world)))
             self.device = _device(self.rank)
-            self.runners = make_runners(compiled, config, [self.rank], [self.device])
+            self.runners = compiled.make_runners(config, [self.stage], [self.device], [group])
         except BaseException:
             if self._owns_group:
                 dist.destroy_process_group()
             raise
         self.runner = self.runners[0]
         self.num_stages = k
-        self.is_main_writer = self.rank == 0
+        self.is_main_writer = self.reads_data = self.rank == 0
+        self.is_main = self.stage == k - 1 and self.replica == 0
         backend = str(dist.get_backend())
         self._comm = self.device if self.device.type == "cuda" and "nccl" in backend else torch.device("cpu")
         """Where send and receive buffers live: the GPU under NCCL, else the CPU (gloo)."""
         self._depth = depth
         self._latest = latest
         self._planned = plan.batch_size
-        self._in_specs = plan.stages[self.rank - 1].boundary if self.rank > 0 else ()
-        self._out_specs = plan.stages[self.rank].boundary
+        fed = self.stage == 0 and self.replica > 0  # receives its slice of the data from rank 0
+        self._upstream = [0] if fed else self._ranks[self.stage - 1] if self.stage > 0 else []
+        self._feeds = self._ranks[0][1:] if self.rank == 0 else []
+        """Rank 0: the other replicas of stage 0, which it sends their slices of every batch."""
+        self._downstream = self._ranks[self.stage + 1] if self.stage < k - 1 else []
+        self._data_specs = plan.inputs
+        self._in_specs = plan.inputs if fed else plan.stages[self.stage - 1].boundary if self.stage > 0 else ()
+        self._out_specs = plan.stages[self.stage].boundary
         self._raw_spec = next((s for s in plan.inputs if dtype_of(s.dtype) is not None), None)
+        for j, specs in ((j, plan.stages[j - 1].boundary if j else plan.inputs) for j in range(k)):
+            split = plan.stages[j].replicas > 1 or (j > 0 and plan.stages[j - 1].replicas > 1)
+            if split and any(dtype_of(t.dtype) is None for t in specs):
+                raise PPLLError(f"stage {j} is replicated (or follows a replicated stage), but its input carries a "
+                                f"Python scalar, which cannot be split by rows; compile with replicas=False or "
+                                f"cut elsewhere")
         self._sends: deque[tuple[list[Any], list[Tensor]]] = deque()
         self._inbox: _Inbox | None = None
+        self._receiving_from = self._upstream[0] if self._upstream else 0
         self._recent = Recent()
         self._open = False  # batches sent (rank 0) or taken (others) since the last END
         self._ended = False  # an END taken by step() that no finish() has matched yet
@@ -231,19 +298,20 @@ class DistributedRuntime(Runtime):
         self._closed = False
 
     # ---- the trainer's side -------------------------------------------------------------------
-    @property
-    def _last(self) -> bool:
-        return self.rank == self.num_stages - 1
-
     def _losses(self, mine: list[float]) -> Losses:
-        return [list(mine) if i == self.rank else [] for i in range(self.num_stages)]
+        """Per stage, ``mine`` for this rank's stage; a replicated stage reports its first replica's losses."""
+        return [list(mine) if i == self.stage and self.replica == 0 else [] for i in range(self.num_stages)]
+
+    def _by_stage(self, per_rank: list[Any]) -> list[list[Any]]:
+        """Values gathered from every rank, grouped by stage (replicas in order)."""
+        return [[per_rank[r] for r in ranks] for ranks in self._ranks]
 
     def step(self, msg: Message | None) -> Losses:
         """Rank 0: train stage 0 on ``msg`` and send it on. Other ranks: receive one batch, train, send on."""
         self._raise_if_failed()
         if self.rank == 0:
             assert msg is not None, "rank 0 reads the data: step() needs a batch there"
-            return self._losses([self._train(msg, False)])
+            return self._losses([self._train(self._scatter(msg, _TRAIN), False)])
         item, reused = self._take(reuse=self._latest)
         if item is _END_ITEM:
             self._ended = True
@@ -268,7 +336,7 @@ class DistributedRuntime(Runtime):
             for msg in self._feed(messages):
                 losses = self.step(msg)
                 mine += losses[0]
-                on_step(losses, msg.size)
+                on_step(losses, msg.size)  # the whole batch: rank 0 counts the samples fed in
             on_step(self.finish(), 0)
         else:
             self._raise_if_failed()
@@ -276,24 +344,24 @@ class DistributedRuntime(Runtime):
             for loss, size in self._until_end():
                 mine.append(loss)
                 on_step(self._losses([loss]), size)
-        others = self.gather(mine)
-        on_step([[] if i == self.rank else list(ls) for i, ls in enumerate(others)], 0)
+        first = [replicas[0] for replicas in self._by_stage(self.gather(mine))]
+        on_step([[] if i == self.stage and self.replica == 0 else list(ls) for i, ls in enumerate(first)], 0)
 
     def evaluate(self, messages: Iterable[Message]) -> Counts:
         """Eval-mode forward pipelined through the ranks; every stage's (right, seen) counts on every rank."""
         self.finish()
-        right: int | None = 0
+        tally: Any = ()
         seen = 0
         self.runner.train_mode(False)
         try:
             if self.rank == 0:
-                batches: Iterable[Any] = self._feed(messages)
+                batches: Iterable[Any] = (self._scatter(m, _EVAL) for m in self._feed(messages))
             else:
                 self._ended = False
                 batches = self._eval_batches()
             for msg in batches:
                 out, count = self._guard(msg.index, lambda m=msg: self.runner.eval_step(m))
-                right = None if count is None or right is None else right + count
+                tally = add_counts(tally, count)
                 seen += msg.size
                 if out is not None:
                     self._send(out, _EVAL)
@@ -301,13 +369,22 @@ class DistributedRuntime(Runtime):
                 self._end()  # the other ranks forward END as they take it
         finally:
             self.runner.train_mode(True)
-        return [tuple(c) for c in self.gather((right, seen))]  # type: ignore[misc]
+        counts = []
+        for replicas in self._by_stage(self.gather((tally, seen))):
+            total: Any = ()
+            for t, _ in replicas:
+                total = add_counts(total, t)
+            counts.append((total, sum(n for _, n in replicas)))
+        return counts
+
+    def states(self) -> list[dict[str, Any]]:
+        return [self.runner.state_dict()] if self.replica == 0 else []  # replicas hold the same state
 
     def barrier(self) -> None:
         dist.barrier()
 
     def gather(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * self.num_stages
+        out: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(out, obj)
         return out
 
@@ -317,9 +394,9 @@ class DistributedRuntime(Runtime):
             return
         self._closed = True
         if self._open and self._error is None:
-            report = {"stage": self.rank, "batch": None, "by": self.rank, "traceback": "",
-                      "message": f"the process of stage {self.rank} closed the pipeline in the middle of an "
-                                 f"epoch (an exception in its training script?)"}
+            report = {"stage": self.stage, "batch": None, "by": self.stage, "traceback": "",
+                      "message": f"the process of stage {self.stage} (rank {self.rank}) closed the pipeline in the "
+                                 f"middle of an epoch (an exception in its training script?)"}
             self._publish(report)
             self._stop_downstream(report)
         if self._inbox is not None:
@@ -343,9 +420,9 @@ class DistributedRuntime(Runtime):
         try:
             return fn()
         except Exception as e:  # noqa: BLE001 - every failure must stop the pipeline and reach every rank
-            report = {"stage": self.rank, "batch": batch, "by": self.rank, "message": f"{type(e).__name__}: {e}",
-                      "traceback": traceback.format_exc()}
-            self._error = StageError(self.rank, batch, report["message"], report["traceback"])
+            report = {"stage": self.stage, "batch": batch, "by": self.stage,
+                      "message": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+            self._error = StageError(self.stage, batch, report["message"], report["traceback"])
             self._publish(report)
             self._stop_downstream(report)
             raise self._error from e
@@ -355,25 +432,39 @@ class DistributedRuntime(Runtime):
         self.runner.reused += reused
         if out is not None and not reused:
             self._send(out, _TRAIN)
+        if self._sync is not None:  # decoupled=False: the next batch starts when every stage is done with this
+            dist.barrier(group=self._sync)
         return float(loss)
 
-    def _send(self, msg: Message, kind: int) -> None:
-        tensors = self._guard(msg.index, lambda: self._pack(msg, kind))
+    def _scatter(self, msg: Message, kind: int) -> Message:
+        """Rank 0: send the other replicas of stage 0 their slices of a batch; this rank's own slice."""
+        if not self._feeds:
+            return msg
+        specs = self._data_specs
+        parts = self._guard(msg.index, lambda: _split(msg, specs, self._planned, 1 + len(self._feeds)))
         self._open = True
-        self._post(tensors)
+        self._post([(dst, self._guard(msg.index, lambda p=p: self._pack(p, kind, specs)))
+                    for dst, p in zip(self._feeds, parts[1:])])
+        return parts[0]
 
-    def _pack(self, msg: Message, kind: int) -> list[Tensor]:
-        """The header and tensors of ``msg``, checked against the plan's boundary."""
-        r = self.rank
-        if len(msg.values) != len(self._out_specs):
-            raise PPLLError(f"stage {r} produced {len(msg.values)} boundary value(s); the plan has "
-                            f"{len(self._out_specs)}")
-        batch = next((int(v.shape[0]) for v, s in zip(msg.values, self._out_specs)
+    def _send(self, msg: Message, kind: int) -> None:
+        parts = self._guard(msg.index, lambda: _split(msg, self._out_specs, self._planned, len(self._downstream)))
+        packed = [(dst, self._guard(msg.index, lambda p=p: self._pack(p, kind, self._out_specs)))
+                  for dst, p in zip(self._downstream, parts)]
+        self._open = True
+        self._post(packed)
+
+    def _pack(self, msg: Message, kind: int, specs: tuple[TensorSpec, ...]) -> list[Tensor]:
+        """The header and tensors of ``msg``, checked against the plan's ``specs`` of what it carries."""
+        r = self.stage
+        if len(msg.values) != len(specs):
+            raise PPLLError(f"stage {r} produced {len(msg.values)} boundary value(s); the plan has {len(specs)}")
+        batch = next((int(v.shape[0]) for v, s in zip(msg.values, specs)
                       if isinstance(v, Tensor) and v.dim() and s.shape and s.shape[0] == self._planned), None)
         if batch is None:
             batch = int(msg.raw.shape[0]) if isinstance(msg.raw, Tensor) and msg.raw.dim() else msg.size
         payload: list[Tensor] = []
-        for v, s in zip(msg.values, self._out_specs):
+        for v, s in zip(msg.values, specs):
             dtype = dtype_of(s.dtype)
             if dtype is None:
                 if isinstance(v, Tensor) or not isinstance(v, (int, float, bool)) or s.dtype not in _SCALARS:
@@ -397,7 +488,7 @@ class DistributedRuntime(Runtime):
             payload.append(self._checked(msg.raw, self._raw_spec, batch, "the raw input"))
         shape = list(target.shape) + [0] * (_MAX_DIMS - target.dim())
         header = torch.tensor([kind, msg.index, batch, _DTYPES.index(target.dtype), target.dim(),
-                               int(msg.raw is not None), 0, 0, *shape], dtype=torch.int64)
+                               int(msg.raw is not None), 0, msg.whole or 0, *shape], dtype=torch.int64)
         return [t.detach().to(self._comm).contiguous() for t in (header, *payload)]
 
     def _checked(self, v: Any, spec: TensorSpec, batch: int, what: str) -> Tensor:
@@ -406,21 +497,22 @@ class DistributedRuntime(Runtime):
         if not isinstance(v, Tensor) or tuple(v.shape) != want or v.dtype != dtype:
             found = f"shape {_text(v.shape)} {str(v.dtype).removeprefix('torch.')}" if isinstance(v, Tensor) \
                 else type(v).__name__
-            raise PPLLError(f"stage {self.rank} sends {what} with {found}; the plan fixes {_text(want)} "
+            raise PPLLError(f"stage {self.stage} sends {what} with {found}; the plan fixes {_text(want)} "
                             f"{spec.dtype} for a batch of {batch}. The distributed runtime sizes its receive "
                             f"buffers from the plan, where only a dimension 0 equal to the planned batch size "
                             f"({self._planned}) may vary: compile with example inputs shaped like your batches")
         return v
 
-    def _post(self, tensors: list[Tensor]) -> None:
-        """``isend`` one batch's tensors downstream; wait on the oldest batch beyond ``depth`` outstanding."""
+    def _post(self, parts: list[tuple[int, list[Tensor]]]) -> None:
+        """``isend`` one batch's tensors, ``(rank, tensors)`` per receiver; wait on batches beyond ``depth``."""
+        peer = parts[0][0] if parts else self.rank
         try:
-            works = [dist.isend(t, self.rank + 1) for t in tensors]
-            self._sends.append((works, tensors))
-            while len(self._sends) > self._depth:
+            for peer, tensors in parts:
+                self._sends.append(([dist.isend(t, peer) for t in tensors], tensors))
+            while len(self._sends) > self._depth * max(1, len(parts)):
                 self._wait_oldest()
         except Exception as e:  # noqa: BLE001 - a send fails when the peer is gone
-            self._lost(e, self.rank + 1, "sending to")
+            self._lost(e, peer, "sending to")
 
     def _wait_oldest(self) -> None:
         works, _ = self._sends.popleft()
@@ -428,16 +520,16 @@ class DistributedRuntime(Runtime):
             w.wait()
 
     def _end(self) -> None:
-        """Close an epoch: send END downstream (a no-op on the last rank) and wait for every send."""
-        if not self._last:
-            header = torch.zeros(_HEADER, dtype=torch.int64)
-            header[0] = _END
-            self._post([header.to(self._comm)])
-            try:
-                while self._sends:
-                    self._wait_oldest()
-            except Exception as e:  # noqa: BLE001
-                self._lost(e, self.rank + 1, "sending to")
+        """Close an epoch: send END to every receiver (none on the last stage) and wait for every send."""
+        receivers = self._feeds + self._downstream
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header[0] = _END
+        self._post([(dst, [header.to(self._comm)]) for dst in receivers])
+        try:
+            while self._sends:
+                self._wait_oldest()
+        except Exception as e:  # noqa: BLE001
+            self._lost(e, receivers[0], "sending to")
         self._open = False
 
     def _feed(self, messages: Iterable[Message]) -> Iterator[Message]:
@@ -465,7 +557,7 @@ class DistributedRuntime(Runtime):
             if item is _END_ITEM:
                 return
             loss = self._train(self._expect(item, TRAIN), reused)
-            yield loss, 0 if reused else item.size
+            yield loss, 0 if reused else item.whole or item.size
 
     def _eval_batches(self) -> Iterator[Message]:
         while True:
@@ -476,7 +568,7 @@ class DistributedRuntime(Runtime):
 
     def _expect(self, msg: Message, kind: str) -> Message:
         if msg.kind != kind:
-            error = PPLLError(f"stage {self.rank} received an {msg.kind} batch while it expected {kind} batches: "
+            error = PPLLError(f"stage {self.stage} received an {msg.kind} batch while it expected {kind} batches: "
                               f"every process must make the same trainer calls (step/finish/fit/evaluate/save/"
                               f"load) in the same order")
             self._guard(msg.index, lambda: _raise(error))
@@ -532,11 +624,30 @@ class DistributedRuntime(Runtime):
         self._inbox = None
         if isinstance(alarm, _Stop):
             self._remote(alarm.report)
-        self._lost(alarm.error, self.rank - 1, "receiving from")  # type: ignore[union-attr]
+        self._lost(alarm.error, self._receiving_from, "receiving from")  # type: ignore[union-attr]
 
     def _receive(self) -> Any:
-        """Receive one message from the previous rank (runs on the inbox thread)."""
-        src = self.rank - 1
+        """Receive one batch from the upstream ranks, a part from each, joined by rows (on the inbox thread)."""
+        parts = []
+        for src in self._upstream:
+            self._receiving_from = src
+            part = self._receive_part(src)
+            if isinstance(part, _Stop):
+                return part
+            parts.append(part)
+        if all(p is _END_ITEM for p in parts):
+            return _END_ITEM
+        if any(p is _END_ITEM for p in parts):
+            raise PPLLError(f"stage {self.stage} received END from some replicas of stage {self.stage - 1} and "
+                            f"a batch from others")
+        first = parts[0]
+        values = tuple(_join([p.values[i] for p in parts], spec, self._planned)
+                       for i, spec in enumerate(self._in_specs))
+        raw = _join([p.raw for p in parts], self._raw_spec, self._planned) if first.raw is not None else None
+        return Message(index=first.index, values=values, target=torch.cat([p.target for p in parts]), raw=raw,
+                       kind=first.kind, whole=first.whole)
+
+    def _receive_part(self, src: int) -> Any:
         header = torch.empty(_HEADER, dtype=torch.int64, device=self._comm)
         dist.recv(header, src)
         h = header.tolist()
@@ -548,7 +659,7 @@ class DistributedRuntime(Runtime):
             dist.recv(blob, src)
             return _Stop(json.loads(bytes(blob.tolist()).decode()))
         if kind not in (_TRAIN, _EVAL):
-            raise PPLLError(f"stage {self.rank} received a header of unknown kind {kind} from stage {src}")
+            raise PPLLError(f"stage {self.stage} received a header of unknown kind {kind} from rank {src}")
         batch = h[2]
         values: list[Any] = []
         for s in self._in_specs:
@@ -572,7 +683,7 @@ class DistributedRuntime(Runtime):
         if self._comm.type == "cuda":
             torch.cuda.current_stream(self._comm).synchronize()  # the trainer reads them on its own thread
         return Message(index=h[1], values=tuple(values), target=target, raw=raw,
-                       kind=TRAIN if kind == _TRAIN else EVAL)
+                       kind=TRAIN if kind == _TRAIN else EVAL, whole=h[7] or None)
 
     # ---- faults -----------------------------------------------------------------------------------
     def _publish(self, report: dict[str, Any]) -> None:
@@ -592,18 +703,21 @@ class DistributedRuntime(Runtime):
         return None
 
     def _stop_downstream(self, report: dict[str, Any]) -> None:
-        """Send STOP with ``report`` to the next rank and give it a few seconds to be taken (best effort)."""
-        if self._last or self._stop_sent:
+        """Send STOP with ``report`` to every receiver and give them a few seconds to take it (best effort)."""
+        receivers = self._feeds + self._downstream
+        if not receivers or self._stop_sent:
             return
         self._stop_sent = True
-        try:
-            blob = torch.tensor(list(json.dumps(report).encode()), dtype=torch.uint8)
-            header = torch.zeros(_HEADER, dtype=torch.int64)
-            header[0], header[6] = _STOP, blob.numel()
-            tensors = [header.to(self._comm), blob.to(self._comm)]
-            works = [dist.isend(t, self.rank + 1) for t in tensors]
-        except Exception:  # noqa: BLE001 - the next rank is gone already
-            return
+        works = []
+        blob = torch.tensor(list(json.dumps(report).encode()), dtype=torch.uint8)
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header[0], header[6] = _STOP, blob.numel()
+        tensors = [header.to(self._comm), blob.to(self._comm)]
+        for dst in receivers:
+            try:
+                works += [dist.isend(t, dst) for t in tensors]
+            except Exception:  # noqa: BLE001 - that receiver is gone already
+                continue
         waiter = threading.Thread(target=_wait_quietly, args=(works,), name="ppll-stop", daemon=True)
         waiter.start()
         waiter.join(_LINGER)
@@ -612,20 +726,21 @@ class DistributedRuntime(Runtime):
         """Raise the StageError of another rank's ``report`` (after passing STOP on)."""
         by = report.get("by", report["stage"])
         self._error = StageError(int(report["stage"]), report.get("batch"),
-                                 f"{report['message']} (reported by stage {by} to stage {self.rank})",
+                                 f"{report['message']} (reported by stage {by} to stage {self.stage})",
                                  report.get("traceback", ""))
         self._stop_downstream(report)
         raise self._error
 
     def _lost(self, error: BaseException, peer: int, doing: str) -> None:
-        """A send or receive failed: raise the published report if any, else an error naming the lost peer."""
+        """A send or receive failed: raise the published report if any, else an error naming the lost peer rank."""
         if isinstance(error, StageError):
             raise error
         report = self._read_report()
         if report is None:
             first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            report = {"stage": peer, "batch": None, "by": self.rank, "traceback": "",
-                      "message": f"lost contact with the process of stage {peer} (rank {peer}) while {doing} it: "
+            stage = next(j for j, ranks in enumerate(self._ranks) if peer in ranks)
+            report = {"stage": stage, "batch": None, "by": self.stage, "traceback": "",
+                      "message": f"lost contact with the process of stage {stage} (rank {peer}) while {doing} it: "
                                  f"it stopped without reporting an error (killed, out of memory, crashed, or no "
                                  f"message within the process group's timeout); see its own output. "
                                  f"{type(error).__name__}: {first}"}

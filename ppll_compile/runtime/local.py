@@ -11,14 +11,15 @@ from typing import Any
 
 import torch
 
-from .stage import Message, Recent, StageError, StageRunner
+from .stage import Message, Recent, Runner, StageError, add_counts
 
 __all__ = ["Runtime", "SequentialRuntime", "ThreadsRuntime", "Losses", "Counts"]
 
 Losses = list[list[float]]
 """Per stage, the losses of the batches it finished since the last call, in order."""
-Counts = list[tuple[int | None, int]]
-"""Per stage, (right predictions of its head or ``None`` if not countable, examples seen)."""
+Counts = list[tuple[tuple[float, ...] | None, int]]
+"""Per stage, (its evaluation tally, examples seen); a PPLL stage tallies its head's right predictions, a
+Pipe-BD stage each block's summed loss; ``None`` when not countable."""
 
 _END = object()
 _POLL = 0.05  # seconds between checks for a failed stage while waiting on a queue
@@ -27,11 +28,15 @@ _POLL = 0.05  # seconds between checks for a failed stage while waiting on a que
 class Runtime:
     """What a trainer drives: ``step`` one batch in, ``finish`` to drain, ``evaluate`` and an epoch loop."""
 
-    runners: list[StageRunner]
+    runners: list[Runner]
     """The stages this process runs (all of them, except under ``distributed``)."""
     num_stages: int
     is_main_writer: bool = True
     """Whether this process writes a checkpoint's manifest."""
+    is_main: bool = True
+    """Whether this process reports progress (under ``distributed``, the last stage's first replica)."""
+    reads_data: bool = True
+    """Whether this process feeds batches (under ``distributed`` only rank 0 does)."""
 
     def step(self, msg: Message | None) -> Losses:
         raise NotImplementedError
@@ -43,14 +48,14 @@ class Runtime:
     def evaluate(self, messages: Iterable[Message]) -> Counts:
         """Eval-mode forward of every batch through every stage, counting each head's right predictions."""
         self.finish()
-        counts: list[list[Any]] = [[0, 0] for _ in self.runners]
+        counts: list[list[Any]] = [[(), 0] for _ in self.runners]
         for r in self.runners:
             r.train_mode(False)
         try:
             for msg in messages:
                 for r, c in zip(self.runners, counts):
-                    msg_out, right = r.eval_step(msg)
-                    c[0] = None if right is None or c[0] is None else c[0] + right
+                    msg_out, tally = r.eval_step(msg)
+                    c[0] = add_counts(c[0], tally)
                     c[1] += msg.size
                     msg = msg_out
         finally:
@@ -68,6 +73,10 @@ class Runtime:
             on_step(self.step(msg), msg.size)
         on_step(self.finish(), 0)
 
+    def states(self) -> list[dict[str, Any]]:
+        """The stage states this process writes into a checkpoint."""
+        return [r.state_dict() for r in self.runners]
+
     def barrier(self) -> None:
         """Wait for every process of the pipeline (nothing to wait for in one process)."""
 
@@ -82,7 +91,7 @@ class Runtime:
 class SequentialRuntime(Runtime):
     """Every stage in order on each batch, in the calling thread: local learning without pipelining."""
 
-    def __init__(self, runners: list[StageRunner]) -> None:
+    def __init__(self, runners: list[Runner]) -> None:
         self.runners = runners
         self.num_stages = len(runners)
         self._error: StageError | None = None  # after a failure the stages disagree on what they trained on
@@ -113,10 +122,17 @@ class _Stopped(Exception):
 
 
 class ThreadsRuntime(Runtime):
-    """One worker thread per stage, bounded queues between them; FIFO (same computation as sequential) or latest."""
+    """One worker thread per stage, bounded queues between them; FIFO (same computation as sequential) or latest.
 
-    def __init__(self, runners: list[StageRunner], *, depth: int, latest: bool, threads_per_stage: int) -> None:
+    ``decoupled=False`` lets a batch in only after the last stage finished the one before (a barrier per
+    batch: relaying alone, without decoupled updates).
+    """
+
+    def __init__(self, runners: list[Runner], *, depth: int, latest: bool, threads_per_stage: int,
+                 decoupled: bool = True) -> None:
         self.runners = runners
+        self._decoupled = decoupled
+        self._fed = self._done = 0  # batches put in / finished by the last stage (decoupled=False waits on them)
         self.num_stages = len(runners)
         self._depth = depth
         self._latest = latest
@@ -153,6 +169,10 @@ class ThreadsRuntime(Runtime):
             msg.events.append(event)
         try:
             self._put(self._queues[0], msg)
+            self._fed += 1
+            while not self._decoupled and self._done < self._fed:  # every stage finishes it before the next
+                if self._stop.wait(_POLL / 50):
+                    raise _Stopped
         except _Stopped:
             self._raise_if_failed()
         return self._collect()
@@ -257,6 +277,7 @@ class ThreadsRuntime(Runtime):
                         event.record(torch.cuda.current_stream(r.device))
                     with self._lock:
                         self._losses[i].append((loss, event))
+                        self._done += out_q is None
                     if out is not None and not reused:
                         self._put(out_q, out)  # type: ignore[arg-type]
         except _Stopped:

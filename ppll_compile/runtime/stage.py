@@ -16,7 +16,7 @@ from ..heads import head_loss
 from ..lower import Stage, move
 from ..plan import StagePlan
 
-__all__ = ["Message", "StageRunner", "StageError", "TrainConfig", "Recent", "dtype_of", "make_runners", "TRAIN",
+__all__ = ["Message", "Runner", "StageRunner", "add_counts", "StageError", "TrainConfig", "Recent", "dtype_of", "make_runners", "TRAIN",
            "EVAL"]
 
 TRAIN, EVAL = "train", "eval"
@@ -70,6 +70,8 @@ class Message:
     """``train`` or ``eval``."""
     events: list[Any] = field(default_factory=list)
     """CUDA events the receiver waits on before reading the tensors (threads runtime on GPUs)."""
+    whole: int | None = None
+    """Rows of the whole batch when this message is one replica's slice of it (distributed runtime)."""
 
     @property
     def size(self) -> int:
@@ -87,7 +89,7 @@ class Recent:
     def _copy(m: Message) -> Message:
         # a stage may modify its input in place (a ReLU right after the cut): keep and hand out copies
         return Message(index=m.index, values=tuple(v.clone() if isinstance(v, Tensor) else v for v in m.values),
-                       target=m.target, raw=m.raw, kind=m.kind)
+                       target=m.target, raw=m.raw, kind=m.kind, whole=m.whole)
 
     def remember(self, msg: Message) -> None:
         """Keep a copy of a new input (call it before the stage runs on ``msg``)."""
@@ -121,25 +123,46 @@ def _finite(loss: Tensor) -> bool:
     return math.isfinite(float(loss))
 
 
-class StageRunner:
-    """Owns one stage on one device: its block, aux head (none for the last stage), optimizer, scheduler and counters."""
+class _Trainable(nn.Module):
+    """The modules a stage trains, as one module that DDP can wrap: ``forward`` gives (output, loss)."""
 
-    def __init__(self, *, stage: Stage, head: nn.Module | None, plan: StagePlan, device: torch.device,
-                 config: TrainConfig, carry_raw: bool) -> None:
-        self.index = stage.index
-        self.stage = stage.to(device)
-        self.head = head.to(device) if head is not None else None
-        self.plan = plan
+    def __init__(self, stage: Stage, head: nn.Module | None, loss: Callable[[Any, Tensor], Tensor]) -> None:
+        super().__init__()
+        self.stage = stage
+        self.head = head
+        self._loss = loss
+
+    def forward(self, values: tuple[Any, ...], target: Any, raw: Tensor | None) -> tuple[Any, Tensor]:
+        out = self.stage(*values)
+        if self.head is None:
+            return out, self._loss(out, target)
+        return out, head_loss(self.head, out[0], target, raw)
+
+
+class Runner:
+    """What every kind of stage shares: its device, optimizers, schedulers, autocast, messages and counters.
+
+    A replicated stage (``plan.replicas > 1``) runs under DDP in its replica ``group``; each replica
+    trains on a slice of the batch, its loss scaled so that the all-reduced gradient is the whole batch's.
+    """
+
+    index: int
+    plan: StagePlan
+    carry_raw: bool = False
+    """Whether the message sent on keeps the raw input (a later head needs it)."""
+
+    def _setup(self, *, device: torch.device, config: TrainConfig, groups: list[list[nn.Parameter]],
+               trainable: nn.Module, group: Any) -> None:
         self.device = device
         self.config = config
-        self.carry_raw = carry_raw
-        """Whether the message sent on keeps the raw input (a later head needs it)."""
-        self.params = list(self.stage.parameters()) + (list(self.head.parameters()) if self.head else [])
+        self.params = [p for g in groups for p in g]
         if not self.params:
             raise PPLLError(f"stage {self.index} has no parameters to train; compile with fewer stages "
                             f"or other split points")
-        self.optimizer = config.optimizer(self.params)
-        self.scheduler = config.scheduler(self.optimizer) if config.scheduler is not None else None
+        self._groups = groups
+        self.optimizers = [config.optimizer(g) for g in groups]
+        """One optimizer per independently trained part (a PPLL stage: one; a Pipe-BD stage: one per block)."""
+        self.schedulers = [config.scheduler(o) for o in self.optimizers] if config.scheduler is not None else []
         self.steps = 0
         """Optimizer steps taken (batches trained on, reused inputs included)."""
         self.reused = 0
@@ -147,14 +170,28 @@ class StageRunner:
         dtype = config.autocast[self.index] if config.autocast else None
         self._autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype is not None \
             else contextlib.nullcontext
-        self._out_dtypes = tuple(dtype_of(t.dtype) for t in plan.boundary)
+        self._out_dtypes = tuple(dtype_of(t.dtype) for t in self.plan.boundary)
+        self._net: nn.Module = trainable
+        if group is not None:
+            from torch.nn.parallel import DistributedDataParallel
+            self._net = DistributedDataParallel(trainable, process_group=group,
+                                                device_ids=[device] if device.type == "cuda" else None)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The first (for a PPLL stage the only) optimizer."""
+        return self.optimizers[0]
+
+    @property
+    def scheduler(self) -> Any:
+        return self.schedulers[0] if self.schedulers else None
 
     @property
     def is_last(self) -> bool:
-        return self.head is None
+        return self.plan.is_last
 
     def modules(self) -> list[nn.Module]:
-        return [self.stage] + ([self.head] if self.head is not None else [])
+        raise NotImplementedError
 
     def train_mode(self, mode: bool) -> None:
         for m in self.modules():
@@ -184,35 +221,75 @@ class StageRunner:
             event.record(torch.cuda.current_stream(self.device))
             events.append(event)
         return Message(index=msg.index, values=values, target=msg.target, kind=msg.kind, events=events,
-                       raw=msg.raw if self.carry_raw else None)
+                       raw=msg.raw if self.carry_raw else None, whole=msg.whole)
 
-    def loss(self, out: Any, target: Any, raw: Tensor | None) -> Tensor:
-        if self.head is None:
-            fn = self.config.loss or nn.functional.cross_entropy
-            return fn(out, target)
-        return head_loss(self.head, out[0], target, raw)
+    def _forward(self, values: tuple[Any, ...], target: Any, raw: Tensor | None) -> tuple[Any, Tensor]:
+        """The stage's output (what travels on) and its loss, a mean over the batch."""
+        raise NotImplementedError
 
     def train_step(self, msg: Message) -> tuple[Message | None, Tensor]:
         """Forward, local loss, backward and optimizer step on one batch; the message for the next stage and the loss."""
         values, target, raw = self._receive(msg)
         with self._autocast():
-            out = self.stage(*values)
-            loss = self.loss(out, target, raw)
+            out, loss = self._forward(values, target, raw)
         if self.config.nan_check and not _finite(loss):
             raise FloatingPointError(f"loss is {float(loss)} (nan_check=True); lower the learning rate, clip "
                                      f"gradients (clip_grad_norm=...) or check the data")
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if self.config.clip_grad_norm is not None:
-            nn.utils.clip_grad_norm_(self.params, self.config.clip_grad_norm)
-        self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=True)
+        # a replica's slice: scaled so that DDP's mean over replicas is the whole batch's gradient
+        (loss * (msg.size * self.plan.replicas / msg.whole) if msg.whole else loss).backward()
+        for group, o in zip(self._groups, self.optimizers):
+            if self.config.clip_grad_norm is not None:
+                nn.utils.clip_grad_norm_(group, self.config.clip_grad_norm)
+            o.step()
+        for sch in self.schedulers:
+            sch.step()
         self.steps += 1
         return (None if self.is_last else self._send(msg, out, raw)), loss.detach()
 
+    def _state(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _load(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"stage": self.index, **self._state(), "optimizers": [o.state_dict() for o in self.optimizers],
+                "schedulers": [s.state_dict() for s in self.schedulers], "steps": self.steps, "reused": self.reused}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._load(state)
+        for o, sd in zip(self.optimizers, state["optimizers"]):
+            o.load_state_dict(sd)
+        for sch, sd in zip(self.schedulers, state["schedulers"]):
+            sch.load_state_dict(sd)
+        self.steps = int(state["steps"])
+        self.reused = int(state["reused"])
+
+
+class StageRunner(Runner):
+    """Owns one PPLL stage on one device: its block, aux head (none for the last stage), optimizer and counters."""
+
+    def __init__(self, *, stage: Stage, head: nn.Module | None, plan: StagePlan, device: torch.device,
+                 config: TrainConfig, carry_raw: bool, group: Any = None) -> None:
+        self.index = stage.index
+        self.stage = stage.to(device)
+        self.head = head.to(device) if head is not None else None
+        self.plan = plan
+        self.carry_raw = carry_raw
+        params = list(self.stage.parameters()) + (list(self.head.parameters()) if self.head else [])
+        self._setup(device=device, config=config, groups=[params], group=group,
+                    trainable=_Trainable(self.stage, self.head, config.loss or nn.functional.cross_entropy))
+
+    def modules(self) -> list[nn.Module]:
+        return [self.stage] + ([self.head] if self.head is not None else [])
+
+    def _forward(self, values: tuple[Any, ...], target: Any, raw: Tensor | None) -> tuple[Any, Tensor]:
+        return self._net(values, target, raw)
+
     @torch.no_grad()
-    def eval_step(self, msg: Message) -> tuple[Message | None, int | None]:
+    def eval_step(self, msg: Message) -> tuple[Message | None, tuple[int] | None]:
         """Forward in eval mode; the message for the next stage and how many labels this stage's head predicts right.
 
         The count is ``None`` when the head's output is not N x C class scores for N class labels.
@@ -222,24 +299,22 @@ class StageRunner:
             out = self.stage(*values)
             logits = out if self.head is None else self.head(out[0])
         correct = _correct(logits, target)
-        return (None if self.is_last else self._send(msg, out, None)), correct
+        return (None if self.is_last else self._send(msg, out, None)), None if correct is None else (correct,)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"stage": self.index, "backbone": self.stage.state_dict(),
-                "head": self.head.state_dict() if self.head is not None else None,
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-                "steps": self.steps, "reused": self.reused}
+    def _state(self) -> dict[str, Any]:
+        return {"backbone": self.stage.state_dict(), "head": self.head.state_dict() if self.head is not None else None}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def _load(self, state: dict[str, Any]) -> None:
         self.stage.load_state_dict(state["backbone"])
         if self.head is not None:
             self.head.load_state_dict(state["head"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.scheduler is not None and state["scheduler"] is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        self.steps = int(state["steps"])
-        self.reused = int(state["reused"])
+
+
+def add_counts(total: Any, more: Any) -> Any:
+    """Sum of two evaluation tallies (tuples of numbers, elementwise); ``None`` when either is ``None``."""
+    if total is None or more is None:
+        return None
+    return more if total == () else tuple(a + b for a, b in zip(total, more))
 
 
 def _correct(logits: Any, target: Any) -> int | None:
@@ -250,10 +325,10 @@ def _correct(logits: Any, target: Any) -> int | None:
     return int((logits.argmax(1) == target).sum())
 
 
-def make_runners(compiled: Any, config: TrainConfig, indices: Sequence[int],
-                 devices: Sequence[torch.device]) -> list[StageRunner]:
-    """Runners for the stages ``indices`` of ``compiled``, on ``devices`` (one per index)."""
+def make_runners(compiled: Any, config: TrainConfig, indices: Sequence[int], devices: Sequence[torch.device],
+                 groups: Sequence[Any] | None = None) -> list[StageRunner]:
+    """Runners for the stages ``indices`` of ``compiled``, on ``devices``, in replica ``groups`` (one per index)."""
     needs = [bool(getattr(h, "needs_input", False)) for h in compiled.heads]
     return [StageRunner(stage=compiled.stages[i], head=compiled.heads[i], plan=compiled.plan.stages[i],
-                        device=d, config=config, carry_raw=any(needs[i + 1:]))
-            for i, d in zip(indices, devices)]
+                        device=d, config=config, carry_raw=any(needs[i + 1:]), group=g)
+            for i, d, g in zip(indices, devices, groups or [None] * len(indices))]

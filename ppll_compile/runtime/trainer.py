@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from ..plan import TensorSpec
 from . import checkpoint
 from .local import Losses, Runtime, SequentialRuntime, ThreadsRuntime
-from .stage import EVAL, TRAIN, Message, StageRunner, TrainConfig, dtype_of, make_runners
+from .stage import EVAL, TRAIN, Message, Runner, TrainConfig, dtype_of
 
 __all__ = ["Trainer", "RUNTIMES", "QUEUES"]
 
@@ -55,8 +55,9 @@ class Trainer:
                  scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
                  clip_grad_norm: float | None = None, autocast: Any = None, queue_depth: int = 2,
                  queue: str = "fifo", nan_check: bool = False, threads_per_stage: int | None = None,
-                 timeout: float = 300.0) -> None:
-        _check_choice("runtime", runtime, RUNTIMES)
+                 timeout: float = 300.0, decoupled: bool = True) -> None:
+        distill = compiled.plan.mode == "pipebd"
+        _check_choice("runtime", runtime, RUNTIMES + (("dna",) if distill else ()))
         _check_choice("queue", queue, QUEUES)
         if not callable(optimizer):
             raise TypeError(f"optimizer must be a factory fn(params) -> torch.optim.Optimizer, e.g. "
@@ -66,33 +67,42 @@ class Trainer:
         if queue == "latest" and runtime == "sequential":
             raise ValueError('queue="latest" needs a pipelined runtime ("threads" or "distributed"); the '
                              'sequential runtime never waits')
+        if distill and loss is not None:
+            raise ValueError("a pipebd plan trains on the distillation losses of its policy; drop loss= and "
+                             "compile with policy=... (mse, kl or your YAML file) instead")
+        if not decoupled and (queue == "latest" or runtime in ("sequential", "dna")):
+            raise ValueError('decoupled=False (a barrier after every batch) applies to the pipelined runtimes '
+                             '"threads" and "distributed" with queue="fifo"')
         self.compiled = compiled
         self.plan = compiled.plan
         self.runtime_name = runtime
         k = self.plan.num_stages
         config = TrainConfig(optimizer=optimizer, scheduler=scheduler, loss=loss, clip_grad_norm=clip_grad_norm,
                              autocast=_autocast(autocast, k), nan_check=nan_check)
-        self._carry_raw = any(getattr(h, "needs_input", False) for h in compiled.heads)
+        self._carry_raw = compiled.carries_input
         compiled.train()
         self._runtime: Runtime
         if runtime == "distributed":
             from .distributed import DistributedRuntime
             self._runtime = DistributedRuntime(compiled, config, depth=queue_depth, latest=queue == "latest",
-                                               timeout=timeout)
+                                               timeout=timeout, decoupled=decoupled)
+        elif runtime == "dna":
+            from .distill import DNARuntime
+            self._runtime = DNARuntime(compiled, config, timeout=timeout)
         else:
-            runners = make_runners(compiled, config, range(k), compiled.devices)
+            runners = compiled.make_runners(config, range(k), compiled.devices)
             if runtime == "sequential":
                 self._runtime = SequentialRuntime(runners)
             else:
                 share = threads_per_stage or max(1, (os.cpu_count() or 1) // k)
                 self._runtime = ThreadsRuntime(runners, depth=queue_depth, latest=queue == "latest",
-                                               threads_per_stage=share)
+                                               threads_per_stage=share, decoupled=decoupled)
         self.batches = 0
         """Batches fed in so far (by this process, under ``distributed`` the first stage's)."""
 
     # ---- what runs here -------------------------------------------------------------------
     @property
-    def runners(self) -> list[StageRunner]:
+    def runners(self) -> list[Runner]:
         """The stages this process trains, each with its block, head, optimizer, scheduler and counters."""
         return self._runtime.runners
 
@@ -103,13 +113,13 @@ class Trainer:
 
     @property
     def reads_data(self) -> bool:
-        """Whether this process feeds batches (under ``distributed`` only the first stage's rank does)."""
-        return 0 in self.stages
+        """Whether this process feeds batches (under ``distributed`` only rank 0 does)."""
+        return self._runtime.reads_data
 
     @property
     def is_main(self) -> bool:
-        """Whether this process reports progress: the one running the last stage."""
-        return self.plan.num_stages - 1 in self.stages
+        """Whether this process reports progress: the one running the last stage (its first replica)."""
+        return self._runtime.is_main
 
     @property
     def steps(self) -> dict[int, int]:
@@ -130,6 +140,8 @@ class Trainer:
         else:
             values = self.compiled.bind(inputs)
         batch = self._check_inputs(values)
+        if target is None and self.plan.mode == "pipebd":  # distillation needs no labels; rows travel with the batch
+            target = torch.zeros(batch, dtype=torch.int64)
         if isinstance(target, Tensor) and target.dim() and target.shape[0] != batch:
             raise ValueError(f"target has {target.shape[0]} rows but the inputs have batch size {batch}; "
                              f"pass one label per example")
@@ -226,9 +238,14 @@ class Trainer:
         """Top-1 accuracy on ``loader`` of the final head (``accuracy``) and of every head (``stage_accuracy``).
 
         A head whose output is not class scores for class labels gets ``None``. Finishes pending batches first.
+        A pipebd plan gives instead every block's mean distillation loss (``block_loss``) and their sum (``loss``).
         """
         counts = self._runtime.evaluate(self._messages(loader, EVAL))  # type: ignore[arg-type]
-        acc = [None if right is None or not n else right / n for right, n in counts]
+        if self.plan.mode == "pipebd":
+            n = counts[-1][1]
+            block = [total / n if n else None for tally, _ in counts for total in (tally or ())]
+            return {"block_loss": block, "loss": sum(block) if n else None, "samples": n}
+        acc = [None if not tally or not n else tally[0] / n for tally, n in counts]
         return {"accuracy": acc[-1], "stage_accuracy": acc, "samples": counts[-1][1]}
 
     # ---- checkpoints -------------------------------------------------------------------------
@@ -243,7 +260,7 @@ class Trainer:
         if rt.is_main_writer:
             checkpoint.remove_manifest(path)
         rt.barrier()
-        files = [checkpoint.save_stage(path, r.state_dict()) for r in rt.runners]
+        files = [checkpoint.save_stage(path, state) for state in rt.states()]
         files = [f for part in rt.gather(files) for f in part]
         if rt.is_main_writer:
             checkpoint.write_manifest(path, checkpoint.identity(self.compiled), files, {"batches": self.batches})
