@@ -354,9 +354,9 @@ def _time_profile(a: _Analysis, heads: dict[int, HeadSpec], policy: _heads.Polic
                     # its start run, and the copying time is taken off again
                     leaves = tuple(v.requires_grad_(v.is_floating_point()) if isinstance(v, Tensor) else v
                                    for v in xs)
-                    copy = lambda: tuple(v.clone() if isinstance(v, Tensor) else v for v in leaves)  # noqa: E731
-                    full = time_callable(lambda: _backward_sum(seg(*copy())), device=device)
-                    seg_times.append(max(0.0, full - time_callable(copy, device=device)))
+                    clones = lambda: tuple(v.clone() if isinstance(v, Tensor) else v for v in leaves)  # noqa: E731
+                    full = time_callable(lambda: _backward_sum(seg(*clones())), device=device)
+                    seg_times.append(max(0.0, full - time_callable(clones, device=device)))
                 with torch.no_grad():
                     values = seg(*xs)
                 if i in heads:

@@ -4,9 +4,11 @@ Example::
 
     ppll-plan examples/resnet32.py --gpus 4 --policy infopro --memory-limit 16GiB --yaml plan.yaml
     ppll-plan examples/resnet32.py --plan plan.yaml --show      # re-apply a (hand-edited) plan
+    ppll-plan examples/pipebd_mobilenet.py --mode pipebd --gpus 4 # blockwise distillation
 
 MODEL.py defines ``build_model()`` (returning the ``nn.Module``) and ``example_inputs()`` (a tuple of
-tensors, or one tensor); module-level ``model`` and ``example_inputs`` attributes work too.
+tensors, or one tensor); module-level ``model`` and ``example_inputs`` attributes work too. For
+``--mode pipebd`` it also defines ``build_teacher()`` (or ``teacher``); ``build_model()`` is the student.
 """
 
 from __future__ import annotations
@@ -38,9 +40,11 @@ examples:
   ppll-plan examples/vit_small.py --gpus 4 --policy vit --json -
   ppll-plan examples/resnet50.py --gpus 4 --memory-limit 16GiB --optimizer adam --yaml plan.yaml
   ppll-plan examples/resnet50.py --plan plan.yaml --show    # re-apply a hand-edited plan
+  ppll-plan examples/pipebd_mobilenet.py --mode pipebd --gpus 4 --policy kl
 
 MODEL.py defines build_model() returning the nn.Module and example_inputs() returning a tuple of
 tensors (only their shapes and dtypes are used); module-level `model` / `example_inputs` work too.
+With --mode pipebd it also defines build_teacher() (or `teacher`); build_model() is the student.
 """
 
 _SIZE_UNITS = {
@@ -101,6 +105,29 @@ def _speeds(text: str) -> tuple[float, ...]:
     return tuple(_positive_float(s.strip()) for s in text.split(","))
 
 
+def _replicas(text: str) -> bool | int | tuple[int, ...]:
+    """``auto`` (the partitioner chooses), ``none``, a cap ``N``, or one count per stage ``1,2``."""
+    low = text.strip().lower()
+    if low in ("auto", "none"):
+        return low == "auto"
+    try:
+        counts = tuple(int(v) for v in low.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or any(c < 1 for c in counts):
+        raise argparse.ArgumentTypeError(f"invalid replicas {text!r}; expected auto, none, a positive cap (e.g. 2) "
+                                         f"or one count per stage (e.g. 1,2)")
+    return counts if "," in low else counts[0]
+
+
+def _pairs(text: str) -> tuple[tuple[str, str], ...]:
+    pairs = tuple(tuple(p.split(":")) for p in _names(text))
+    if not all(len(p) == 2 and all(p) for p in pairs):
+        raise argparse.ArgumentTypeError(f"invalid blocks {text!r}; expected TEACHER:STUDENT pairs, e.g. "
+                                         f"features.3:features.2,features.6:features.4")
+    return pairs  # type: ignore[return-value]
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=_PROG, description="Compile a PyTorch model into a pipeline plan for local learning.",
@@ -114,9 +141,16 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--link-bandwidth", type=_positive_float, metavar="BYTES_PER_S",
                    help="bytes per second between neighbouring stages")
     g.add_argument("--flops-per-second", type=_positive_float, metavar="F", help="device throughput in FLOP/s")
+    g.add_argument("--replicas", type=_replicas, metavar="auto|none|N|R,...",
+                   help="data-parallel replicas per stage: auto (the partitioner chooses; pipebd default), none "
+                        "(ppll default), a cap N, or one count per stage")
     g = p.add_argument_group("planning")
+    g.add_argument("--mode", choices=("ppll", "pipebd"), help="ppll (local learning, default) or pipebd "
+                   "(blockwise distillation from MODEL.py's build_teacher())")
+    g.add_argument("--blocks", type=_pairs, metavar="T:S,...", help="pipebd: name the aligned block ends, "
+                   "teacher:student module pairs")
     g.add_argument("--policy", metavar="NAME|FILE", help="aux-head policy: a shipped name (auto, dgl, infopro, "
-                   "mlp, vit) or a YAML file")
+                   "mlp, vit) or a YAML file; pipebd: the distillation loss (mse, kl) or a YAML file")
     g.add_argument("--batch-size", type=_positive_int, metavar="B", help="batch size to plan for")
     g.add_argument("--partitioner", metavar="NAME", help="exact (default) or a baseline: uniform, greedy, params")
     g.add_argument("--profile", choices=PROFILES, help="count FLOPs on fake tensors (default) or time on the device")
@@ -131,7 +165,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 _OPTION_FLAGS = ("gpus", "devices", "device_speeds", "memory_limit", "link_bandwidth", "flops_per_second",
-                 "policy", "batch_size", "partitioner", "profile", "optimizer", "split_points")
+                 "policy", "batch_size", "partitioner", "profile", "optimizer", "split_points", "replicas")
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
@@ -176,19 +210,27 @@ def _call(path: Path, what: str, fn: Callable[[], Any]) -> Any:
         raise _UsageError(f"{what} in {path} raised {type(e).__name__}: {e}") from None
 
 
-def _load_model(path: Path) -> tuple[nn.Module, tuple[Any, ...] | None, dict[str, Any] | None]:
-    """The model, example inputs (None: let ``plan()`` infer them) and example kwargs a MODEL.py defines."""
-    module = _load_file(path)
-    if callable(getattr(module, "build_model", None)):
-        model = _call(path, "build_model()", module.build_model)
-    elif hasattr(module, "model"):
-        model = module.model
+def _module_of(path: Path, module: ModuleType, name: str, what: str) -> nn.Module:
+    """The nn.Module a MODEL.py makes with ``build_<name>()`` or holds as ``<name>``."""
+    if callable(getattr(module, f"build_{name}", None)):
+        model = _call(path, f"build_{name}()", getattr(module, f"build_{name}"))
+    elif hasattr(module, name):
+        model = getattr(module, name)
     else:
-        raise _UsageError(f"{path} defines neither build_model() nor model; define build_model() returning "
-                          "the nn.Module to plan")
+        raise _UsageError(f"{path} defines neither build_{name}() nor {name}; define build_{name}() returning "
+                          f"the {what}")
     if not isinstance(model, nn.Module):
-        raise _UsageError(f"{path}: the model is a {type(model).__name__}, expected an nn.Module; make "
-                          "build_model() return the nn.Module to plan")
+        raise _UsageError(f"{path}: the {name} is a {type(model).__name__}, expected an nn.Module; make "
+                          f"build_{name}() return the {what}")
+    return model
+
+
+def _load_model(path: Path, teacher: bool = False) -> tuple[nn.Module, tuple[Any, ...] | None,
+                                                           dict[str, Any] | None, nn.Module | None]:
+    """The model, example inputs (None: let ``plan()`` infer them), example kwargs and teacher a MODEL.py defines."""
+    module = _load_file(path)
+    model = _module_of(path, module, "model", "nn.Module to plan")
+    frozen = _module_of(path, module, "teacher", "frozen teacher nn.Module to distil from") if teacher else None
 
     inputs = getattr(module, "example_inputs", None)
     if callable(inputs):
@@ -207,7 +249,7 @@ def _load_model(path: Path) -> tuple[nn.Module, tuple[Any, ...] | None, dict[str
     if kwargs is not None and not isinstance(kwargs, dict):
         raise _UsageError(f"{path}: example_kwargs is a {type(kwargs).__name__}, expected a dict of "
                           "keyword arguments for forward()")
-    return model, inputs, kwargs
+    return model, inputs, kwargs, frozen
 
 
 # ---- main --------------------------------------------------------------------------------
@@ -226,9 +268,14 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
     options = _options(args)
     PlanOptions.make(**options)  # fail on a bad flag combination before the (slow) model load
     path = Path(args.model_file)
-    model, inputs, kwargs = _load_model(path)
+    distill = args.mode == "pipebd"
+    if args.blocks is not None and not distill:
+        raise _UsageError("--blocks aligns a teacher with a student; add --mode pipebd")
+    model, inputs, kwargs, teacher = _load_model(path, teacher=distill)
+    extra = {"teacher": teacher, "blocks": args.blocks} if distill else {}
     with warnings.catch_warnings(record=True) as caught:
-        result: Plan = plan(model, example_inputs=inputs, example_kwargs=kwargs, plan=args.plan, **options)
+        result: Plan = plan(model, example_inputs=inputs, example_kwargs=kwargs, plan=args.plan, **extra,
+                            **options)
 
     show = args.show or (args.json is None and args.yaml is None)
     if to_stdout:

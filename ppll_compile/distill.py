@@ -17,9 +17,11 @@ from torch.nn import functional as F
 
 import partitioners
 import policies as _policies
-from partitioners.replicas import Layout, ReplicaProblem, layout_costs, solve_fixed_replicas, solve_replicated
+from partitioners.replicas import (Layout, ReplicaProblem, layout_costs, solve_fixed_replicas,
+                                   solve_replicated)
 
-from .api import PlanOptions, _analyse, _Analysis, _devices, _memory, _model_output_spec, _resolve_cut, first_device
+from .api import (PlanOptions, _analyse, _Analysis, _devices, _memory, _model_output_spec, _resolve_cut,
+                  first_device)
 from .cost import time_callable
 from .cuts import Cut
 from .errors import CutError, PartitionError, PolicyError
@@ -199,7 +201,8 @@ def _align(t: _Analysis, s: _Analysis, blocks: Sequence[Sequence[str]] | None,
     """The block ends as (teacher cut, student cut) index pairs; student blocks without parameters are merged."""
     pairs = _named(t, s, blocks) if blocks is not None else _match(t, s)
     if not pairs and blocks is None:
-        raise CutError(f"the teacher and the student share no boundary shape, so they cannot be cut into aligned blocks. Candidate boundaries with their shapes:\n"
+        raise CutError(f"the teacher and the student share no boundary shape, so they cannot be cut into aligned "
+                       f"blocks. Candidate boundaries with their shapes:\n"
                        f"  {_listing(t, 'teacher')}\n  {_listing(s, 'student')}\n"
                        f"Name the block ends with blocks=[(teacher_module, student_module), ...]")
     kept: list[tuple[int, int]] = []

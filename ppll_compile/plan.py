@@ -437,7 +437,8 @@ class Plan:
     # ---- display --------------------------------------------------------------------------
     def table(self) -> str:
         """The stage table and totals as plain aligned text."""
-        header = ["stage", "device", "first", "last", "nodes", "params", "fwd", "bwd", "teacher" if self.blocks else "aux",
+        header = ["stage", "device", "first", "last", "nodes", "params", "fwd", "bwd",
+                  "teacher" if self.blocks else "aux",
                   "memory", "boundary", "head", "cost ms"]
         rows = []
         b = self.bottleneck_stage

@@ -4,7 +4,6 @@ import copy
 import json
 import threading
 import time
-import warnings
 
 import pytest
 import torch
@@ -17,15 +16,7 @@ from tests.models import Residual
 BATCH = 8
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Deterministic kernels: the same reduction order in every runtime."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the CPU fallback warning of compile
-        yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread_quietly")
 
 
 def _data(n: int, last: int = BATCH, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -142,10 +142,10 @@ def _check_same_plan(plan: Any, world: int) -> None:
     dist.all_gather_object(plans, mine)
     differ = [r for r, p in enumerate(plans) if p != plans[0]]
     if differ:
+        other = " (and other heads or replicas)" if plans[0]["cuts"] == plans[differ[0]]["cuts"] else ""
         raise PPLLError(f"the processes compiled different plans: rank 0 cuts after {plans[0]['cuts']}, rank "
-                        f"{differ[0]} after {plans[differ[0]]['cuts']}" + (" (and other heads or replicas)" if plans[0]["cuts"]
-                        == plans[differ[0]]["cuts"] else "") + ". Plan once (e.g. plan.save('plan.json') on "
-                        "one process) and compile with plan='plan.json' on every rank")
+                        f"{differ[0]} after {plans[differ[0]]['cuts']}{other}. Plan once (e.g. "
+                        "plan.save('plan.json') on one process) and compile with plan='plan.json' on every rank")
 
 
 def _rows(v: Any, spec: TensorSpec | None, planned: int) -> bool:

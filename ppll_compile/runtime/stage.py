@@ -16,7 +16,8 @@ from ..heads import head_loss
 from ..lower import Stage, move
 from ..plan import StagePlan
 
-__all__ = ["Message", "Runner", "StageRunner", "add_counts", "StageError", "TrainConfig", "Recent", "dtype_of", "make_runners", "TRAIN",
+__all__ = ["Message", "Runner", "StageRunner", "add_counts", "StageError", "TrainConfig", "Recent", "dtype_of",
+           "make_runners", "TRAIN",
            "EVAL"]
 
 TRAIN, EVAL = "train", "eval"
@@ -228,7 +229,7 @@ class Runner:
         raise NotImplementedError
 
     def train_step(self, msg: Message) -> tuple[Message | None, Tensor]:
-        """Forward, local loss, backward and optimizer step on one batch; the message for the next stage and the loss."""
+        """Forward, local loss, backward and optimizer steps on one batch; the message sent on and the loss."""
         values, target, raw = self._receive(msg)
         with self._autocast():
             out, loss = self._forward(values, target, raw)

@@ -1,0 +1,320 @@
+"""Pipe-BD: block alignment, distillation losses, placement with replicas, and the one-process runtimes."""
+
+import re
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ppll_compile
+from ppll_compile import CutError, Plan, PolicyError, StageError
+from ppll_compile.cli import main
+from ppll_compile.distill import distill_loss, load_distill_policy
+from tests.models import conv_student, conv_teacher
+
+X = torch.randn(8, 3, 16, 16)
+TEACHER_ENDS = [4, 8, 12]  # conv_teacher's blocks end after these layers (exclusive), then the logits
+STUDENT_ENDS = [2, 6, 8]
+
+
+pytestmark = pytest.mark.usefixtures("one_thread_quietly")
+
+
+def _pair(seed: int = 0) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(seed)
+    return conv_teacher(), conv_student()
+
+
+def _compiled(**options):
+    teacher, student = _pair()
+    options.setdefault("split_points", ["5"])
+    return ppll_compile.compile(student, teacher=teacher, example_inputs=(X,), **options)
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def _batches(n: int, seed: int = 1, last: int = 8) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(8 if i < n - 1 else last, 3, 16, 16, generator=g) for i in range(n)]
+
+
+def _slices(model: nn.Sequential, ends: list[int]) -> list[nn.Sequential]:
+    return [model[a:b] for a, b in zip([0, *ends], [*ends, len(model)])]
+
+
+# ---- alignment ----------------------------------------------------------------------------------------
+
+def test_blocks_align_at_the_ends_of_equal_shape_runs():
+    p = _compiled().plan
+    assert p.mode == "pipebd" and p.teacher == "Sequential" and len(p.blocks) == 4
+    assert [b.teacher_module for b in p.blocks] == ["3", "7", "11", "14"]
+    assert [b.student_module for b in p.blocks] == ["1", "5", "7", "10"]
+    assert [b.output.shape for b in p.blocks] == [(8, 8, 16, 16), (8, 16, 8, 8), (8, 32, 4, 4), (8, 10)]
+    # the pooled and flattened boundaries have no student parameters before them: merged into the last block
+    assert any("no parameters; merged" in n for n in p.notes)
+    assert [s.blocks for s in p.stages] == [(0, 1), (2, 3)]
+    assert p.stages[0].boundary == (p.blocks[1].output,)
+
+
+def test_named_blocks_choose_the_boundaries():
+    teacher, student = _pair()
+    p = ppll_compile.plan(student, teacher=teacher, example_inputs=(X,), gpus=1, replicas=False,
+                          blocks=[("7", "5")])
+    assert [(b.teacher_module, b.student_module) for b in p.blocks] == [("7", "5"), ("14", "10")]
+
+
+def test_named_blocks_of_other_shapes_list_the_candidates():
+    teacher, student = _pair()
+    with pytest.raises(CutError) as info:
+        ppll_compile.plan(student, teacher=teacher, example_inputs=(X,), gpus=2, blocks=[("3", "5")])
+    text = str(info.value)
+    assert text.startswith("blocks[0]: the teacher's output at '3' has shape [8, 8, 16, 16] but the student's at "
+                           "'5' has [8, 16, 8, 8]; a student block learns the teacher's output, so the shapes must "
+                           "agree. Candidate boundaries with their shapes:\n  teacher: _3 [8, 8, 16, 16], _5 "
+                           "[8, 24, 16, 16], _7 [8, 16, 8, 8]")
+    assert "\n  student: _1 [8, 8, 16, 16], _3 [8, 12, 16, 16], _5 [8, 16, 8, 8]" in text
+
+
+def test_models_without_a_common_boundary_are_refused_with_both_sides():
+    teacher = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 4))
+    student = nn.Sequential(nn.Linear(8, 5), nn.ReLU(), nn.Linear(5, 4))
+    with pytest.raises(CutError, match=re.escape(
+            "the teacher and the student share no boundary shape, so they cannot be cut into aligned blocks. "
+            "Candidate boundaries with their shapes:\n  teacher: _1 [2, 6]\n  student: _1 [2, 5]\n"
+            "Name the block ends with blocks=[(teacher_module, student_module), ...]")):
+        ppll_compile.plan(student, teacher=teacher, example_inputs=(torch.randn(2, 8),), gpus=2)
+
+
+def test_outputs_of_other_shapes_are_refused():
+    teacher = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 4))
+    student = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 3))
+    with pytest.raises(CutError, match=re.escape("the teacher returns shape [2, 4] but the student [2, 3]")):
+        ppll_compile.plan(student, teacher=teacher, example_inputs=(torch.randn(2, 8),), gpus=2)
+
+
+def test_mode_and_teacher_must_agree():
+    teacher, student = _pair()
+    with pytest.raises(TypeError, match=re.escape("mode='pipebd' distils the model from a teacher: pass teacher=")):
+        ppll_compile.plan(student, 2, mode="pipebd", example_inputs=(X,))
+    with pytest.raises(ValueError, match=re.escape("a teacher is only used by mode='pipebd'")):
+        ppll_compile.plan(student, 2, teacher=teacher, mode="ppll", example_inputs=(X,))
+    with pytest.raises(ValueError, match=re.escape("blocks= aligns a teacher with a student")):
+        ppll_compile.plan(student, 2, blocks=[("3", "1")], example_inputs=(X,))
+
+
+# ---- lowering ----------------------------------------------------------------------------------------
+
+def test_blocks_are_transparent_and_share_the_students_parameters():
+    teacher, student = _pair()
+    c = ppll_compile.compile(student, teacher=teacher, example_inputs=(X,), gpus=2)
+    with torch.no_grad():
+        torch.testing.assert_close(c(X), student(X), rtol=0, atol=0)
+        values = (X,)
+        for block in c.teacher_blocks:
+            values = block(*values)
+        torch.testing.assert_close(values, teacher(X), rtol=0, atol=0)
+    ours = {id(p) for k in range(len(c.student_blocks)) for p in c.student_blocks[k].parameters()}
+    assert ours == {id(p) for p in student.parameters()}
+    assert not any(p.requires_grad for p in teacher.parameters()) and not teacher.training
+
+
+# ---- the loss policy ----------------------------------------------------------------------------------
+
+def test_kl_loss_is_temperature_scaled_kl_divergence():
+    s, t = torch.randn(6, 5), torch.randn(6, 5)
+    expected = (F.softmax(t / 4, 1) * (F.log_softmax(t / 4, 1) - F.log_softmax(s / 4, 1))).sum() / 6 * 16
+    loss = distill_loss(load_distill_policy("kl").last)
+    torch.testing.assert_close(loss(s, t), expected)
+    assert distill_loss(load_distill_policy("mse").last)(s, t) == F.mse_loss(s, t)
+
+
+def test_the_kl_policy_puts_kl_on_the_last_block_only():
+    p = _compiled(policy="kl").plan
+    assert [b.loss for b in p.blocks] == [{"type": "mse"}] * 3 + [{"type": "kl", "temperature": 4.0}]
+    assert p.policy == "kl" and p.stages[1].head.config == {"type": "mse+kl"}
+
+
+@pytest.mark.parametrize("policy,message", [
+    ({"loss": {"type": "l1"}}, "distillation policy: loss.type is 'l1'; known distillation losses: mse, smooth_l1, kl"),
+    ({"loss": {"type": "kl"}}, "distillation policy: loss.type kl compares class logits and fits only the last block"),
+    ({"last": {"type": "kl", "tau": 2}}, "distillation policy: last has unknown option(s) ['tau']; kl takes "
+                                         "['temperature']"),
+    ({"last": {"type": "kl", "temperature": 0}}, "distillation policy: last.temperature must be a positive number"),
+    ({"heads": {}}, "distillation policy: unknown key(s) ['heads']; a distillation policy has name, description, "
+                    "loss and last"),
+    ("nope", "unknown distillation policy 'nope': not a shipped one (kl, mse) nor a file"),
+])
+def test_bad_policies_say_what_is_wrong(policy, message):
+    with pytest.raises(PolicyError, match=re.escape(message)):
+        load_distill_policy(policy)
+
+
+def test_a_policy_file_is_read(tmp_path):
+    path = tmp_path / "huber.yaml"
+    path.write_text("loss: {type: smooth_l1, beta: 0.5}\nlast: {type: mse}\n")
+    rules = load_distill_policy(str(path))
+    assert rules.loss == {"type": "smooth_l1", "beta": 0.5} and rules.last == {"type": "mse"}
+
+
+# ---- placement ----------------------------------------------------------------------------------------
+
+def test_replicas_fixed_per_stage_and_stage_ends_by_hand():
+    p = _compiled(replicas=(2, 1)).plan
+    assert [s.replicas for s in p.stages] == [2, 1] and p.world_size == 3 and p.partitioner == "manual"
+    free = _compiled(split_points=None, replicas=(1, 2)).plan  # the partitioner groups the blocks
+    assert [s.replicas for s in free.stages] == [1, 2] and len(free.stages) == 2
+    with pytest.raises(CutError, match=re.escape("split_points: '3' is not where a block ends; a pipebd stage ends "
+                                                 "at a block end: '_1', '_5', '_7'")):
+        _compiled(split_points=["3"])
+
+
+def test_the_chosen_layout_is_optimal_for_the_plans_own_costs():
+    from partitioners.replicas import ReplicaProblem, brute_force_replicated
+    p = _compiled(split_points=None, gpus=4, profile="flops", flops_per_second=1e9, link_bandwidth=1e12).plan
+    problem = ReplicaProblem(compute=[b.cost for b in p.blocks], devices=4, allreduce_bandwidth=1e12,
+                             comm=[b.output.bytes / 1e12 for b in p.blocks[:-1]] + [0.0],
+                             grad_bytes=[b.grad_bytes for b in p.blocks], memory=[b.memory_bytes for b in p.blocks])
+    assert p.bottleneck_cost == pytest.approx(brute_force_replicated(problem).bottleneck, rel=1e-12)
+
+
+def test_a_saved_plan_is_reapplied(tmp_path):
+    p = _compiled(replicas=(1, 2), policy="kl").plan
+    path = p.save(tmp_path / "plan.json")
+    assert Plan.load(path) == p
+    teacher, student = _pair()
+    again = ppll_compile.plan(student, teacher=teacher, example_inputs=(X,), plan=path)
+    assert [s.blocks for s in again.stages] == [s.blocks for s in p.stages]
+    assert [s.replicas for s in again.stages] == [1, 2] and [b.loss for b in again.blocks] == [b.loss for b in p.blocks]
+
+
+def test_ppll_plans_take_replicas_too():
+    torch.manual_seed(0)
+    student = conv_student()
+    p = ppll_compile.plan(student, example_inputs=(X,), split_points=["5"], replicas=(2, 1))
+    assert [s.replicas for s in p.stages] == [2, 1] and p.world_size == 3
+    assert p.stages[0].comm_cost == pytest.approx(p.stages[0].boundary[0].bytes / p.link_bandwidth / 2)
+    with pytest.raises(ValueError, match=re.escape("with split_points the stages are fixed: give their replicas as "
+                                                   "a tuple")):
+        ppll_compile.plan(student, example_inputs=(X,), split_points=["5"], replicas=True)
+    with pytest.raises(ValueError, match=re.escape("replicated stages split the batch evenly over identical devices")):
+        ppll_compile.plan(student, 2, example_inputs=(X,), replicas=True, device_speeds=[1, 2])
+
+
+# ---- training -----------------------------------------------------------------------------------------
+
+def _reference(batches: list[torch.Tensor], policy: str = "mse") -> list[torch.Tensor]:
+    """Blockwise distillation written out by hand on the Sequential slices: the parameters after ``batches``."""
+    teacher, student = _pair()
+    t_blocks, s_blocks = _slices(teacher, TEACHER_ENDS), _slices(student, STUDENT_ENDS)
+    optimizers = [_sgd(list(b.parameters())) for b in s_blocks]
+    rules = load_distill_policy(policy)
+    for x in batches:
+        with torch.no_grad():
+            acts = [x]
+            for b in t_blocks:
+                acts.append(b(acts[-1]))
+        for k, (b, opt) in enumerate(zip(s_blocks, optimizers)):
+            loss = distill_loss(rules.last if k == 3 else rules.loss)(b(acts[k]), acts[k + 1])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return [p.detach().clone() for p in student.parameters()]
+
+
+def _train(runtime: str, batches, policy: str = "mse", **options) -> list[torch.Tensor]:
+    c = _compiled(policy=policy)
+    with c.trainer(optimizer=_sgd, runtime=runtime, **options) as trainer:
+        for x in batches:
+            trainer.step(x)
+    return [p.detach().clone() for p in c.model.parameters()]
+
+
+@pytest.mark.parametrize("runtime,options", [("sequential", {}), ("threads", {}), ("threads", {"decoupled": False}),
+                                             ("dna", {})])
+def test_every_runtime_equals_blockwise_distillation_by_hand(runtime, options):
+    batches = _batches(5, last=5)
+    for ours, ref in zip(_train(runtime, batches, "kl", **options), _reference(batches, "kl")):
+        torch.testing.assert_close(ours, ref)
+
+
+def test_evaluate_gives_each_blocks_mean_loss():
+    teacher, student = _pair()
+    c = ppll_compile.compile(student, teacher=teacher, example_inputs=(X,), split_points=["5"])
+    data = [(x, torch.zeros(len(x), dtype=torch.long)) for x in _batches(2, seed=3, last=5)]
+    with c.trainer(optimizer=_sgd, runtime="threads") as trainer:
+        result = trainer.evaluate(data)
+    t_blocks, s_blocks = _slices(teacher, TEACHER_ENDS), _slices(student, STUDENT_ENDS)
+    x = torch.cat([x for x, _ in data])
+    expected = []
+    with torch.no_grad():
+        for tb, sb in zip(t_blocks, s_blocks):
+            y = tb(x)
+            expected.append(float(F.mse_loss(sb(x), y)))
+            x = y
+    assert result["samples"] == 13
+    assert result["block_loss"] == pytest.approx(expected, rel=1e-5)
+    assert result["loss"] == pytest.approx(sum(expected), rel=1e-5)
+
+
+def test_checkpoints_resume_across_runtimes(tmp_path):
+    batches = _batches(6)
+    c = _compiled()
+    with c.trainer(optimizer=_sgd, runtime="threads") as trainer:
+        for x in batches[:3]:
+            trainer.step(x)
+        trainer.save(tmp_path / "ckpt")
+    c2 = _compiled()
+    with c2.trainer(optimizer=_sgd, runtime="dna") as trainer:
+        trainer.load(tmp_path / "ckpt")
+        for x in batches[3:]:
+            trainer.step(x)
+    for ours, ref in zip(c2.model.parameters(), _reference(batches)):
+        torch.testing.assert_close(ours.detach(), ref)
+
+
+def test_a_failing_block_names_its_stage():
+    c = _compiled()
+    block = c.student_blocks[2]
+    block.forward = lambda *v: (_ for _ in ()).throw(RuntimeError("student broke"))
+    with pytest.raises(StageError) as info, c.trainer(optimizer=_sgd, runtime="threads") as trainer:
+        for x in _batches(3):
+            trainer.step(x)
+        trainer.finish()
+    assert str(info.value).startswith("stage 1 failed at batch 0: RuntimeError: student broke")
+
+
+def test_trainer_options_that_do_not_fit_distillation_are_refused():
+    c = _compiled()
+    with pytest.raises(ValueError, match=re.escape("a pipebd plan trains on the distillation losses of its policy; "
+                                                   "drop loss=")):
+        c.trainer(optimizer=_sgd, loss=F.cross_entropy)
+    with pytest.raises(ValueError, match=re.escape('decoupled=False (a barrier after every batch) applies to the '
+                                                   'pipelined runtimes')):
+        c.trainer(optimizer=_sgd, runtime="dna", decoupled=False)
+    ppll = ppll_compile.compile(conv_student(), 2, example_inputs=(X,))
+    with pytest.raises(ValueError, match=re.escape("runtime='dna' is not known; choose one of sequential, threads, "
+                                                   "distributed")):
+        ppll.trainer(optimizer=_sgd, runtime="dna")
+
+
+# ---- the command line ---------------------------------------------------------------------------------
+
+def test_ppll_plan_shows_a_pipebd_plan(tmp_path, capsys):
+    path = tmp_path / "pair.py"
+    path.write_text(textwrap.dedent("""
+        import torch
+        from tests.models import conv_student, conv_teacher
+        build_model, build_teacher = conv_student, conv_teacher
+        def example_inputs():
+            return torch.randn(8, 3, 16, 16)
+    """))
+    assert main([str(path), "--mode", "pipebd", "--replicas", "1,2", "--policy", "kl"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("PIPEBD plan for Sequential from teacher Sequential (4 blocks): 2 stages on 3 devices")
+    assert "teacher ends at" in out and "cpu x2" in out and "mse+kl" in out
+    assert main([str(path), "--gpus", "2", "--blocks", "7:5"]) == 2
+    assert "--blocks aligns a teacher with a student; add --mode pipebd" in capsys.readouterr().err
