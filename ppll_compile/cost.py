@@ -94,9 +94,19 @@ def _native_mha(query: Any, key: Any, value: Any, embed_dim: int, num_heads: int
     return proj + flop_counter.sdpa_flop_count(*heads)
 
 
+def _conv_backward(grad_out: Any, x: Any, w: Any, _bias: Any, _stride: Any, _padding: Any, _dilation: Any,
+                   transposed: bool, _output_padding: Any, _groups: Any, output_mask: Sequence[bool],
+                   *args: Any, **kwargs: Any) -> int:
+    # the input gradient and the weight gradient each take as many multiply-adds as the forward convolution;
+    # torch's own formula counts a grouped (e.g. depthwise) weight gradient as if the conv were dense
+    forward = flop_counter.conv_flop_count(x, w, grad_out, transposed=transposed)
+    return forward * (int(output_mask[0]) + int(output_mask[1]))
+
+
 def _extra_formulas() -> dict[Any, Callable[..., int]]:
     aten = torch.ops.aten
     table = {
+        "convolution_backward": _conv_backward,
         "_scaled_dot_product_flash_attention_for_cpu": _sdpa_cpu,
         "_scaled_dot_product_flash_attention_for_cpu_backward": _sdpa_cpu_backward,
         "_native_multi_head_attention": _native_mha,

@@ -33,6 +33,15 @@ def test_conv_flops_closed_form():
     assert costs["_1"].flops_bwd == 2 * costs["_1"].flops_fwd
 
 
+def test_depthwise_conv_backward_costs_twice_its_forward():
+    # the weight gradient of a grouped conv sums over as many products as its forward (torch counts it dense)
+    b, c, h, w, k = 4, 16, 8, 8, 3
+    model = nn.Sequential(nn.Conv2d(3, c, 1), nn.Conv2d(c, c, k, padding=1, groups=c))
+    costs, _ = _costs(model, torch.randn(b, 3, h, w))
+    assert costs["_1"].flops_fwd == 2 * b * c * h * w * k * k
+    assert costs["_1"].flops_bwd == 2 * costs["_1"].flops_fwd
+
+
 def test_saved_activations_of_a_conv_bn_relu_block_count_each_storage_once():
     b, c, h, w = 2, 4, 6, 6
     model = nn.Sequential(nn.Conv2d(3, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU(inplace=True),
