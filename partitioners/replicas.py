@@ -25,7 +25,9 @@ class ReplicaProblem:
     A stage over segments ``[a, b)`` with ``r`` replicas costs ``work / r + sync`` seconds, where
     ``work = sum(compute[a:b]) + head[b-1] + comm[b-1]`` and, when ``r > 1``,
     ``sync = 2 (r-1)/r * (sum(grad_bytes[a:b]) + head_grad_bytes[b-1]) / allreduce_bandwidth``; each replica
-    needs ``sum(memory[a:b]) + head_memory[b-1]`` bytes. ``None`` means zeros for per-segment fields.
+    needs ``sum(memory[a:b]) + head_memory[b-1]`` bytes. ``None`` means zeros for per-segment fields. With
+    ``split_compute`` (measured times at each replica's share of the batch), ``sum(compute[a:b]) / r`` is
+    replaced by ``sum(split_compute[r-2][a:b])`` for ``r >= 2``.
     """
 
     compute: Sequence[float]
@@ -52,6 +54,9 @@ class ReplicaProblem:
     """Cap on each stage's replica count (1 disables replication); ``None`` means ``devices``."""
     stages: int | None = None
     """Exact number of stages, or ``None`` to let the solver choose any from 1 to ``min(n, devices)``."""
+    split_compute: Sequence[Sequence[float]] | None = None
+    """``split_compute[r-2][i]``: seconds of segment ``i`` on each of ``r >= 2`` replicas (at its batch share);
+    replaces ``compute[i] / r``, and caps the replicas of a stage at ``len(split_compute) + 1``."""
 
     def __post_init__(self) -> None:
         n = len(_column("compute", self.compute))
@@ -83,6 +88,12 @@ class ReplicaProblem:
                 f"ReplicaProblem.max_replicas is {self.max_replicas!r}; expected a whole number >= 1 "
                 "(1 disables replication), or None for up to devices"
             )
+        for r, row in enumerate(self.split_compute or (), 2):
+            if len(_column(f"split_compute[{r - 2}]", row)) != n:
+                raise PartitionError(
+                    f"ReplicaProblem.split_compute[{r - 2}] has {len(row)} entries but compute has {n}; "
+                    "expected one entry per segment"
+                )
         most = min(n, self.devices)
         if self.stages is not None and not (_is_whole(self.stages) and 1 <= self.stages <= most):
             raise PartitionError(
@@ -248,6 +259,8 @@ class _Tables:
     """``memory_prefix[i]`` is the summed memory of segments ``0 .. i-1`` (length n + 1)."""
     memory_top: np.ndarray
     """``memory_prefix[b] + head_memory[b-1]`` at index ``b-1``."""
+    split_prefix: np.ndarray | None
+    """``split_prefix[r-2, i]``: summed ``split_compute[r-2]`` of segments ``0 .. i-1`` (``None`` if not given)."""
     bandwidth: float
     """Bytes per second of the all-reduce."""
     limit: float
@@ -266,6 +279,10 @@ class _Tables:
             return np.concatenate(([0.0], np.cumsum(column(values))))
 
         compute, grad, memory = prefix(problem.compute), prefix(problem.grad_bytes), prefix(problem.memory)
+        split = problem.split_compute
+        cap = min(problem.max_replicas or problem.devices, problem.devices)
+        if split is not None:
+            cap = min(cap, len(split) + 1)
         return cls(
             compute_prefix=compute,
             work_top=compute[1:] + column(problem.head) + column(problem.comm),
@@ -273,9 +290,10 @@ class _Tables:
             grad_top=grad[1:] + column(problem.head_grad_bytes),
             memory_prefix=memory,
             memory_top=memory[1:] + column(problem.head_memory),
+            split_prefix=np.stack([prefix(row) for row in split]) if split else None,
             bandwidth=float(problem.allreduce_bandwidth),
             limit=math.inf if problem.memory_limit is None else float(problem.memory_limit),
-            max_replicas=min(problem.max_replicas or problem.devices, problem.devices),
+            max_replicas=cap,
         )
 
 
@@ -286,7 +304,12 @@ def _cost(t: _Tables, a, b, r):
     """
     work = t.work_top[b - 1] - t.compute_prefix[a]
     grad = t.grad_top[b - 1] - t.grad_prefix[a]
-    return work / r + 2 * (r - 1) / r * grad / t.bandwidth
+    each = work / r
+    if t.split_prefix is not None:  # measured shares: the split compute, plus the head and send divided
+        row = np.maximum(np.asarray(r) - 2, 0)
+        rest = (t.work_top[b - 1] - t.compute_prefix[b]) / r
+        each = np.where(np.asarray(r) == 1, each, t.split_prefix[row, b] - t.split_prefix[row, a] + rest)
+    return each + 2 * (r - 1) / r * grad / t.bandwidth
 
 
 def _memory(t: _Tables, a, b):

@@ -630,6 +630,7 @@ def _override(plan: Plan | str | Path | None) -> _Override | None:
             settings["devices"] = [str(get(s, "device", f"stages[{i}]")) for i, s in enumerate(stages)]
         blocks = None
         if d.get("mode") == "pipebd":
+            settings.pop("device_speeds", None)
             settings["replicas"] = replicas
             settings["split_points"] = [str(get(s, "last_node", f"stages[{i}]")) for i, s in enumerate(stages[:-1])]
             blocks = tuple((str(get(b, "teacher_nodes", f"blocks[{i}]")[-1]),

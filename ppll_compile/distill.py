@@ -258,30 +258,42 @@ def _output_spec(a: _Analysis) -> TensorSpec:
 
 
 def _time_blocks(tb: list[Stage], sb: list[Stage], losses: list[Callable], inputs: tuple[Any, ...],
-                 device: torch.device) -> list[float]:
-    """Median seconds of each block on ``device``: teacher forward plus student forward and backward.
+                 device: torch.device, replicas: int) -> list[list[float]]:
+    """Median seconds of each block on ``device`` (teacher forward plus student forward and backward), at the
+    whole batch and at each share of it that ``2 .. replicas`` replicas would train on: ``times[r - 1][k]``.
 
     Uses copies, so the models' parameters, buffers and gradients are untouched.
     """
-    times = []
+    times: list[list[float]] = [[] for _ in range(replicas)]
     values: Any = move(inputs, device)
     for t, s, loss in zip(tb, sb, losses):
         t, s = copy.deepcopy(t).to(device).eval(), copy.deepcopy(s).to(device).train()
         with torch.no_grad():
             out = t(*values)
-        target = out[0] if isinstance(out, tuple) else out
+        for r in range(1, replicas + 1):
+            rows = -(-_rows(values) // r)
+            x, y = _head_rows(values, rows), _head_rows((out,) if not isinstance(out, tuple) else out, rows)
 
-        def student_step(s: nn.Module = s, values: Any = values, target: Tensor = target,
-                         loss: Callable = loss) -> None:
-            o = s(*values)
-            loss(o[0] if isinstance(o, tuple) else o, target).backward()
+            def student_step(x: Any = x, target: Tensor = y[0], s: nn.Module = s, loss: Callable = loss) -> None:
+                o = s(*x)
+                loss(o[0] if isinstance(o, tuple) else o, target).backward()
 
-        def teacher_step(t: nn.Module = t, values: Any = values) -> None:
-            with torch.no_grad():
-                t(*values)
-        times.append(time_callable(teacher_step, device=device) + time_callable(student_step, device=device))
+            def teacher_step(x: Any = x, t: nn.Module = t) -> None:
+                with torch.no_grad():
+                    t(*x)
+            times[r - 1].append(time_callable(teacher_step, device=device) + time_callable(student_step, device=device))
         values = out
     return times
+
+
+def _rows(values: tuple[Any, ...]) -> int:
+    return next(v.shape[0] for v in values if isinstance(v, Tensor) and v.dim())
+
+
+def _head_rows(values: tuple[Any, ...], rows: int) -> tuple[Any, ...]:
+    """The first ``rows`` rows of every batch-major tensor (one replica's share)."""
+    n = _rows(values)
+    return tuple(v[:rows] if isinstance(v, Tensor) and v.dim() and v.shape[0] == n else v for v in values)
 
 
 def _stage_ends(b: _Blocks, split_points: Sequence[str]) -> list[int]:
@@ -299,8 +311,8 @@ def _stage_ends(b: _Blocks, split_points: Sequence[str]) -> list[int]:
     return out + [len(b.ends) + 1]
 
 
-def _layout(costs: list[float], b: _Blocks, opts: PlanOptions, gpus: int | None, block_memory: list[int],
-            grad_bytes: list[int]) -> Layout:
+def _layout(costs: list[float], split: list[list[float]] | None, b: _Blocks, opts: PlanOptions, gpus: int | None,
+            block_memory: list[int], grad_bytes: list[int]) -> Layout:
     """Stages and replicas: by hand (``split_points``), or by the exact partitioner (``replicas`` fixed or not)."""
     comm = [b.teacher.boundary(c)[0].bytes / opts.link_bandwidth for c in b.cuts(0)] + [0.0]
     r = opts.replicas
@@ -314,7 +326,7 @@ def _layout(costs: list[float], b: _Blocks, opts: PlanOptions, gpus: int | None,
     cap = 1 if r is False else int(r) if opts.replicas_chosen and r is not True else None
     problem = ReplicaProblem(compute=costs, comm=comm, grad_bytes=grad_bytes, memory=block_memory,
                              allreduce_bandwidth=opts.link_bandwidth, memory_limit=opts.memory_limit,
-                             devices=devices, max_replicas=cap)
+                             devices=devices, max_replicas=cap, split_compute=split)
     try:
         if manual is not None:
             reps = list(fixed or [1] * len(manual))
@@ -372,16 +384,22 @@ def build(student: nn.Module, teacher: nn.Module, example_inputs: Sequence[Any] 
         tn, sn = b.nodes(k)
         summaries.append((t.summary(tn, opts.optimizer), s.summary(sn, opts.optimizer), tn, sn))
     gpus = opts.gpus or (len(opts.devices) if opts.devices else None)
+    split: list[list[float]] | None = None
     if opts.profile == "time":
         device = first_device(opts.devices)
-        costs = _time_blocks(tb, sb, losses, t.real_inputs, device)
-        notes.append(f"costs measured as median teacher forward + student forward/backward time on {device}")
+        most = 1 if opts.replicas is False or opts.split_points is not None and not isinstance(opts.replicas, tuple) \
+            else max(opts.replicas) if isinstance(opts.replicas, tuple) else gpus or 1
+        if opts.replicas_chosen and opts.replicas is not True:
+            most = min(most, int(opts.replicas))
+        costs, *split = _time_blocks(tb, sb, losses, t.real_inputs, device, most)
+        notes.append(f"costs measured as median teacher forward + student forward/backward time on {device}"
+                     + (f", also at 1/2 .. 1/{most} of the batch (replicas)" if most > 1 else ""))
     else:
         costs = [(ts["flops_fwd"] + ss["flops_fwd"] + ss["flops_bwd"]) / opts.flops_per_second
                  for ts, ss, _, _ in summaries]
     memory = [ts["param_bytes"] + _memory(ss) for ts, ss, _, _ in summaries]
     grad_bytes = [ss["grad_bytes"] for _, ss, _, _ in summaries]
-    layout = _layout(costs, b, opts, gpus, memory, grad_bytes)
+    layout = _layout(costs, split or None, b, opts, gpus, memory, grad_bytes)
     devices = _devices(layout.devices, opts.devices[:layout.devices] if opts.devices else None, notes)
 
     block_plans = []

@@ -310,3 +310,30 @@ def test_fixed_replicas_bad_counts() -> None:
         solve_fixed_replicas(problem, [2, 2])
     with pytest.raises(PartitionError, match=re.escape("replicas (1, 0) must be 1 to 3 positive whole numbers")):
         solve_fixed_replicas(problem, [1, 0])
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_measured_split_compute_matches_brute_force(seed: int) -> None:
+    problem = _random_problem(seed)
+    rng = random.Random(seed)
+    rows = [[c / r * rng.choice([1.0, 1.5, 2.0]) for c in problem.compute] for r in range(2, rng.randint(2, 5))]
+    problem = dataclasses.replace(problem, split_compute=rows)
+    try:
+        ref = brute_force_replicated(problem)
+    except InfeasibleMemoryError:
+        with pytest.raises(InfeasibleMemoryError):
+            solve_replicated(problem)
+        return
+    layout = solve_replicated(problem)
+    assert (layout.bottleneck, layout.devices, len(layout.ends)) == (ref.bottleneck, ref.devices, len(ref.ends))
+    assert max(layout.replicas) <= len(rows) + 1
+    _check_valid(dataclasses.replace(problem, max_replicas=min(len(rows) + 1, problem.max_replicas or 99)), layout)
+
+
+def test_split_compute_that_does_not_shrink_keeps_one_replica() -> None:
+    # halving the batch does not halve the time (small kernels): replication buys nothing
+    problem = ReplicaProblem(compute=[4.0, 4.0], devices=4, split_compute=[[4.0, 4.0], [4.0, 4.0], [4.0, 4.0]])
+    layout = solve_replicated(problem)
+    assert layout.replicas == (1, 1) and layout.costs == (4.0, 4.0)
+    faster = dataclasses.replace(problem, split_compute=[[2.5, 2.0], [4.0, 4.0], [4.0, 4.0]])
+    assert solve_replicated(faster).replicas == (2, 2) and solve_replicated(faster).costs == (2.5, 2.0)

@@ -420,6 +420,9 @@ class DistributedRuntime(Runtime):
         try:
             return fn()
         except Exception as e:  # noqa: BLE001 - every failure must stop the pipeline and reach every rank
+            earlier = self._read_report()
+            if earlier is not None:  # e.g. a replica's all-reduce timed out because its peer had failed first
+                self._remote(earlier)
             report = {"stage": self.stage, "batch": batch, "by": self.stage,
                       "message": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
             self._error = StageError(self.stage, batch, report["message"], report["traceback"])
