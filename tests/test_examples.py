@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,3 +33,16 @@ def test_train_digits_quick(tmp_path: Path) -> None:
     assert by_config[("e2e", 1, None)] > 5 * CHANCE
     assert by_config[("ppll", 2, "dgl")] > 5 * CHANCE
     assert by_config[("ppll", 2, "infopro")] > 5 * CHANCE
+
+
+def test_pipebd_mobilenet_quick() -> None:
+    pytest.importorskip("torchvision")
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "pipebd_mobilenet.py"), "--quick"], cwd=EXAMPLES.parent,
+                          capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, f"pipebd_mobilenet.py --quick failed:\n{proc.stdout}\n{proc.stderr}"
+    assert "teacher ends at" in proc.stdout, f"no block table in:\n{proc.stdout}"
+    loss = {when: float(m.group(1)) for when in ("before", "after")
+            if (m := re.search(rf"^block loss {when}: ([0-9.]+)", proc.stdout, re.M))}
+    assert set(loss) == {"before", "after"}, f"no block losses before and after training in:\n{proc.stdout}"
+    assert loss["after"] < loss["before"], f"the block losses did not go down: {loss}\n{proc.stdout}"
