@@ -22,7 +22,7 @@ from partitioners.replicas import (Layout, ReplicaProblem, layout_costs, solve_f
 
 from .api import (PlanOptions, _analyse, _Analysis, _devices, _memory, _model_output_spec, _resolve_cut,
                   first_device)
-from .cost import time_callable
+from .cost import META_KEY, time_callable
 from .cuts import Cut
 from .errors import CutError, PartitionError, PolicyError
 from .lower import CompiledPipeline, Stage, move, split_stages
@@ -221,7 +221,7 @@ def _align(t: _Analysis, s: _Analysis, blocks: Sequence[Sequence[str]] | None,
 
 
 def _trainable(a: _Analysis, nodes: Sequence[Any]) -> bool:
-    return any(p in a.trainable for n in nodes for p in n.meta["ppll_cost"].params)
+    return any(p in a.trainable for n in nodes for p in n.meta[META_KEY].params)
 
 
 # ---- the plan -------------------------------------------------------------------------------------
@@ -294,6 +294,16 @@ def _head_rows(values: tuple[Any, ...], rows: int) -> tuple[Any, ...]:
     """The first ``rows`` rows of every batch-major tensor (one replica's share)."""
     n = _rows(values)
     return tuple(v[:rows] if isinstance(v, Tensor) and v.dim() and v.shape[0] == n else v for v in values)
+
+
+def _most_replicas(opts: PlanOptions, gpus: int | None) -> int:
+    """The most replicas any stage may get: what the time profile measures shares for."""
+    r = opts.replicas
+    if isinstance(r, tuple):
+        return max(r)
+    if r is False or opts.split_points is not None:
+        return 1
+    return min(gpus or 1, int(r)) if opts.replicas_chosen and r is not True else gpus or 1
 
 
 def _stage_ends(b: _Blocks, split_points: Sequence[str]) -> list[int]:
@@ -387,10 +397,7 @@ def build(student: nn.Module, teacher: nn.Module, example_inputs: Sequence[Any] 
     split: list[list[float]] | None = None
     if opts.profile == "time":
         device = first_device(opts.devices)
-        most = 1 if opts.replicas is False or opts.split_points is not None and not isinstance(opts.replicas, tuple) \
-            else max(opts.replicas) if isinstance(opts.replicas, tuple) else gpus or 1
-        if opts.replicas_chosen and opts.replicas is not True:
-            most = min(most, int(opts.replicas))
+        most = _most_replicas(opts, gpus)
         costs, *split = _time_blocks(tb, sb, losses, t.real_inputs, device, most)
         notes.append(f"costs measured as median teacher forward + student forward/backward time on {device}"
                      + (f", also at 1/2 .. 1/{most} of the batch (replicas)" if most > 1 else ""))
@@ -431,11 +438,12 @@ def build(student: nn.Module, teacher: nn.Module, example_inputs: Sequence[Any] 
             compute_cost=cost - send, comm_cost=send, cost=cost, replicas=r, blocks=tuple(range(start, end)),
             **sm))
         start, offset = end, offset + r
+    partitioner = "manual" if opts.split_points is not None else "exact" if opts.replicas is False \
+        else "exact-replicas"
     result = Plan(
         mode="pipebd", model=type(student).__name__, teacher=type(teacher).__name__, blocks=tuple(block_plans),
         inputs=s.inputs, batch_size=s.inputs[0].shape[0] if s.inputs else 0, num_classes=s.num_classes,
-        policy=rules.name, partitioner="manual" if opts.split_points is not None else "exact" if opts.replicas is False
-        else "exact-replicas", profile=opts.profile,
+        policy=rules.name, partitioner=partitioner, profile=opts.profile,
         optimizer=opts.optimizer, flops_per_second=opts.flops_per_second, link_bandwidth=opts.link_bandwidth,
         device_speeds=(1.0,) * len(stages), memory_limit=opts.memory_limit,
         legal_cuts=tuple(c.node for c in s.cuts), stages=tuple(stages), sequential_cost=sum(costs),

@@ -1,4 +1,4 @@
-"""The trainer: one training-loop API over the sequential, threads and distributed runtimes."""
+"""The trainer: one training-loop API over the sequential, threads, distributed (and DNA) runtimes."""
 
 from __future__ import annotations
 
@@ -44,10 +44,13 @@ def _shape_text(shape: Sequence[int]) -> str:
 
 
 class Trainer:
-    """Trains a compiled pipeline by local learning; build it with :meth:`CompiledPipeline.trainer`.
+    """Trains a compiled pipeline by local learning, or a student by blockwise distillation (a ``pipebd``
+    plan); build it with :meth:`CompiledPipeline.trainer`.
 
     ``step(inputs, target)`` feeds one batch and returns, per stage, the losses of the batches that stage
     finished since the last call; ``finish()`` drains the pipeline. The model is trained in place.
+    ``decoupled=False`` (pipelined runtimes) lets a batch in only when every stage is done with the one
+    before; ``runtime="dna"`` (``pipebd`` plans) is the DNA baseline.
     """
 
     def __init__(self, compiled: Any, *, optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
@@ -64,9 +67,9 @@ class Trainer:
                             f"lambda p: torch.optim.SGD(p, lr=0.1); got {optimizer!r}")
         if not (isinstance(queue_depth, int) and queue_depth >= 1):
             raise ValueError(f"queue_depth must be an integer >= 1, got {queue_depth!r}")
-        if queue == "latest" and runtime == "sequential":
-            raise ValueError('queue="latest" needs a pipelined runtime ("threads" or "distributed"); the '
-                             'sequential runtime never waits')
+        if queue == "latest" and runtime in ("sequential", "dna"):
+            raise ValueError(f'queue="latest" needs a pipelined runtime ("threads" or "distributed"); the '
+                             f'{runtime} runtime never waits')
         if distill and loss is not None:
             raise ValueError("a pipebd plan trains on the distillation losses of its policy; drop loss= and "
                              "compile with policy=... (mse, kl or your YAML file) instead")
