@@ -138,7 +138,7 @@ def _markdown(r: dict, env: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.distill", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer steps and rounds")
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    parser.add_argument("--out", default="results", help="folder for distill.json, distill.md and the plans")
     args = parser.parse_args(argv)
     folder = Path(args.out)
     folder.mkdir(parents=True, exist_ok=True)

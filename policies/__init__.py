@@ -1,4 +1,4 @@
-"""The auxiliary-head policies shipped with ppll-compile, one YAML file per policy."""
+"""The policies shipped with ppll-compile, one YAML file each: aux heads here, distillation losses in distill/."""
 
 from __future__ import annotations
 
@@ -10,31 +10,34 @@ _DIR = Path(__file__).resolve().parent
 _DISTILL = _DIR / "distill"
 
 
+def _stems(folder: Path) -> list[str]:
+    return sorted(p.stem for p in folder.glob("*.yaml"))
+
+
+def _file(folder: Path, name: str, what: str, way_out: str) -> Path:
+    if name not in _stems(folder):
+        from ppll_compile.errors import PolicyError  # deferred: ppll_compile imports this package
+
+        raise PolicyError(f"no shipped {what} {name!r}; shipped: {', '.join(_stems(folder))} ({way_out})")
+    return folder / f"{name}.yaml"
+
+
 def names() -> list[str]:
-    """The names of the shipped policies, sorted."""
-    return sorted(p.stem for p in _DIR.glob("*.yaml"))
+    """The names of the shipped aux-head policies, sorted."""
+    return _stems(_DIR)
 
 
 def path(name: str) -> Path:
-    """The YAML file of the shipped policy ``name``."""
-    if name not in names():
-        from ppll_compile.errors import PolicyError  # deferred: ppll_compile imports this package
-
-        raise PolicyError(f"no shipped policy {name!r}; shipped policies: {', '.join(names())} "
-                          f"(or pass the path to your own policy YAML file)")
-    return _DIR / f"{name}.yaml"
+    """The YAML file of the shipped aux-head policy ``name``."""
+    return _file(_DIR, name, "policy", "or pass the path to your own policy YAML file")
 
 
 def distill_names() -> list[str]:
     """The names of the shipped distillation-loss policies (``pipebd`` plans), sorted."""
-    return sorted(p.stem for p in _DISTILL.glob("*.yaml"))
+    return _stems(_DISTILL)
 
 
 def distill_path(name: str) -> Path:
     """The YAML file of the shipped distillation-loss policy ``name``."""
-    if name not in distill_names():
-        from ppll_compile.errors import PolicyError  # deferred: ppll_compile imports this package
-
-        raise PolicyError(f"no shipped distillation policy {name!r}; shipped: {', '.join(distill_names())} "
-                          f"(or pass the path to your own YAML file with 'loss:' and 'last:')")
-    return _DISTILL / f"{name}.yaml"
+    return _file(_DISTILL, name, "distillation policy", "or pass the path to your own YAML file with 'loss:' and "
+                 "'last:'")
