@@ -623,15 +623,14 @@ def _override(plan: Plan | str | Path | None) -> _Override | None:
     try:
         settings = {k: d[k] for k in _CARRIED if d.get(k) is not None}
         replicas = tuple(int(s.get("replicas", 1)) if isinstance(s, dict) else 1 for s in stages)
-        if any(r > 1 for r in replicas):  # the devices of the other replicas are not listed: default ones
+        distill = d.get("mode") == "pipebd"
+        if distill or any(r > 1 for r in replicas):  # the devices of other replicas are not listed: default ones
             settings["replicas"] = replicas
             settings.pop("device_speeds", None)
         else:
             settings["devices"] = [str(get(s, "device", f"stages[{i}]")) for i, s in enumerate(stages)]
         blocks = None
-        if d.get("mode") == "pipebd":
-            settings.pop("device_speeds", None)
-            settings["replicas"] = replicas
+        if distill:
             settings["split_points"] = [str(get(s, "last_node", f"stages[{i}]")) for i, s in enumerate(stages[:-1])]
             blocks = tuple((str(get(b, "teacher_nodes", f"blocks[{i}]")[-1]),
                             str(get(b, "student_nodes", f"blocks[{i}]")[-1]))

@@ -1,4 +1,4 @@
-"""Tests of hybrid (replicated-stage) partitioning: the exact solver against brute force, hand-checked layouts, errors."""
+"""Hybrid (replicated-stage) partitioning: the exact solvers against brute force, hand-checked layouts, errors."""
 
 from __future__ import annotations
 
@@ -170,7 +170,8 @@ def test_brute_force_enumerates_every_layout() -> None:
 
     from partitioners.replicas import _assignments
 
-    assert [list(_assignments(k, 3 - k, 3)) for k in (1, 2, 3)] == [[(1,), (2,), (3,)], [(1, 1), (1, 2), (2, 1)], [(1, 1, 1)]]
+    assert [list(_assignments(k, 3 - k, 3)) for k in (1, 2, 3)] == \
+        [[(1,), (2,), (3,)], [(1, 1), (1, 2), (2, 1)], [(1, 1, 1)]]
     assert sum(comb(2, k - 1) * len(list(_assignments(k, 3 - k, 3))) for k in (1, 2, 3)) == 10
     assert len(list(_assignments(4, 6, 2))) == 2**4  # the replica cap binds before the device count
 

@@ -46,7 +46,7 @@ class Runtime:
         raise NotImplementedError
 
     def evaluate(self, messages: Iterable[Message]) -> Counts:
-        """Eval-mode forward of every batch through every stage, counting each head's right predictions."""
+        """Eval-mode forward of every batch through every stage, with each stage's tally (see ``Counts``)."""
         self.finish()
         counts: list[list[Any]] = [[(), 0] for _ in self.runners]
         for r in self.runners:
