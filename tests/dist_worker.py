@@ -235,6 +235,10 @@ def _plans(out: Path) -> None:
     (out / f"plans-{rank}.json").write_text(json.dumps({"text": text}))
 
 
+def _raise(error: BaseException) -> Any:
+    raise error
+
+
 def main(argv: list[str]) -> None:
     torch.set_num_threads(1)
     scenario, out = argv[0], Path(argv[1])
@@ -251,6 +255,21 @@ def main(argv: list[str]) -> None:
         with distill_pipeline(runtime, "two" if layout == "relay" else layout, **options) as trainer:
             record = distill_program(trainer, out / layout)
         torch.save(record, out / layout / f"rank-{rank}.pt")
+    elif scenario == "distill-raise":  # stage 1's first student block raises on its third batch
+        rank = int(os.environ["RANK"])
+        trainer = distill_pipeline("distributed", "two")
+        block = trainer.compiled.student_blocks[2]
+        calls = iter(range(100))
+        forward = block.forward
+        block.forward = lambda *v: forward(*v) if next(calls) != 2 else _raise(RuntimeError("student broke"))
+        try:
+            with trainer:
+                trainer.fit([(x, y) for x, y in _batches(4, [8] * 8, (3, 16, 16), 10)], epochs=1, progress=False)
+            text, kind = "no error", None
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            text, kind = str(e), type(e).__name__
+        (out / f"error-{rank}.json").write_text(json.dumps({"text": text, "type": kind, "time": time.time()}))
+        sys.exit(1 if kind else 0)
     elif scenario == "replicated":
         rank = int(os.environ["RANK"])
         with replicated_chain("distributed") as trainer:

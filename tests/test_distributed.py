@@ -265,6 +265,15 @@ def test_pipebd_equals_sequential_distillation(tmp_path, layout, world, stage_of
         _assert_states(w.stage_states(again), ref["after_steps"], 1)
 
 
+def test_a_failing_student_block_stops_every_process_with_its_error(tmp_path):
+    codes, text = _launch(2, "distill-raise", tmp_path)
+    assert codes == [1, 1], text[-3000:]
+    for r, e in enumerate(_errors(tmp_path, 2)):
+        assert e["type"] == "StageError"
+        assert e["text"].startswith("stage 1 failed at batch 2: RuntimeError: student broke"), e["text"][:500]
+        assert ("reported by stage 1" in e["text"]) == (r == 0)
+
+
 def test_dna_baseline_is_data_parallel_and_equals_sequential(tmp_path):
     codes, text = _launch(2, "distill", tmp_path, "dna", "one")
     assert codes == [0, 0], text[-3000:]
