@@ -1,9 +1,10 @@
-"""ppll-compile: compile an unmodified nn.Module into a pipeline plan for local learning."""
+"""ppll-compile: compile an unmodified nn.Module into a pipeline for local learning or blockwise distillation."""
 
 from .api import PlanOptions, compile, plan
+from .distill import DistillPipeline
 from .errors import CutError, PartitionError, PlanError, PolicyError, PPLLError, TraceError
 from .lower import CompiledPipeline, Stage
-from .plan import HeadSpec, Plan, StagePlan, TensorSpec
+from .plan import BlockPlan, HeadSpec, Plan, StagePlan, TensorSpec
 from .runtime import CheckpointError, StageError, Trainer
 
 __all__ = [
@@ -12,9 +13,11 @@ __all__ = [
     "PlanOptions",
     "Plan",
     "StagePlan",
+    "BlockPlan",
     "HeadSpec",
     "TensorSpec",
     "CompiledPipeline",
+    "DistillPipeline",
     "Stage",
     "Trainer",
     "StageError",
