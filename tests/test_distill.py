@@ -2,6 +2,7 @@
 
 import re
 import textwrap
+import time
 
 import pytest
 import torch
@@ -225,8 +226,8 @@ def _reference(batches: list[torch.Tensor], policy: str = "mse") -> list[torch.T
     return [p.detach().clone() for p in student.parameters()]
 
 
-def _train(runtime: str, batches, policy: str = "mse", **options) -> list[torch.Tensor]:
-    c = _compiled(policy=policy)
+def _train(runtime: str, batches, policy: str = "mse", replicas=None, **options) -> list[torch.Tensor]:
+    c = _compiled(policy=policy, replicas=replicas)
     with c.trainer(optimizer=_sgd, runtime=runtime, **options) as trainer:
         for x in batches:
             trainer.step(x)
@@ -234,11 +235,25 @@ def _train(runtime: str, batches, policy: str = "mse", **options) -> list[torch.
 
 
 @pytest.mark.parametrize("runtime,options", [("sequential", {}), ("threads", {}), ("threads", {"decoupled": False}),
-                                             ("dna", {})])
+                                             ("dna", {}), ("threads", {"replicas": (2, 1)})])
 def test_every_runtime_equals_blockwise_distillation_by_hand(runtime, options):
+    # one process runs a replicated stage once, on the whole batch: the same computation
     batches = _batches(5, last=5)
     for ours, ref in zip(_train(runtime, batches, "kl", **options), _reference(batches, "kl")):
         torch.testing.assert_close(ours, ref)
+
+
+def test_latest_queue_trains_a_later_stage_again_while_it_waits():
+    c = _compiled()
+    slow = c.student_blocks[0]
+    forward = slow.forward
+    slow.forward = lambda *v: (time.sleep(0.05), forward(*v))[1]
+    batches = _batches(6)
+    with c.trainer(optimizer=_sgd, runtime="threads", queue="latest") as trainer:
+        for x in batches:
+            trainer.step(x)
+    assert trainer.reused[0] == 0 and 0 < trainer.reused[1] <= len(batches)
+    assert trainer.steps == {0: len(batches), 1: len(batches) + trainer.reused[1]}
 
 
 def test_evaluate_gives_each_blocks_mean_loss():
