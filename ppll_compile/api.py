@@ -72,8 +72,9 @@ class PlanOptions:
     """Classes the aux heads predict; inferred from a 2-D model output when omitted."""
     replicas: bool | int | tuple[int, ...] | None = None
     """Data-parallel replicas per stage: ``True`` lets the exact partitioner choose stages and replicas for
-    ``gpus`` devices, an int also caps the replicas of a stage, a tuple fixes them per stage (with
-    ``split_points``); ``False`` or ``None`` (the PPLL default) means one device per stage."""
+    ``gpus`` devices, an int also caps the replicas of a stage, a tuple fixes them per stage (the cuts come
+    from ``split_points`` or the partitioner); ``False`` (``None``: the PPLL default) means one device per
+    stage. ``pipebd`` plans default to ``True``."""
 
     def __post_init__(self) -> None:
         if self.gpus is not None and (not isinstance(self.gpus, int) or self.gpus < 1):
