@@ -66,6 +66,8 @@ class DistillRunner(Runner):
         self.plan = stage
         self.teacher = [t.to(device).eval() for t in teacher]
         self.student = [s.to(device) for s in student]
+        self.losses = list(losses)
+        """Each block's distillation loss, ``fn(student_out, teacher_out)``."""
         self._students = _Students(self.student, losses)
         self._setup(device=device, config=config, groups=[list(s.parameters()) for s in self.student],
                     trainable=self._students, group=group)
@@ -122,7 +124,7 @@ class DNARuntime(Runtime):
         self._parts = []  # per block: its stage's runner, its index there, the module the gradients go through
         for r in self.runners:
             for i, block in enumerate(r.student):
-                net: nn.Module = _Students([block], [r._students._losses[i]])
+                net: nn.Module = _Students([block], [r.losses[i]])
                 if self.world > 1:
                     from torch.nn.parallel import DistributedDataParallel
                     net = DistributedDataParallel(net, device_ids=[self.device] if self.device.type == "cuda"
@@ -146,13 +148,7 @@ class DNARuntime(Runtime):
             with r._autocast():
                 acts = teacher_pass(self._teacher[:k + 1], values)  # the teacher again from the input
                 loss = net(acts[-2:]).sum()
-            r.optimizers[i].zero_grad(set_to_none=True)
-            (loss * (msg.size * self.world / msg.whole) if msg.whole else loss).backward()
-            if r.config.clip_grad_norm is not None:
-                nn.utils.clip_grad_norm_(r._groups[i], r.config.clip_grad_norm)
-            r.optimizers[i].step()
-            for sch in r.schedulers[i:i + 1]:
-                sch.step()
+            r.update(loss, msg.size * self.world / msg.whole if msg.whole else 1.0, [i])
             losses[r.index] += float(loss.detach())
         for r in self.runners:
             r.steps += 1

@@ -233,21 +233,29 @@ class Runner:
         values, target, raw = self._receive(msg)
         with self._autocast():
             out, loss = self._forward(values, target, raw)
+        # a replica's slice: scaled so that DDP's mean over replicas is the whole batch's gradient
+        self.update(loss, msg.size * self.plan.replicas / msg.whole if msg.whole else 1.0)
+        self.steps += 1
+        return (None if self.is_last else self._send(msg, out, raw)), loss.detach()
+
+    def update(self, loss: Tensor, scale: float = 1.0, parts: Sequence[int] | None = None) -> None:
+        """Backward ``loss`` times ``scale``, then clip and step the optimizers (and schedulers) of ``parts``.
+
+        ``parts`` indexes :attr:`optimizers` (default: all of them).
+        """
         if self.config.nan_check and not _finite(loss):
             raise FloatingPointError(f"loss is {float(loss)} (nan_check=True); lower the learning rate, clip "
                                      f"gradients (clip_grad_norm=...) or check the data")
-        for o in self.optimizers:
-            o.zero_grad(set_to_none=True)
-        # a replica's slice: scaled so that DDP's mean over replicas is the whole batch's gradient
-        (loss * (msg.size * self.plan.replicas / msg.whole) if msg.whole else loss).backward()
-        for group, o in zip(self._groups, self.optimizers):
+        parts = range(len(self.optimizers)) if parts is None else parts
+        for i in parts:
+            self.optimizers[i].zero_grad(set_to_none=True)
+        (loss * scale if scale != 1.0 else loss).backward()
+        for i in parts:
             if self.config.clip_grad_norm is not None:
-                nn.utils.clip_grad_norm_(group, self.config.clip_grad_norm)
-            o.step()
-        for sch in self.schedulers:
-            sch.step()
-        self.steps += 1
-        return (None if self.is_last else self._send(msg, out, raw)), loss.detach()
+                nn.utils.clip_grad_norm_(self._groups[i], self.config.clip_grad_norm)
+            self.optimizers[i].step()
+            if self.schedulers:
+                self.schedulers[i].step()
 
     def _state(self) -> dict[str, Any]:
         raise NotImplementedError
