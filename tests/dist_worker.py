@@ -171,11 +171,11 @@ def distill_program(trainer: Any, out: Path) -> dict[str, Any]:
 
 
 def replicated_chain(runtime: str) -> Any:
-    """A 2-stage chain whose second stage runs on two replicas."""
+    """A 2-stage chain whose second stage runs on two replicas (traced)."""
     torch.manual_seed(0)
     compiled = ppll_compile.compile(Chain(2), example_inputs=(torch.randn(8, 8),), policy="dgl",
                                     split_points=["blocks.0"], replicas=(1, 2))
-    return compiled.trainer(optimizer=_sgd, runtime=runtime, timeout=60)
+    return compiled.trainer(optimizer=_sgd, runtime=runtime, timeout=60, trace=True)
 
 
 def replicated_program(trainer: Any) -> dict[str, Any]:
@@ -184,7 +184,8 @@ def replicated_program(trainer: Any) -> dict[str, Any]:
     trainer.finish()
     history = trainer.fit(_batches(8, [8, 6], (8,), 4), epochs=1, progress=False)
     return {"final": stage_states(trainer), "accuracy": trainer.evaluate(_batches(9, [8, 7], (8,), 4)),
-            "samples": [h["samples"] for h in history]}
+            "samples": [h["samples"] for h in history],
+            "timeline": [(e.stage, e.replica, e.batch, e.kind, e.start, e.end) for e in trainer.timeline().events]}
 
 
 # ---- faults and queue="latest" ----------------------------------------------------------------------

@@ -290,3 +290,19 @@ def test_a_replicated_ppll_stage_equals_sequential(tmp_path):
         _assert_states(rec["final"], ref["final"], stage)
         assert rec["accuracy"] == ref["accuracy"]
     assert torch.load(tmp_path / "replicated-1.pt")["samples"] == ref["samples"] == [14]
+    # every process gathers the same timeline: a lane per replica, each batch once, sends before receives
+    timelines = [torch.load(tmp_path / f"replicated-{r}.pt")["timeline"] for r in range(3)]
+    assert timelines[0] == timelines[1] == timelines[2]
+    spans: dict[tuple[int, int, str], list[tuple[int, float, float]]] = {}
+    for stage, replica, batch, kind, start, end in timelines[0]:
+        spans.setdefault((stage, replica, kind), []).append((batch, start, end))
+    lanes = {(s, r) for s, r, _ in spans}
+    assert lanes == {(0, 0), (1, 0), (1, 1)}
+    for lane in lanes:
+        assert [b for b, _, _ in spans[(*lane, "forward")]] == list(range(6))
+    assert [b for b, _, _ in spans[(0, 0, "send")]] == list(range(6))
+    for replica in (0, 1):
+        received = spans[(1, replica, "receive")]
+        assert [b for b, _, _ in received] == list(range(6))
+        for (_, sent, _), (_, _, arrived) in zip(spans[(0, 0, "send")], received):
+            assert sent <= arrived

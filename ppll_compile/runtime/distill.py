@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from ..lower import Stage, move
 from ..plan import StagePlan
+from ..timeline import span
 from .local import Counts, Losses, Runtime
 from .stage import Message, Runner, TrainConfig
 
@@ -145,10 +146,10 @@ class DNARuntime(Runtime):
         values = move(msg.values, self.device)
         losses = [0.0] * self.num_stages
         for k, (r, i, net) in enumerate(self._parts):
-            with r._autocast():
+            with span(r.recorder, "forward", msg.index), r._autocast():
                 acts = teacher_pass(self._teacher[:k + 1], values)  # the teacher again from the input
                 loss = net(acts[-2:]).sum()
-            r.update(loss, msg.size * self.world / msg.whole if msg.whole else 1.0, [i])
+            r.update(loss, msg.size * self.world / msg.whole if msg.whole else 1.0, [i], batch=msg.index)
             losses[r.index] += float(loss.detach())
         for r in self.runners:
             r.steps += 1

@@ -6,6 +6,7 @@ import json
 import os
 import queue
 import threading
+import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -18,6 +19,7 @@ from torch import Tensor
 
 from ..errors import PPLLError
 from ..plan import TensorSpec
+from ..timeline import span
 from .local import Counts, Losses, Runtime
 from .stage import EVAL, TRAIN, Message, Recent, StageError, TrainConfig, add_counts, dtype_of
 
@@ -434,7 +436,8 @@ class DistributedRuntime(Runtime):
         out, loss = self._guard(msg.index, lambda: self.runner.train_step(msg))
         self.runner.reused += reused
         if out is not None and not reused:
-            self._send(out, _TRAIN)
+            with span(self.runner.recorder, "send", msg.index):
+                self._send(out, _TRAIN)
         if self._sync is not None:  # decoupled=False: the next batch starts when every stage is done with this
             dist.barrier(group=self._sync)
         return float(loss)
@@ -579,6 +582,14 @@ class DistributedRuntime(Runtime):
 
     def _take(self, *, reuse: bool) -> tuple[Any, bool]:
         """The next input (or END) and whether it is a reused one (``queue="latest"``)."""
+        start = time.perf_counter()
+        item, reused = self._next(reuse=reuse)
+        recorder = self.runner.recorder
+        if recorder is not None and isinstance(item, Message) and item.kind == TRAIN and not reused:
+            recorder.add("receive", item.index, start, time.perf_counter())
+        return item, reused
+
+    def _next(self, *, reuse: bool) -> tuple[Any, bool]:
         if reuse:
             item = self._get(block=False)
             if item is None:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
+from ..timeline import span
 from .stage import Message, Recent, Runner, StageError, add_counts
 
 __all__ = ["Runtime", "SequentialRuntime", "ThreadsRuntime", "Losses", "Counts"]
@@ -37,6 +39,8 @@ class Runtime:
     """Whether this process reports progress (under ``distributed``, the last stage's first replica)."""
     reads_data: bool = True
     """Whether this process feeds batches (under ``distributed`` only rank 0 does)."""
+    replica: int = 0
+    """Which replica of its stage this process runs (under ``distributed``; else 0)."""
 
     def step(self, msg: Message | None) -> Losses:
         raise NotImplementedError
@@ -264,7 +268,10 @@ class ThreadsRuntime(Runtime):
         try:
             with stream:
                 while True:
+                    start = time.perf_counter()
                     msg, reused = self._next(i, recent)
+                    if r.recorder is not None and isinstance(msg, Message):
+                        r.recorder.add("receive", msg.index, start, time.perf_counter())
                     if msg is _END:
                         if out_q is not None:
                             self._put(out_q, _END)
@@ -279,7 +286,8 @@ class ThreadsRuntime(Runtime):
                         self._losses[i].append((loss, event))
                         self._done += out_q is None
                     if out is not None and not reused:
-                        self._put(out_q, out)  # type: ignore[arg-type]
+                        with span(r.recorder, "send", out.index):
+                            self._put(out_q, out)  # type: ignore[arg-type]
         except _Stopped:
             return
         except BaseException as e:  # noqa: BLE001 - every failure must stop the pipeline and reach the caller

@@ -15,6 +15,7 @@ from ..errors import PPLLError
 from ..heads import head_loss
 from ..lower import Stage, move
 from ..plan import StagePlan
+from ..timeline import Recorder, span
 
 __all__ = ["Message", "Runner", "StageRunner", "add_counts", "StageError", "TrainConfig", "Recent", "dtype_of",
            "make_runners", "TRAIN",
@@ -151,6 +152,8 @@ class Runner:
     plan: StagePlan
     carry_raw: bool = False
     """Whether the message sent on keeps the raw input (a later head needs it)."""
+    recorder: Recorder | None = None
+    """Where the stage's spans go when the trainer traces (``trace=True``)."""
 
     def _setup(self, *, device: torch.device, config: TrainConfig, groups: list[list[nn.Parameter]],
                trainable: nn.Module, group: Any) -> None:
@@ -231,17 +234,18 @@ class Runner:
     def train_step(self, msg: Message) -> tuple[Message | None, Tensor]:
         """Forward, local loss, backward and optimizer steps on one batch; the message sent on and the loss."""
         values, target, raw = self._receive(msg)
-        with self._autocast():
+        with span(self.recorder, "forward", msg.index), self._autocast():
             out, loss = self._forward(values, target, raw)
         # a replica's slice: scaled so that DDP's mean over replicas is the whole batch's gradient
-        self.update(loss, msg.size * self.plan.replicas / msg.whole if msg.whole else 1.0)
+        self.update(loss, msg.size * self.plan.replicas / msg.whole if msg.whole else 1.0, batch=msg.index)
         self.steps += 1
         return (None if self.is_last else self._send(msg, out, raw)), loss.detach()
 
-    def update(self, loss: Tensor, scale: float = 1.0, parts: Sequence[int] | None = None) -> None:
+    def update(self, loss: Tensor, scale: float = 1.0, parts: Sequence[int] | None = None, *,
+               batch: int = -1) -> None:
         """Backward ``loss`` times ``scale``, then clip and step the optimizers (and schedulers) of ``parts``.
 
-        ``parts`` indexes :attr:`optimizers` (default: all of them).
+        ``parts`` indexes :attr:`optimizers` (default: all of them); ``batch`` names the spans when tracing.
         """
         if self.config.nan_check and not _finite(loss):
             raise FloatingPointError(f"loss is {float(loss)} (nan_check=True); lower the learning rate, clip "
@@ -249,13 +253,15 @@ class Runner:
         parts = range(len(self.optimizers)) if parts is None else parts
         for i in parts:
             self.optimizers[i].zero_grad(set_to_none=True)
-        (loss * scale if scale != 1.0 else loss).backward()
-        for i in parts:
-            if self.config.clip_grad_norm is not None:
-                nn.utils.clip_grad_norm_(self._groups[i], self.config.clip_grad_norm)
-            self.optimizers[i].step()
-            if self.schedulers:
-                self.schedulers[i].step()
+        with span(self.recorder, "backward", batch):
+            (loss * scale if scale != 1.0 else loss).backward()
+        with span(self.recorder, "step", batch):
+            for i in parts:
+                if self.config.clip_grad_norm is not None:
+                    nn.utils.clip_grad_norm_(self._groups[i], self.config.clip_grad_norm)
+                self.optimizers[i].step()
+                if self.schedulers:
+                    self.schedulers[i].step()
 
     def _state(self) -> dict[str, Any]:
         raise NotImplementedError

@@ -11,7 +11,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..errors import PPLLError
 from ..plan import TensorSpec
+from ..timeline import Recorder, Timeline
 from . import checkpoint
 from .local import Losses, Runtime, SequentialRuntime, ThreadsRuntime
 from .stage import EVAL, TRAIN, Message, Runner, TrainConfig, dtype_of
@@ -50,7 +52,8 @@ class Trainer:
     ``step(inputs, target)`` feeds one batch and returns, per stage, the losses of the batches that stage
     finished since the last call; ``finish()`` drains the pipeline. The model is trained in place.
     ``decoupled=False`` (pipelined runtimes) lets a batch in only when every stage is done with the one
-    before; ``runtime="dna"`` (``pipebd`` plans) is the DNA baseline.
+    before; ``runtime="dna"`` (``pipebd`` plans) is the DNA baseline. ``trace=True`` records every stage's
+    spans (receive, forward, backward, step, send); :meth:`timeline` returns them.
     """
 
     def __init__(self, compiled: Any, *, optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
@@ -58,7 +61,7 @@ class Trainer:
                  scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
                  clip_grad_norm: float | None = None, autocast: Any = None, queue_depth: int = 2,
                  queue: str = "fifo", nan_check: bool = False, threads_per_stage: int | None = None,
-                 timeout: float = 300.0, decoupled: bool = True) -> None:
+                 timeout: float = 300.0, decoupled: bool = True, trace: bool = False) -> None:
         distill = compiled.plan.mode == "pipebd"
         _check_choice("runtime", runtime, RUNTIMES + (("dna",) if distill else ()))
         _check_choice("queue", queue, QUEUES)
@@ -76,6 +79,8 @@ class Trainer:
         if not decoupled and (queue == "latest" or runtime in ("sequential", "dna")):
             raise ValueError('decoupled=False (a barrier after every batch) applies to the pipelined runtimes '
                              '"threads" and "distributed" with queue="fifo"')
+        if not isinstance(trace, bool):
+            raise TypeError(f"trace must be True or False, got {trace!r}")
         self.compiled = compiled
         self.plan = compiled.plan
         self.runtime_name = runtime
@@ -102,6 +107,11 @@ class Trainer:
                                                threads_per_stage=share, decoupled=decoupled)
         self.batches = 0
         """Batches fed in so far (by this process, under ``distributed`` the first stage's)."""
+        self.tracing = trace
+        """Whether the stages record their spans (``trace=True``)."""
+        if trace:
+            for r in self.runners:
+                r.recorder = Recorder(r.index, self._runtime.replica, r.device)
 
     # ---- what runs here -------------------------------------------------------------------
     @property
@@ -250,6 +260,19 @@ class Trainer:
             return {"block_loss": block, "loss": sum(block) if n else None, "samples": n}
         acc = [None if not tally or not n else tally[0] / n for tally, n in counts]
         return {"accuracy": acc[-1], "stage_accuracy": acc, "samples": counts[-1][1]}
+
+    def timeline(self) -> Timeline:
+        """The spans every stage recorded so far (``trace=True``), from 0 at the earliest; ``.save(path)`` writes
+        them as a Chrome trace file for ``ppll-plan --gantt`` or Perfetto.
+
+        Under ``distributed`` it gathers the spans of every process, so every process must call it.
+        """
+        if not self.tracing:
+            raise PPLLError("this trainer records no timeline; build it with compiled.trainer(..., trace=True)")
+        mine = [e for r in self.runners for e in r.recorder.events]  # type: ignore[union-attr]
+        events = [e for part in self._runtime.gather(mine) for e in part]
+        return Timeline.of(events, "measured", model=self.plan.model, mode=self.plan.mode, runtime=self.runtime_name,
+                           stages=self.plan.num_stages, batch_size=self.plan.batch_size)
 
     # ---- checkpoints -------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> None:
