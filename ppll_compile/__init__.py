@@ -6,6 +6,8 @@ from .errors import CutError, PartitionError, PlanError, PolicyError, PPLLError,
 from .lower import CompiledPipeline, Stage
 from .plan import BlockPlan, HeadSpec, Plan, StagePlan, TensorSpec
 from .runtime import CheckpointError, StageError, Trainer
+from .simulate import Simulation, StageSimulation, simulate
+from .timeline import Event, Timeline
 
 __all__ = [
     "compile",
@@ -20,6 +22,11 @@ __all__ = [
     "DistillPipeline",
     "Stage",
     "Trainer",
+    "simulate",
+    "Simulation",
+    "StageSimulation",
+    "Timeline",
+    "Event",
     "StageError",
     "CheckpointError",
     "PPLLError",

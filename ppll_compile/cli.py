@@ -5,6 +5,8 @@ Example::
     ppll-plan examples/resnet32.py --gpus 4 --policy infopro --memory-limit 16GiB --yaml plan.yaml
     ppll-plan examples/resnet32.py --plan plan.yaml --show      # re-apply a (hand-edited) plan
     ppll-plan examples/pipebd_mobilenet.py --mode pipebd --gpus 4 # blockwise distillation
+    ppll-plan examples/resnet32.py --gpus 4 --simulate --plot cost.png --graph graph.svg --gantt gantt.png
+    ppll-plan --gantt measured.png --trace trace.json               # a timeline recorded with trace=True
 
 MODEL.py defines ``build_model()`` (returning the ``nn.Module``) and ``example_inputs()`` (a tuple of
 tensors, or one tensor); module-level ``model`` and ``example_inputs`` attributes work too. For
@@ -26,7 +28,7 @@ from typing import Any, TextIO
 
 from torch import Tensor, nn
 
-from .api import PROFILES, PlanOptions, plan
+from .api import PROFILES, PlanOptions, compile, plan
 from .cost import OPTIMIZER_STATES
 from .errors import PPLLError
 from .plan import Plan
@@ -41,6 +43,8 @@ examples:
   ppll-plan examples/resnet50.py --gpus 4 --memory-limit 16GiB --optimizer adam --yaml plan.yaml
   ppll-plan examples/resnet50.py --plan plan.yaml --show    # re-apply a hand-edited plan
   ppll-plan examples/pipebd_mobilenet.py --mode pipebd --gpus 4 --policy kl
+  ppll-plan examples/resnet32.py --gpus 4 --simulate --plot cost.png --graph graph.svg --gantt gantt.png
+  ppll-plan --gantt measured.png --trace trace.json   # draw a timeline recorded with trainer(trace=True)
 
 MODEL.py defines build_model() returning the nn.Module and example_inputs() returning a tuple of
 tensors (only their shapes and dtypes are used); module-level `model` / `example_inputs` work too.
@@ -132,7 +136,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=_PROG, description="Compile a PyTorch model into a pipeline plan for local learning.",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model_file", metavar="MODEL.py", help="Python file defining build_model() and example_inputs()")
+    p.add_argument("model_file", metavar="MODEL.py", nargs="?",
+                   help="Python file defining build_model() and example_inputs()")
     g = p.add_argument_group("devices")
     g.add_argument("--gpus", type=_positive_int, metavar="N", help="number of devices, one stage each")
     g.add_argument("--devices", type=_names, metavar="DEV,...", help="device per stage, e.g. cuda:0,cuda:1")
@@ -161,6 +166,21 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--show", action="store_true", help="print the stage table")
     g.add_argument("--json", metavar="PATH|-", help="write the plan as JSON to PATH, or to stdout with -")
     g.add_argument("--yaml", metavar="PATH|-", help="write the plan as YAML to PATH, or to stdout with -")
+    g = p.add_argument_group("simulation and pictures")
+    g.add_argument("--simulate", action="store_true", help="print the simulated schedule: throughput, warm-up, "
+                   "per-stage utilisation and idle time (links at --link-bandwidth)")
+    g.add_argument("--steps", type=_positive_int, metavar="N", help="batches to simulate (default 64; --gantt: "
+                   "4 per stage)")
+    g.add_argument("--queue-depth", type=_positive_int, default=2, metavar="N",
+                   help="batches a stage may hold for the next one (default 2, as the trainer)")
+    g.add_argument("--plot", metavar="PATH.png", help="draw per-stage cost bars (fwd, bwd, aux head, all-reduce, "
+                   "communication) with the bottleneck marked")
+    g.add_argument("--graph", metavar="PATH.svg|png", help="draw the traced graph (a module-level summary for "
+                   "big graphs) coloured by stage, cuts marked; graphviz's dot if installed, else matplotlib")
+    g.add_argument("--gantt", metavar="PATH.png", help="draw the simulated timeline per stage, or with --trace "
+                   "a measured one")
+    g.add_argument("--trace", metavar="TRACE.json", help="with --gantt: a timeline saved by "
+                   "trainer.timeline().save(); MODEL.py is then optional")
     return p
 
 
@@ -261,10 +281,58 @@ def _write(path: str, text: str) -> None:
         raise _UsageError(f"cannot write {path!r}: {e.strerror or e}; pass a writable path") from None
 
 
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Refuse before the (slow) model load what could not be written or drawn."""
+    if args.trace is not None and args.gantt is None:
+        raise _UsageError("--trace names a recorded timeline to draw; add --gantt PATH.png")
+    for flag, suffixes in (("plot", _PICTURES), ("graph", _PICTURES), ("gantt", _PICTURES)):
+        target = getattr(args, flag)
+        if target is not None and Path(target).suffix.lower() not in suffixes:
+            raise _UsageError(f"--{flag} {target}: unknown picture format; use one of {', '.join(suffixes)}")
+
+
+_PICTURES = (".png", ".svg", ".pdf")
+
+
+def _draw_trace(args: argparse.Namespace, err: TextIO) -> None:
+    from .draw import draw_gantt
+    from .timeline import Timeline
+    timeline = Timeline.load(args.trace)
+    draw_gantt(timeline, args.gantt, batches=args.steps)
+    err.write(f"{_PROG}: wrote {args.gantt} ({timeline.source} timeline of {len(timeline.lanes)} lanes)\n")
+
+
+def _pictures(args: argparse.Namespace, result: Plan, compiled: Any, out: TextIO, err: TextIO) -> None:
+    """The simulation, plots and graph the flags ask for."""
+    from .simulate import simulate
+    if args.simulate:
+        out.write("\n" + simulate(result, steps=args.steps or 64, queue_depth=args.queue_depth).table() + "\n")
+    if args.plot is not None:
+        from .draw import plot_costs
+        plot_costs(result, args.plot)
+        err.write(f"{_PROG}: wrote {args.plot} (cost per stage, bottleneck stage {result.bottleneck_stage})\n")
+    if args.graph is not None:
+        from .draw import draw_graph
+        draw_graph(compiled, args.graph)
+        err.write(f"{_PROG}: wrote {args.graph} (the traced graph by stage)\n")
+    if args.gantt is not None and args.trace is None:
+        from .draw import draw_gantt
+        steps = args.steps or 4 * result.num_stages
+        draw_gantt(simulate(result, steps=steps, queue_depth=args.queue_depth).timeline, args.gantt)
+        err.write(f"{_PROG}: wrote {args.gantt} (simulated timeline of {steps} batches)\n")
+
+
 def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
     to_stdout = [flag for flag in ("json", "yaml") if getattr(args, flag) == "-"]
     if len(to_stdout) > 1:
         raise _UsageError("--json - and --yaml - both ask for stdout; send one of them to a file")
+    _check_outputs(args)
+    if args.model_file is None:
+        if args.trace is None:
+            raise _UsageError("the MODEL.py argument is required (only --gantt PATH --trace TRACE.json works "
+                              "without it)")
+        _draw_trace(args, err)
+        return
     options = _options(args)
     PlanOptions.make(**options)  # fail on a bad flag combination before the (slow) model load
     path = Path(args.model_file)
@@ -274,8 +342,9 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
     model, inputs, kwargs, teacher = _load_model(path, teacher=distill)
     extra = {"teacher": teacher, "blocks": args.blocks} if distill else {}
     with warnings.catch_warnings(record=True) as caught:
-        result: Plan = plan(model, example_inputs=inputs, example_kwargs=kwargs, plan=args.plan, **extra,
-                            **options)
+        build = compile if args.graph is not None else plan  # the graph drawing needs the traced graph
+        made = build(model, example_inputs=inputs, example_kwargs=kwargs, plan=args.plan, **extra, **options)
+    result: Plan = made.plan if args.graph is not None else made
 
     show = args.show or (args.json is None and args.yaml is None)
     if to_stdout:
@@ -291,6 +360,9 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
         if target is not None and target != "-":
             _write(target, text())
             err.write(f"{_PROG}: wrote {target} ({result.num_stages} stages, imbalance {result.imbalance:.3f})\n")
+    _pictures(args, result, made, out if not to_stdout else err, err)
+    if args.trace is not None:
+        _draw_trace(args, err)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

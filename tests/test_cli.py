@@ -342,3 +342,54 @@ def test_examples_plan(capsys, name, policy):
                  "--json", "-"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert len(d["stages"]) == 4 and d["batch_size"] == 2
+
+
+# ---- simulation and pictures ------------------------------------------------------------------
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_simulate_prints_the_simulated_schedule(tmp_path, capsys):
+    model = _file(tmp_path, TINY)
+    assert main([model, "--gpus", "2", "--simulate", "--steps", "10", "--queue-depth", "1", "--json",
+                 str(tmp_path / "p.json")]) == 0
+    out, _ = capsys.readouterr()
+    from ppll_compile import simulate
+    expected = simulate(Plan.load(tmp_path / "p.json"), steps=10, queue_depth=1).table()
+    assert out.strip() == expected.strip()
+
+
+def test_pictures_are_written_and_reported(tmp_path, capsys):
+    model = _file(tmp_path, TINY)
+    cost, graph, gantt = tmp_path / "cost.png", tmp_path / "graph.png", tmp_path / "gantt.svg"
+    assert main([model, "--gpus", "2", "--plot", str(cost), "--graph", str(graph), "--gantt", str(gantt)]) == 0
+    _, err = capsys.readouterr()
+    assert cost.read_bytes().startswith(PNG) and graph.read_bytes().startswith(PNG)
+    assert b"<svg" in gantt.read_bytes()[:2000]
+    assert f"wrote {cost} (cost per stage, bottleneck stage " in err
+    assert f"wrote {graph} (the traced graph by stage)" in err
+    assert f"wrote {gantt} (simulated timeline of 8 batches)" in err  # 4 batches per stage by default
+
+
+def test_gantt_of_a_recorded_trace_needs_no_model(tmp_path, capsys):
+    from ppll_compile import Event, Timeline
+    events = [Event(stage=s, replica=0, batch=b, kind=k, start=t, end=t + 1.0)
+              for s in range(2) for b in range(3) for k, t in (("forward", 3 * b + s), ("backward", 3 * b + s + 1))]
+    trace = Timeline.of(events).save(tmp_path / "trace.json")
+    out_png = tmp_path / "measured.png"
+    assert main(["--gantt", str(out_png), "--trace", str(trace)]) == 0
+    _, err = capsys.readouterr()
+    assert out_png.read_bytes().startswith(PNG)
+    assert err.strip() == f"ppll-plan: wrote {out_png} (measured timeline of 2 lanes)"
+
+
+def test_picture_flags_are_checked_before_the_model_loads(tmp_path, capsys):
+    missing = str(tmp_path / "absent.py")
+    _expect_exit_2(capsys, [missing, "--plot", "cost.jpg"],
+                   "ppll-plan: error: --plot cost.jpg: unknown picture format; use one of .png, .svg, .pdf")
+    _expect_exit_2(capsys, [missing, "--trace", "t.json"],
+                   "ppll-plan: error: --trace names a recorded timeline to draw; add --gantt PATH.png")
+    _expect_exit_2(capsys, ["--show"], "ppll-plan: error: the MODEL.py argument is required (only --gantt PATH "
+                   "--trace TRACE.json works without it)")
+    _expect_exit_2(capsys, ["--gantt", "g.png", "--trace", missing.replace(".py", ".json")],
+                   "does not exist; write one with trainer.timeline().save(path)")
