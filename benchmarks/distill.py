@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 import warnings
@@ -15,9 +14,9 @@ import torch.distributed as dist
 import ppll_compile
 
 from .launch import load_example, spawn
-from .report import environment, write
+from .report import Section, standalone
 
-__all__ = ["main", "compare"]
+__all__ = ["main", "section", "compare"]
 
 BATCH = 32
 EXAMPLE = "pipebd_mobilenet"
@@ -114,7 +113,27 @@ def compare(*, steps: int, warmup: int, rounds: int, folder: Path) -> dict:
     return out
 
 
-def _markdown(r: dict, env: dict) -> str:
+def _plot(r: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = ["sequential", *RUNS]
+    fig, ax = plt.subplots(figsize=(7.5, 3.6))
+    bars = ax.bar(names, [r[n] for n in names], color=["#999999", "#d62728", "#ff7f0e", "#2ca02c", "#1f77b4",
+                                                        "#9467bd"])
+    for bar, name in zip(bars, names):
+        ax.annotate(f"{r[name] / r['dna']:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("samples / s")
+    ax.set_title(f"Pipe-BD on 2 processes ({EXAMPLE}, batch {BATCH}); ratios over DNA")
+    ax.tick_params(axis="x", labelsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _markdown(r: dict) -> str:
     layouts, predicted = r["layouts"], r["predicted_samples_per_s"]
     rows = [("sequential (1 process, teacher once, every block in turn)", r["sequential"], None),
             ("DNA baseline (2 processes data-parallel, teacher re-run per block)", r["dna"], None),
@@ -124,8 +143,8 @@ def _markdown(r: dict, env: dict) -> str:
              "as-planned"),
             (f"replicas only: one stage on both processes {layouts['one-stage-x2']}", r["replicas-only"],
              "one-stage-x2")]
-    lines = [f"# Pipe-BD vs DNA ({EXAMPLE}, batch {BATCH})", "",
-             f"{env['date']}, {env['machine']}, torch {env['torch']}; layouts are [blocks, replicas] per stage", "",
+    lines = [f"{EXAMPLE}, batch {BATCH}, 2 processes x 1 thread, gloo; {r['steps']} timed steps, median of "
+             f"{r['rounds']} interleaved rounds; layouts are [blocks, replicas] per stage.", "",
              "| run | samples/s | vs DNA | planned samples/s |", "|---|---:|---:|---:|"]
     lines += [f"| {name} | {rate:.1f} | {rate / r['dna']:.2f}x | {f'{predicted[plan]:.0f}' if plan else '-'} |"
               for name, rate, plan in rows]
@@ -135,19 +154,19 @@ def _markdown(r: dict, env: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.distill", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="fewer steps and rounds")
-    parser.add_argument("--out", default="results", help="folder for distill.json, distill.md and the plans")
-    args = parser.parse_args(argv)
-    folder = Path(args.out)
-    folder.mkdir(parents=True, exist_ok=True)
-    steps, warmup, rounds = (6, 2, 1) if args.quick else (24, 3, 5)
-    results = compare(steps=steps, warmup=warmup, rounds=rounds, folder=folder)
-    env = environment("one thread per process")
-    write(folder, "distill", {"environment": env, "batch": BATCH, "steps": steps, "rounds": rounds, **results},
-          _markdown(results, env))
+def section(*, quick: bool, out: Path) -> Section:
+    """Pipe-BD against the DNA baseline, and the share of each technique."""
+    steps, warmup, rounds = (6, 2, 1) if quick else (24, 3, 5)
+    results = {"batch": BATCH, "steps": steps, "rounds": rounds,
+               **compare(steps=steps, warmup=warmup, rounds=rounds, folder=out)}
+    _plot(results, out / "distill.png")
+    return Section(key="distill", title="Pipe-BD against the DNA baseline", results=results,
+                   markdown=_markdown(results), figures=["distill.png"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    return standalone(section, argv, __doc__)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

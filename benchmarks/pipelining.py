@@ -1,8 +1,7 @@
-"""Measure the end-to-end-backprop baseline: torch.distributed.pipelining (GPipe and 1F1B) on our compiler's split."""
+"""The end-to-end-backprop baseline: torch.distributed.pipelining (GPipe and 1F1B) on the compiler's split."""
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 import warnings
@@ -17,9 +16,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 import ppll_compile
 
 from .launch import load_example, spawn
-from .report import environment, write
 
-__all__ = ["main"]
+__all__ = ["best_pipelining", "pipelining_throughput"]
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 class _CopyInputs(nn.Module):
@@ -114,37 +112,3 @@ def best_pipelining(model: str, *, microbatch_counts: tuple[int, ...] = (1, 2, 4
                     best[schedule] = {"microbatches": m, "samples_per_s": row["samples_per_s"]}
             rows.append(row)
     return {**best, "all": rows}
-
-
-def _markdown(res: dict) -> str:
-    lines = [f"Measured {res['date']} on {res['machine']} (torch {res['torch']}), {res['world']} ranks, "
-             f"batch {res['batch']}, {res['steps']} timed steps; SGD step on every rank.", "",
-             "| model | schedule | microbatches | samples/s | mean loss | note |", "|---|---|---|---|---|---|"]
-    for r in (r for m in res["models"].values() for r in m["all"]):
-        sps = "-" if r["samples_per_s"] is None else f"{r['samples_per_s']:.1f}"
-        loss = "-" if r["loss"] is None else f"{r['loss']:.3f}"
-        lines.append(f"| {r['model']} | {r['schedule']} | {r['microbatches']} | {sps} | {loss} | "
-                     f"{r.get('skipped', '')} |")
-    return "\n".join(lines) + "\n"
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--models", nargs="+", default=["resnet32", "vit_small"], choices=["resnet32", "vit_small"])
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default 10, 3 with --quick)")
-    parser.add_argument("--quick", action="store_true", help="few steps, microbatch counts 2 and 4 only")
-    parser.add_argument("--out", default="results", help="folder for pipelining.json and pipelining.md")
-    args = parser.parse_args(argv)
-    steps = args.steps or (3 if args.quick else 10)
-    warmup = 1 if args.quick else 3
-    counts = (2, 4) if args.quick else (1, 2, 4, 8)
-    res = {
-        **environment("1 thread per rank"), "world": 2, "batch": 64, "steps": steps,
-        "models": {m: best_pipelining(m, microbatch_counts=counts, steps=steps, warmup=warmup) for m in args.models},
-    }
-    write(args.out, "pipelining", res, _markdown(res))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

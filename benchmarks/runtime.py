@@ -1,8 +1,8 @@
-"""Measure the PPLL runtimes against sequential local learning and torch.distributed.pipelining, stage balance and memory."""
+"""Throughput of the PPLL runtimes side by side with E2E backprop, sequential local learning and
+torch.distributed.pipelining (GPipe, 1F1B); the simulator's prediction against each; memory per stage."""
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 import warnings
@@ -14,16 +14,20 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import ppll_compile
+from ppll_compile.draw import draw_gantt
 from ppll_compile.plan import format_bytes
 
 from .launch import load_example, spawn
 from .pipelining import best_pipelining
-from .report import environment, write
+from .report import Section, standalone
 
-__all__ = ["main", "throughput", "stage_balance", "stage_memory"]
+__all__ = ["main", "section", "throughput", "stage_memory", "gloo_bandwidth"]
 
 BATCH = 64
 POLICY = {"resnet32": "dgl", "vit_small": "vit"}
+RUNTIMES = ("e2e", "sequential", "threads", "distributed")
+LOCAL_LINK = 1e13
+"""Bytes/s the simulator assumes between threads of one process (a queue hands over a reference)."""
 
 
 def _sgd(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -47,14 +51,15 @@ def _batches(n: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _timed_fit(trainer: Any, data: list, warmup: int) -> float:
     """Samples per second of ``trainer`` over ``data`` after ``warmup`` batches, pipeline drained at both ends."""
-    for x, y in data[:warmup]:
-        trainer.step(x, y)
-    trainer.finish()
-    start = time.perf_counter()
-    for x, y in data[warmup:]:
-        trainer.step(x, y)
-    trainer.finish()
-    return (len(data) - warmup) * BATCH / (time.perf_counter() - start)
+    with trainer:
+        for x, y in data[:warmup]:
+            trainer.step(x, y)
+        trainer.finish()
+        start = time.perf_counter()
+        for x, y in data[warmup:]:
+            trainer.step(x, y)
+        trainer.finish()
+        return (len(data) - warmup) * BATCH / (time.perf_counter() - start)
 
 
 def _e2e(model: str, data: list, warmup: int) -> float:
@@ -76,64 +81,103 @@ def _e2e(model: str, data: list, warmup: int) -> float:
     return (len(data) - warmup) * BATCH / (time.perf_counter() - start)
 
 
-def _distributed_worker(rank: int, world: int, model: str, steps: int, warmup: int, rounds: int,
-                        plan: str) -> dict:
-    compiled = _compiled(model, world, plan=plan)
-    trainer = compiled.trainer(optimizer=_sgd, runtime="distributed")
+def _distributed_worker(rank: int, world: int, model: str, steps: int, warmup: int, plan: str) -> dict:
+    trainer = _compiled(model, world, plan=plan).trainer(optimizer=_sgd, runtime="distributed")
     data = _batches(steps + warmup) if rank == 0 else [(None, None)] * (steps + warmup)
-    for x, y in data[:warmup]:
-        trainer.step(x, y)
-    trainer.finish()
-    rates = []
-    for _ in range(rounds):
+    with trainer:
+        for x, y in data[:warmup]:
+            trainer.step(x, y)
+        trainer.finish()
         dist.barrier()
         start = time.perf_counter()
         for x, y in data[warmup:]:
             trainer.step(x, y)
         trainer.finish()
         dist.barrier()
-        rates.append(steps * BATCH / (time.perf_counter() - start))
-    trainer.close()
-    return {"samples_per_s": statistics.median(rates)} if rank == 0 else {}
+        elapsed = time.perf_counter() - start
+    return {"samples_per_s": steps * BATCH / elapsed} if rank == 0 else {}
 
 
-def throughput(model: str, *, k: int = 2, steps: int, warmup: int, rounds: int,
-               microbatches: tuple[int, ...], folder: Path) -> dict:
-    """Samples/s of E2E, sequential local learning, PPLL threads and distributed, and the best torch schedule.
+def _bandwidth_worker(rank: int, world: int, nbytes: int, repeat: int) -> dict:
+    t = torch.zeros(nbytes // 4)
+    for i in range(repeat + 1):
+        if i == 1:
+            dist.barrier()
+            start = time.perf_counter()
+        if rank == 0:
+            dist.send(t, 1)
+        else:
+            dist.recv(t, 0)
+    dist.barrier()
+    return {"bytes_per_s": repeat * nbytes / (time.perf_counter() - start)} if rank == 0 else {}
+
+
+def gloo_bandwidth(nbytes: int = 4 << 20, repeat: int = 20) -> float:
+    """Bytes per second of a blocking gloo send between two processes on this machine."""
+    return spawn(_bandwidth_worker, 2, (nbytes, repeat), timeout=120)["bytes_per_s"]
+
+
+def throughput(model: str, k: int, *, steps: int, warmup: int, rounds: int, microbatches: tuple[int, ...],
+               folder: Path, bandwidth: float) -> dict:
+    """Samples/s of E2E, sequential local learning, PPLL threads and distributed, and the best torch schedule,
+    next to the simulator's prediction for the pipelined runtimes.
 
     Every pipeline (ours and torch's) uses the same cuts: a plan measured by time on this machine
-    (``profile="time"``), saved once and re-applied in every process. The one-process figures are medians of
-    ``rounds`` alternating runs, so a burst of load on the machine does not favour one of them.
+    (``profile="time"``), saved once and re-applied in every process. Each round runs every configuration
+    once, in turn, so that a burst of load on the machine does not favour one; figures are medians.
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        plan = str(_compiled(model, k, profile="time").plan.save(folder / f"plan-{model}-{k}.json"))
+        plan_obj = _compiled(model, k, profile="time").plan
+        plan = str(plan_obj.save(folder / f"plan-{model}-{k}.json"))
         data = _batches(steps + warmup)
-        runs: dict[str, list[float]] = {"e2e": [], "sequential": [], "threads": []}
+        runs: dict[str, list[float]] = {name: [] for name in RUNTIMES}
         for _ in range(rounds):
             runs["e2e"].append(_e2e(model, data, warmup))
             runs["sequential"].append(_timed_fit(_compiled(model, k, plan=plan).trainer(optimizer=_sgd), data,
                                                  warmup))
             runs["threads"].append(_timed_fit(_compiled(model, k, plan=plan).trainer(
                 optimizer=_sgd, runtime="threads", threads_per_stage=1), data, warmup))
-        out: dict[str, Any] = {name: statistics.median(v) for name, v in runs.items()}
+            runs["distributed"].append(spawn(_distributed_worker, k, (model, steps, warmup, plan),
+                                             timeout=300 + 20 * (steps + warmup))["samples_per_s"])
     finally:
         torch.set_num_threads(threads)
-    out["cuts"] = list(ppll_compile.Plan.load(plan).cuts)
-    out["distributed"] = spawn(_distributed_worker, k, (model, steps, warmup, rounds, plan),
-                               timeout=300 + 20 * (steps * rounds + warmup))["samples_per_s"]
-    torch_best = best_pipelining(model, microbatch_counts=microbatches, steps=steps, warmup=warmup, world=k,
+    out: dict[str, Any] = {name: statistics.median(v) for name, v in runs.items()}
+    out |= {"runs": runs, "cuts": list(plan_obj.cuts), "stage_ms": [s.cost * 1e3 for s in plan_obj.stages]}
+    torch_runs = best_pipelining(model, microbatch_counts=microbatches, steps=steps, warmup=warmup, world=k,
                                  plan=plan)
-    out["torch"] = {s: torch_best[s] for s in ("gpipe", "1f1b") if s in torch_best}
-    best = max(out["torch"].values(), key=lambda r: r["samples_per_s"])
+    out["torch"] = {s: torch_runs[s] for s in ("gpipe", "1f1b") if s in torch_runs}
+    out["torch_all"] = torch_runs["all"]
+    best = max(out["torch"].values(), key=lambda r: r["samples_per_s"])["samples_per_s"]
+    n = steps + warmup
+    out["predicted"] = {
+        "sequential": ppll_compile.simulate(plan_obj, steps=n, decoupled=False, link_bandwidth=LOCAL_LINK).throughput,
+        "threads": ppll_compile.simulate(plan_obj, steps=n, link_bandwidth=LOCAL_LINK).throughput,
+        "distributed": ppll_compile.simulate(plan_obj, steps=n, link_bandwidth=bandwidth).throughput,
+    }
     out["ratios"] = {
         "threads/sequential": out["threads"] / out["sequential"],
         "distributed/sequential": out["distributed"] / out["sequential"],
-        "threads/best_torch": out["threads"] / best["samples_per_s"],
-        "distributed/best_torch": out["distributed"] / best["samples_per_s"],
+        "threads/best_torch": out["threads"] / best,
+        "distributed/best_torch": out["distributed"] / best,
     }
     return out
+
+
+def _traced_timeline(model: str, k: int, plan: str, steps: int) -> Any:
+    """The measured timeline of ``steps`` batches in the threads runtime."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with _compiled(model, k, plan=plan).trainer(optimizer=_sgd, runtime="threads", threads_per_stage=1,
+                                                    trace=True) as trainer:
+            for x, y in _batches(steps):
+                trainer.step(x, y)
+            trainer.finish()
+            return trainer.timeline()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _stage_messages(trainer: Any, x: torch.Tensor, y: torch.Tensor) -> list[Any]:
@@ -142,31 +186,6 @@ def _stage_messages(trainer: Any, x: torch.Tensor, y: torch.Tensor) -> list[Any]
     for r in trainer.runners[:-1]:
         msgs.append(r.train_step(msgs[-1])[0])
     return msgs
-
-
-def stage_balance(model: str, k: int, partitioner: str, repeat: int, profile: str = "flops") -> dict:
-    """Each stage's measured step time (block + head, forward, backward, optimizer), timed alone; max/mean."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        compiled = _compiled(model, k, partitioner=partitioner, profile=profile)
-        trainer = compiled.trainer(optimizer=_sgd)
-        msgs = _stage_messages(trainer, *_batches(1)[0])
-        times = []
-        for r, msg in zip(trainer.runners, msgs):
-            r.train_step(msg)  # warm-up
-            samples = []
-            for _ in range(repeat):
-                start = time.perf_counter()
-                r.train_step(msg)
-                samples.append(time.perf_counter() - start)
-            times.append(statistics.median(samples))
-    finally:
-        torch.set_num_threads(threads)
-    predicted = [s.cost for s in compiled.plan.stages]
-    return {"partitioner": partitioner, "profile": profile, "cuts": list(compiled.plan.cuts), "seconds": times,
-            "max_over_mean": max(times) / statistics.mean(times),
-            "predicted_max_over_mean": max(predicted) / statistics.mean(predicted)}
 
 
 def _storage_bytes(tensors: Any) -> int:
@@ -187,9 +206,7 @@ def stage_memory(model: str, k: int) -> list[dict]:
         r.train_step(msg)  # gradients and momentum buffers exist from here on
         saved: list[torch.Tensor] = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-            values, target, raw = r._receive(msg)
-            out = r.stage(*values)
-            loss = r.loss(out, target, raw)
+            out, loss = r._forward(*r._receive(msg))
         params = r.params
         state = [v for s in r.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         measured = (_storage_bytes(params) + _storage_bytes(p.grad for p in params) + _storage_bytes(state)
@@ -200,31 +217,95 @@ def stage_memory(model: str, k: int) -> list[dict]:
     return rows
 
 
+def _plot(results: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(results)
+    names = [*RUNTIMES, "gpipe", "1f1b"]
+    fig, ax = plt.subplots(figsize=(3.6 + 1.9 * len(keys), 4.2))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        values = [results[key][name] if name in RUNTIMES else results[key]["torch"].get(name, {}).get(
+            "samples_per_s", 0.0) for key in keys]
+        ax.bar([j + (i - (len(names) - 1) / 2) * width for j in range(len(keys))], values, width,
+               label=name if name in RUNTIMES else f"torch {name} (best mb)")
+    for j, key in enumerate(keys):
+        for name, offset in (("sequential", 1), ("threads", 2), ("distributed", 3)):
+            ax.plot(j + (offset - (len(names) - 1) / 2) * width, results[key]["predicted"][name], "k_",
+                    markersize=14, markeredgewidth=2)
+    ax.plot([], [], "k_", markersize=14, markeredgewidth=2, label="simulated (plan)")
+    ax.set_xticks(range(len(keys)), [k.replace("-", ", K=") for k in keys])
+    ax.set_ylabel("samples / s")
+    ax.set_title(f"Training throughput, batch {BATCH}, one thread per stage")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def section(*, quick: bool, out: Path) -> Section:
+    """Throughput of every runtime for ResNet-32 and the small ViT at K=2 (and K=4 unless ``quick``)."""
+    steps, warmup, rounds = (4, 2, 1) if quick else (12, 3, 3)
+    counts = (2, 4) if quick else (1, 2, 4, 8)
+    configs = [(m, k) for k in ((2,) if quick else (2, 4)) for m in POLICY]
+    bandwidth = gloo_bandwidth()
+    results = {f"{m}-{k}": throughput(m, k, steps=steps, warmup=warmup, rounds=rounds, microbatches=counts,
+                                      folder=out, bandwidth=bandwidth) for m, k in configs}
+    _plot(results, out / "throughput.png")
+    figures = ["throughput.png"]
+    timeline = _traced_timeline("resnet32", 2, str(out / "plan-resnet32-2.json"), 5)
+    plan = ppll_compile.Plan.load(out / "plan-resnet32-2.json")
+    simulated = ppll_compile.simulate(plan, steps=5, link_bandwidth=LOCAL_LINK).timeline
+    timeline.save(out / "trace-resnet32-2.json")
+    draw_gantt(timeline, out / "gantt_measured.png", title="ResNet-32, K=2, threads runtime: measured")
+    draw_gantt(simulated, out / "gantt_simulated.png", title="ResNet-32, K=2: simulated from the plan")
+    figures += ["gantt_measured.png", "gantt_simulated.png"]
+    memory = stage_memory("resnet32", 4)
+    res = {"batch": BATCH, "steps": steps, "warmup": warmup, "rounds": rounds, "gloo_bytes_per_s": bandwidth,
+           "throughput": results, "memory": memory}
+    return Section(key="throughput", title="Throughput: PPLL against E2E, sequential local learning and "
+                   "torch.distributed.pipelining", results=res, markdown=_markdown(res), figures=figures)
+
+
 def _markdown(res: dict) -> str:
-    lines = [f"Measured {res['date']} on {res['machine']} (torch {res['torch']}); batch {BATCH}, "
-             f"{res['steps']} timed steps (one-process figures: median of 3 alternating runs), one thread per "
-             f"stage, SGD momentum; policies {', '.join(f'{m} {p}' for m, p in POLICY.items())}; every pipeline "
-             f"(ours and torch's) uses the same cuts, planned with profile=\"time\" on this machine.", "",
-             "| model | E2E 1 dev | sequential LL | PPLL threads | PPLL distributed | best torch pipelining "
-             "| threads/seq | dist/seq | dist/torch |", "|---|---|---|---|---|---|---|---|---|"]
-    for name, t in res["throughput"].items():
-        best = max(t["torch"].items(), key=lambda kv: kv[1]["samples_per_s"])
+    lines = [f"Batch {res['batch']}, {res['steps']} timed steps after {res['warmup']} warm-up steps, median of "
+             f"{res['rounds']} interleaved rounds; one thread per stage (per rank), SGD momentum; policies "
+             f"{', '.join(f'{m} {p}' for m, p in POLICY.items())}. Every pipeline (ours and torch's) uses the same "
+             f"cuts, planned with profile=\"time\" on this machine. K=4 runs 4 stages on 2 cores, so it shows "
+             f"correctness and overheads, not parallel speed. Samples/s:", "",
+             "| model | K | E2E 1 core | sequential LL | PPLL threads | PPLL distributed | best torch pipelining "
+             "| threads/seq | dist/seq | threads/torch | dist/torch |",
+             "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+    for key, t in res["throughput"].items():
+        model, k = key.rsplit("-", 1)
+        name, best = max(t["torch"].items(), key=lambda kv: kv[1]["samples_per_s"])
         r = t["ratios"]
-        lines.append(f"| {name} | {t['e2e']:.1f} | {t['sequential']:.1f} | {t['threads']:.1f} | "
-                     f"{t['distributed']:.1f} | {best[1]['samples_per_s']:.1f} ({best[0]}, "
-                     f"{best[1]['microbatches']} mb) | {r['threads/sequential']:.2f}x | "
-                     f"{r['distributed/sequential']:.2f}x | {r['distributed/best_torch']:.2f}x |")
-    lines += [""] + [f"{name} cut after {', '.join(t['cuts'])}." for name, t in res["throughput"].items()]
-    lines += ["", "Per-stage step time, ResNet-32, K=4, dgl (measured alone in the sequential runtime):", "",
-              "| partitioner | profile | stage times (ms) | measured max/mean | predicted max/mean |",
-              "|---|---|---|---|---|"]
-    for b in res["balance"]:
-        times = ", ".join(f"{1e3 * s:.1f}" for s in b["seconds"])
-        lines.append(f"| {b['partitioner']} | {b['profile']} | {times} | {b['max_over_mean']:.3f} | "
-                     f"{b['predicted_max_over_mean']:.3f} |")
-    lines += ["", "Memory per stage, ResNet-32, K=4 (live parameters, gradients, optimizer state and saved "
+        lines.append(f"| {model} | {k} | {t['e2e']:.1f} | {t['sequential']:.1f} | {t['threads']:.1f} | "
+                     f"{t['distributed']:.1f} | {best['samples_per_s']:.1f} ({name}, {best['microbatches']} mb) | "
+                     f"{r['threads/sequential']:.2f}x | {r['distributed/sequential']:.2f}x | "
+                     f"{r['threads/best_torch']:.2f}x | {r['distributed/best_torch']:.2f}x |")
+    lines += ["", f"Simulated from each plan (`ppll_compile.simulate`; distributed with the measured gloo bandwidth "
+              f"{res['gloo_bytes_per_s'] / 1e9:.2f} GB/s) against measured, samples/s:", "",
+              "| model | K | runtime | simulated | measured | measured/simulated |", "|---|---|---|---:|---:|---:|"]
+    for key, t in res["throughput"].items():
+        model, k = key.rsplit("-", 1)
+        for name in ("sequential", "threads", "distributed"):
+            p = t["predicted"][name]
+            lines.append(f"| {model} | {k} | {name} | {p:.1f} | {t[name]:.1f} | {t[name] / p:.2f} |")
+    lines += ["", "Every torch.distributed.pipelining run (samples/s by schedule and microbatch count):", "",
+              "| model | K | schedule | microbatches | samples/s | note |", "|---|---|---|---:|---:|---|"]
+    for key, t in res["throughput"].items():
+        model, k = key.rsplit("-", 1)
+        for row in t["torch_all"]:
+            rate = "-" if row["samples_per_s"] is None else f"{row['samples_per_s']:.1f}"
+            lines.append(f"| {model} | {k} | {row['schedule']} | {row['microbatches']} | {rate} | "
+                         f"{row.get('skipped', '')} |")
+    lines += ["", "Cuts: " + "; ".join(f"{key}: {', '.join(t['cuts'])}" for key, t in res["throughput"].items()),
+              "", "Memory per stage, ResNet-32, K=4 (live parameters, gradients, optimizer state and saved "
               "activations vs the plan):", "", "| stage | measured | planned | measured/planned |",
-              "|---|---|---|---|"]
+              "|---|---:|---:|---:|"]
     for m in res["memory"]:
         lines.append(f"| {m['stage']} | {format_bytes(m['measured_bytes'])} | {format_bytes(m['planned_bytes'])} "
                      f"| {m['measured/planned']:.2f} |")
@@ -232,28 +313,7 @@ def _markdown(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--models", nargs="+", default=["resnet32", "vit_small"], choices=list(POLICY))
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default 20, 5 with --quick)")
-    parser.add_argument("--quick", action="store_true", help="few steps, microbatch counts 2 and 4 only")
-    parser.add_argument("--out", default="results", help="folder for runtime.json and runtime.md")
-    args = parser.parse_args(argv)
-    steps = args.steps or (5 if args.quick else 20)
-    warmup = 2 if args.quick else 4
-    counts = (2, 4) if args.quick else (1, 2, 4, 8)
-    rounds = 1 if args.quick else 3
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    res: dict[str, Any] = {
-        **environment("1 thread per stage"), "steps": steps,
-        "throughput": {m: throughput(m, steps=steps, warmup=warmup, rounds=rounds, microbatches=counts,
-                                     folder=out) for m in args.models},
-        "balance": [stage_balance("resnet32", 4, p, repeat=5 if args.quick else 15, profile=f)
-                    for p, f in (("exact", "flops"), ("exact", "time"), ("uniform", "flops"))],
-        "memory": stage_memory("resnet32", 4),
-    }
-    write(out, "runtime", res, _markdown(res))
-    return 0
+    return standalone(section, argv, __doc__)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,79 @@
+"""``python -m benchmarks [--quick] [--out results] [--only NAME,...]``: every benchmark, side by side, in one run.
+
+Writes ``results.json`` (all figures, with the date, machine and torch version), ``results.md`` (the tables)
+and the PNG plots into the results folder. A section that fails is reported and the others still run; the
+exit status is then 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+from .report import environment
+
+SECTIONS = {
+    "compiler": "compile time against model size, and the partitioner's own speed",
+    "quality": "partition quality of exact against the uniform, greedy and params baselines",
+    "throughput": "PPLL runtimes against E2E, sequential local learning and torch pipelining; simulated vs measured",
+    "distill": "Pipe-BD against the DNA baseline, and each technique's share",
+    "accuracy": "accuracy on scikit-learn digits: E2E against PPLL with dgl and infopro heads",
+}
+MODULES = {"throughput": "runtime"}
+"""Section name -> module of ``benchmarks`` when they differ."""
+
+
+def _names(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SECTIONS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown section(s) {unknown or text!r}; choose from {', '.join(SECTIONS)}")
+    return names
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="sections:\n" + "\n".join(f"  {k:<11} {v}" for k, v in SECTIONS.items()))
+    parser.add_argument("--quick", action="store_true", help="a few-minute version: fewer steps, rounds and models")
+    parser.add_argument("--out", default="results", help="folder for results.json, results.md and the plots")
+    parser.add_argument("--only", type=_names, default=list(SECTIONS), metavar="NAME,...", help="run these sections")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    warnings.simplefilter("ignore")  # the compiler's CPU-fallback note, once per compiled pipeline
+    env = environment()
+    results: dict = {"environment": env, "quick": args.quick, "sections": {}, "seconds": {}, "failed": {}}
+    reports = []
+    for name in args.only:
+        print(f"== {name}: {SECTIONS[name]}", flush=True)
+        start = time.perf_counter()
+        try:
+            module = importlib.import_module(f".{MODULES.get(name, name)}", __package__)
+            section = module.section(quick=args.quick, out=out)
+        except Exception:  # noqa: BLE001 - one failing benchmark must not lose the others' results
+            results["failed"][name] = traceback.format_exc()
+            print(results["failed"][name], flush=True)
+            continue
+        finally:
+            results["seconds"][name] = time.perf_counter() - start
+        results["sections"][section.key] = section.results
+        reports.append(section.report())
+        print(reports[-1], flush=True)
+    header = (f"# Benchmarks{' (--quick)' if args.quick else ''}\n\nMeasured {env['date']} on {env['machine']}, "
+              f"torch {env['torch']}; `python -m benchmarks{' --quick' if args.quick else ''}` in "
+              f"{sum(results['seconds'].values()) / 60:.1f} min.\n")
+    failed = "".join(f"\n## {name}: failed\n\n```\n{text}```\n" for name, text in results["failed"].items())
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    (out / "results.md").write_text("\n".join([header, *reports]) + failed)
+    print(f"wrote {out / 'results.json'} and {out / 'results.md'}")
+    return 1 if results["failed"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
