@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import functools
 import inspect
 import warnings
 from collections.abc import Sequence
@@ -236,9 +237,13 @@ class _Analysis:
                 "grad_bytes": gbytes, "optim_bytes": gbytes * OPTIMIZER_STATES[optimizer],
                 "activation_bytes": sum(saved.values())}
 
+    @functools.cached_property
+    def by_name(self) -> dict[str, fx.Node]:
+        """Every node by its name."""
+        return {n.name: n for n in self.nodes}
+
     def boundary(self, cut: Cut) -> tuple[TensorSpec, ...]:
-        by_name = {n.name: n for n in self.nodes}
-        return tuple(dataclasses.replace(by_name[name].meta[META_KEY].value, name=name) for name in cut.boundary)
+        return tuple(dataclasses.replace(self.by_name[name].meta[META_KEY].value, name=name) for name in cut.boundary)
 
 
 def _analyse(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwargs: dict[str, Any] | None,

@@ -180,15 +180,19 @@ def trace(model: nn.Module, *, example_inputs: Sequence[Any] = (), example_kwarg
 def _drop_fixed_placeholders(gm: fx.GraphModule, params: list[inspect.Parameter], concrete: dict[str, Any]) -> None:
     """Remove the placeholders (and None-checks) fx keeps for arguments fixed to their defaults."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    changed = False
     for node, param in zip(placeholders, params):
         if param.name not in concrete:
             continue
         for user in list(node.users):
             if user.target is fx._symbolic_trace._assert_is_none:
                 gm.graph.erase_node(user)
+                changed = True
         if not node.users:
             gm.graph.erase_node(node)
-    gm.recompile()
+            changed = True
+    if changed:
+        gm.recompile()
 
 
 def _explain(model: nn.Module, failed_module: str | None, e: Exception) -> str:

@@ -1,5 +1,6 @@
 """Measured costs equal their closed forms."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -113,3 +114,26 @@ def test_measure_module_on_meta():
     cost = measure_module(lin, lambda: lin(x))
     assert (cost.flops_fwd, cost.flops_bwd, cost.param_count) == (2 * 8 * 16 * 4, 2 * 8 * 16 * 4, 16 * 4 + 4)
     assert cost.activation_bytes == 8 * 16 * 4
+
+
+@pytest.mark.parametrize("name", ["residual", "masked", "resnet18", "mobilenet_v2", "vit"])
+def test_repeated_nodes_reuse_exactly_what_running_them_measures(name, monkeypatch):
+    # a node that repeats an earlier one replays its measurement; running every node afresh gives the same
+    import torchvision
+
+    from ppll_compile import cost
+    from tests.models import Masked, Residual
+
+    torch.manual_seed(0)
+    model, inputs = {
+        "residual": lambda: (Residual(), (torch.randn(2, 3, 8, 8),)),
+        "masked": lambda: (Masked(depth=4), (torch.randn(2, 5, 8), torch.ones(2, 5))),
+        "resnet18": lambda: (torchvision.models.resnet18(), (torch.randn(2, 3, 64, 64),)),
+        "mobilenet_v2": lambda: (torchvision.models.mobilenet_v2(), (torch.randn(2, 3, 64, 64),)),
+        "vit": lambda: (torchvision.models.VisionTransformer(32, 8, 4, 2, 32, 64), (torch.randn(2, 3, 32, 32),)),
+    }[name]()
+    reused, _ = _costs(model, *inputs)
+    monkeypatch.setattr(cost._Measure, "_signature", lambda self, *a: None)  # measure every node
+    monkeypatch.setattr(cost._FakeState, "needs_all", lambda self, values: True)  # every parameter fake at once
+    fresh, _ = _costs(model, *inputs)
+    assert reused == fresh
