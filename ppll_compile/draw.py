@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import PlanError, PPLLError
-from .plan import Plan, StagePlan, format_flops
+from .plan import Plan, format_flops
 from .timeline import KINDS, Timeline
 from .trace import module_path
 
@@ -79,13 +79,6 @@ class CostBars:
         return tuple(sum(col) for col in zip(*self.segments.values()))
 
 
-def _allreduce(plan: Plan, stage: StagePlan) -> float:
-    """Seconds a replicated stage spends all-reducing its gradients (backbone, plus a ppll stage's aux head)."""
-    r = stage.replicas
-    head = stage.head.param_count * 4 if plan.mode == "ppll" and not stage.is_last else 0
-    return 2 * (r - 1) / r * (stage.grad_bytes + head) / plan.link_bandwidth
-
-
 def cost_bars(plan: Plan) -> CostBars:
     """Split every stage's cost into forward, backward, head (teacher), all-reduce and communication.
 
@@ -97,7 +90,7 @@ def cost_bars(plan: Plan) -> CostBars:
              else ("backbone forward", "backbone backward", "aux head"))
     columns: list[tuple[float, ...]] = []
     for s in plan.stages:
-        sync = min(_allreduce(plan, s), s.cost - s.comm_cost)
+        sync = min(plan.allreduce_cost(s), s.cost - s.comm_cost)
         work = s.cost - s.comm_cost - sync
         flops = (s.flops_fwd, s.flops_bwd, s.aux_flops)
         shares = [f / sum(flops) for f in flops] if sum(flops) > 0 else [1.0, 0.0, 0.0]

@@ -295,6 +295,14 @@ class Plan:
     def bottleneck_stage(self) -> int:
         return max(range(len(self.stages)), key=lambda i: self.stages[i].cost)
 
+    def allreduce_cost(self, stage: StagePlan, link_bandwidth: float | None = None) -> float:
+        """Seconds per batch of ``stage``'s ring all-reduce over its replicas (0 for one), ``2 (r-1)/r`` times its
+        gradient bytes (backbone, plus a ``ppll`` stage's aux head) over ``link_bandwidth`` (default: the plan's);
+        part of the stage's ``compute_cost``."""
+        r = stage.replicas
+        head = stage.head.param_count * 4 if self.mode == "ppll" and not stage.is_last else 0  # float32 heads
+        return 2 * (r - 1) / r * (stage.grad_bytes + head) / (link_bandwidth or self.link_bandwidth)
+
     def totals(self) -> dict[str, float]:
         return {
             "bottleneck_cost": self.bottleneck_cost,

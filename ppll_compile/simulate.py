@@ -188,24 +188,17 @@ def simulate(plan: Plan, *, steps: int = 64, queue_depth: int = 2, link_bandwidt
 
 def _work(plan: Plan, stage: StagePlan, bandwidth: float) -> _Work:
     """Forward, backward, all-reduce and send seconds of one replica of ``stage`` per batch (module docstring)."""
-    r, ppll = stage.replicas, plan.mode != "pipebd"
-    sync_bytes = stage.grad_bytes + (stage.head.param_count * 4 if ppll and not stage.is_last else 0)
-    compute = max(0.0, stage.compute_cost - _allreduce(sync_bytes, r, plan.link_bandwidth))
-    if ppll:
+    compute = max(0.0, stage.compute_cost - plan.allreduce_cost(stage))
+    if plan.mode == "ppll":
         fwd = stage.flops_fwd + stage.head.flops_fwd
         total = fwd + stage.flops_bwd + stage.head.flops_bwd
     else:
         fwd = stage.aux_flops + stage.flops_fwd
         total = fwd + stage.flops_bwd
     forward = compute * fwd / total if total > 0 else compute
-    send = 0.0 if stage.is_last else sum(t.bytes for t in stage.boundary) / bandwidth / r
-    return _Work(forward=forward, backward=compute - forward, allreduce=_allreduce(sync_bytes, r, bandwidth),
+    send = 0.0 if stage.is_last else sum(t.bytes for t in stage.boundary) / bandwidth / stage.replicas
+    return _Work(forward=forward, backward=compute - forward, allreduce=plan.allreduce_cost(stage, bandwidth),
                  send=send)
-
-
-def _allreduce(nbytes: float, replicas: int, bandwidth: float) -> float:
-    """Seconds of a ring all-reduce of ``nbytes`` over ``replicas`` devices."""
-    return 2 * (replicas - 1) / replicas * nbytes / bandwidth
 
 
 def _check(plan: Any, steps: Any, queue_depth: Any, link_bandwidth: Any) -> float:
