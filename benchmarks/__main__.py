@@ -1,8 +1,9 @@
 """``python -m benchmarks [--quick] [--out results] [--only NAME,...]``: every benchmark, side by side, in one run.
 
-Writes ``results.json`` (all figures, with the date, machine and torch version), ``results.md`` (the tables)
-and the PNG plots into the results folder. A section that fails is reported and the others still run; the
-exit status is then 1.
+Writes ``results.json`` (all figures, with the date, machine and torch version of each section), ``results.md``
+(the tables) and the PNG plots into the results folder. ``--only`` reruns some sections and keeps the others'
+results found in the folder. A section that fails is reported and the others still run; the exit status is
+then 1.
 """
 
 from __future__ import annotations
@@ -47,9 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     warnings.simplefilter("ignore")  # the compiler's CPU-fallback note, once per compiled pipeline
-    env = environment()
-    results: dict = {"environment": env, "quick": args.quick, "sections": {}, "seconds": {}, "failed": {}}
-    reports = []
+    results = _previous(out / "results.json")
+    failed: dict[str, str] = {}
     for name in args.only:
         print(f"== {name}: {SECTIONS[name]}", flush=True)
         start = time.perf_counter()
@@ -57,22 +57,40 @@ def main(argv: list[str] | None = None) -> int:
             module = importlib.import_module(f".{MODULES.get(name, name)}", __package__)
             section = module.section(quick=args.quick, out=out)
         except Exception:  # noqa: BLE001 - one failing benchmark must not lose the others' results
-            results["failed"][name] = traceback.format_exc()
-            print(results["failed"][name], flush=True)
+            failed[name] = traceback.format_exc()
+            print(failed[name], flush=True)
             continue
-        finally:
-            results["seconds"][name] = time.perf_counter() - start
-        results["sections"][section.key] = section.results
-        reports.append(section.report())
-        print(reports[-1], flush=True)
-    header = (f"# Benchmarks{' (--quick)' if args.quick else ''}\n\nMeasured {env['date']} on {env['machine']}, "
-              f"torch {env['torch']}; `python -m benchmarks{' --quick' if args.quick else ''}` in "
-              f"{sum(results['seconds'].values()) / 60:.1f} min.\n")
-    failed = "".join(f"\n## {name}: failed\n\n```\n{text}```\n" for name, text in results["failed"].items())
+        env = environment()
+        results[name] = {"environment": env, "quick": args.quick, "seconds": time.perf_counter() - start,
+                         "report": section.report(), "results": section.results}
+        print(results[name]["report"], flush=True)
     (out / "results.json").write_text(json.dumps(results, indent=2))
-    (out / "results.md").write_text("\n".join([header, *reports]) + failed)
+    (out / "results.md").write_text(_markdown(results, failed))
     print(f"wrote {out / 'results.json'} and {out / 'results.md'}")
-    return 1 if results["failed"] else 0
+    return 1 if failed else 0
+
+
+def _previous(path: Path) -> dict:
+    """The sections a previous run left in ``results.json`` (rerun ones are replaced)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in data.items() if k in SECTIONS and isinstance(v, dict) and "report" in v}
+
+
+def _markdown(results: dict, failed: dict[str, str]) -> str:
+    parts = ["# Benchmarks\n\n`python -m benchmarks` (see `benchmarks/`); each section says when, where and how "
+             "long it ran.\n"]
+    for name in SECTIONS:
+        if name in results:
+            r = results[name]
+            env = r["environment"]
+            report = r["report"].split("\n", 1)
+            parts.append(f"{report[0]}\n\n_Measured {env['date']} on {env['machine']}, torch {env['torch']}; "
+                         f"{'--quick, ' if r['quick'] else ''}{r['seconds'] / 60:.1f} min._\n{report[1]}")
+    parts += [f"## {name}: failed\n\n```\n{text}```\n" for name, text in failed.items()]
+    return "\n".join(parts)
 
 
 if __name__ == "__main__":
