@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from .launch import load_example
+from .launch import load_example, one_thread
 from .report import Section, standalone
 
 __all__ = ["CONFIGS", "section", "run_seed", "main"]
@@ -157,16 +157,12 @@ def section(*, quick: bool, out: Path) -> Section:
     epochs = 3 if quick else 8
     digits = load_example("train_digits")
     train_set, test_set = digits.load_data(seeds[0])
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     start = time.perf_counter()
     runs = []
-    try:
+    with one_thread():
         for i, seed in enumerate(seeds):
             order = list(CONFIGS[i % len(CONFIGS):] + CONFIGS[:i % len(CONFIGS)])  # each seed starts elsewhere
             runs.append(run_seed(seed, epochs, order))
-    finally:
-        torch.set_num_threads(threads)
     res: dict[str, Any] = {"seeds": seeds, "epochs": epochs, "batch": BATCH, "lr": LR, "optimizer": "adam, cosine",
                            "threads": 1, "image_size": digits.SIZE, "train_size": len(train_set),
                            "test_size": len(test_set), "steps_per_epoch": -(-len(train_set) // BATCH),

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import ppll_compile
 
-from .launch import load_example, spawn
+from .launch import load_example, one_thread, spawn
 from .report import Section, standalone
 
 __all__ = ["main", "section", "compare"]
@@ -86,9 +86,7 @@ def compare(*, steps: int, warmup: int, rounds: int, folder: Path) -> dict:
     re-applied in every process. Each round runs every configuration once, in turn, so that a burst of load
     on the machine does not favour one; the figures are medians over the rounds.
     """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         paths, layouts, predicted = {}, {}, {}
         for name, options in PLANS.items():
             p = _compiled(gpus=2, profile="time", **options).plan
@@ -101,8 +99,6 @@ def compare(*, steps: int, warmup: int, rounds: int, folder: Path) -> dict:
             for name, (runtime, plan, options) in RUNS.items():
                 runs[name].append(spawn(_worker, 2, (runtime, paths[plan], options, steps, warmup),
                                         timeout=900)["samples_per_s"])
-    finally:
-        torch.set_num_threads(threads)
     out: dict[str, Any] = {name: statistics.median(v) for name, v in runs.items()}
     out |= {"runs": runs, "layouts": layouts, "predicted_samples_per_s": predicted}
     dna = out["dna"]

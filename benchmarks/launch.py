@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from types import ModuleType
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["EXAMPLES", "load_example", "spawn"]
+__all__ = ["EXAMPLES", "load_example", "one_thread", "spawn"]
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -27,6 +28,17 @@ def load_example(name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # type: ignore[union-attr]
     return module
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Run the block on one torch thread (as every stage and rank of the benchmarks does), then restore."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _free_port() -> int:

@@ -23,18 +23,15 @@ import torchvision
 
 import ppll_compile
 
-from .launch import load_example
+from .launch import load_example, one_thread
 from .report import Section, standalone
+from .runtime import sgd, stage_messages
 
 __all__ = ["PARTITIONERS", "section", "predicted", "measured_balance", "main"]
 
 PARTITIONERS = ("exact", "uniform", "greedy", "params")
 BATCH = 64
 TORCHVISION = ("resnet50", "vit_b_16")
-
-
-def _sgd(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
 def _summary(model: str, k: int, partitioner: str, profile: str, plan: ppll_compile.Plan, seconds: float) -> dict:
@@ -78,14 +75,6 @@ def predicted(name: str, ks: tuple[int, ...]) -> list[dict]:
     return rows
 
 
-def _stage_messages(trainer: Any, x: torch.Tensor, y: torch.Tensor) -> list[Any]:
-    """The message each stage receives for batch (x, y), made by running the stages before it."""
-    msgs = [trainer._message(x, y, "train")]
-    for r in trainer.runners[:-1]:
-        msgs.append(r.train_step(msgs[-1])[0])
-    return msgs
-
-
 def measured_balance(pipelines: list[ppll_compile.CompiledPipeline], *, rounds: int) -> list[list[list[float]]]:
     """Per pipeline and stage, the seconds of ``rounds`` training steps, each stage timed alone on the same batch.
 
@@ -96,8 +85,8 @@ def measured_balance(pipelines: list[ppll_compile.CompiledPipeline], *, rounds: 
     x, y = torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
     setups = []
     for compiled in pipelines:
-        trainer = compiled.trainer(optimizer=_sgd)
-        msgs = _stage_messages(trainer, x, y)
+        trainer = compiled.trainer(optimizer=sgd)
+        msgs = stage_messages(trainer, x, y)
         for r, msg in zip(trainer.runners, msgs):
             r.train_step(msg)  # warm-up
         setups.append((trainer, msgs))
@@ -240,15 +229,11 @@ def section(*, quick: bool, out: Path) -> Section:
     ks = (2, 4) if quick else (2, 4, 8)
     rounds = 4 if quick else 12
     models = ["resnet32", *(TORCHVISION[:1] if quick else TORCHVISION)]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     start = time.perf_counter()
-    try:
+    with one_thread():
         rows = _resnet32_rows(ks, rounds)
         for name in models[1:]:
             rows += predicted(name, ks)
-    finally:
-        torch.set_num_threads(threads)
     res: dict[str, Any] = {"batch": BATCH, "ks": list(ks), "rounds": rounds, "threads": 1,
                            "flops_per_second": ppll_compile.PlanOptions().flops_per_second, "models": models,
                            "plans": rows, "spread": _spread(rows), "seconds": time.perf_counter() - start}

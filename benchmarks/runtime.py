@@ -18,11 +18,11 @@ import ppll_compile
 from ppll_compile.draw import draw_gantt
 from ppll_compile.plan import format_bytes
 
-from .launch import load_example, spawn
+from .launch import load_example, one_thread, spawn
 from .pipelining import best_pipelining
 from .report import Section, standalone
 
-__all__ = ["main", "section", "throughput", "stage_memory", "gloo_bandwidth"]
+__all__ = ["main", "section", "throughput", "calibration", "stage_memory", "stage_messages", "gloo_bandwidth", "sgd"]
 
 BATCH = 64
 POLICY = {"resnet32": "dgl", "vit_small": "vit"}
@@ -31,7 +31,8 @@ LOCAL_LINK = 1e13
 """Bytes/s the simulator assumes between threads of one process (a queue hands over a reference)."""
 
 
-def _sgd(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+def sgd(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """SGD with momentum, the optimizer of every PPLL throughput and balance measurement."""
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
@@ -67,7 +68,7 @@ def _e2e(model: str, data: list, warmup: int) -> float:
     """Plain end-to-end backprop on one thread: the single-device reference."""
     torch.manual_seed(0)
     net = load_example(model).build_model(10)
-    opt = _sgd(list(net.parameters()))
+    opt = sgd(list(net.parameters()))
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         opt.zero_grad(set_to_none=True)
@@ -83,7 +84,7 @@ def _e2e(model: str, data: list, warmup: int) -> float:
 
 
 def _distributed_worker(rank: int, world: int, model: str, steps: int, warmup: int, plan: str) -> dict:
-    trainer = _compiled(model, world, plan=plan).trainer(optimizer=_sgd, runtime="distributed")
+    trainer = _compiled(model, world, plan=plan).trainer(optimizer=sgd, runtime="distributed")
     data = _batches(steps + warmup) if rank == 0 else [(None, None)] * (steps + warmup)
     with trainer:
         for x, y in data[:warmup]:
@@ -127,23 +128,19 @@ def throughput(model: str, k: int, *, steps: int, warmup: int, rounds: int, micr
     (``profile="time"``), saved once and re-applied in every process. Each round runs every configuration
     once, in turn, so that a burst of load on the machine does not favour one; figures are medians.
     """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         plan_obj = _compiled(model, k, profile="time").plan
         plan = str(plan_obj.save(folder / f"plan-{model}-{k}.json"))
         data = _batches(steps + warmup)
         runs: dict[str, list[float]] = {name: [] for name in RUNTIMES}
         for _ in range(rounds):
             runs["e2e"].append(_e2e(model, data, warmup))
-            runs["sequential"].append(_timed_fit(_compiled(model, k, plan=plan).trainer(optimizer=_sgd), data,
+            runs["sequential"].append(_timed_fit(_compiled(model, k, plan=plan).trainer(optimizer=sgd), data,
                                                  warmup))
             runs["threads"].append(_timed_fit(_compiled(model, k, plan=plan).trainer(
-                optimizer=_sgd, runtime="threads", threads_per_stage=1), data, warmup))
+                optimizer=sgd, runtime="threads", threads_per_stage=1), data, warmup))
             runs["distributed"].append(spawn(_distributed_worker, k, (model, steps, warmup, plan),
                                              timeout=300 + 20 * (steps + warmup))["samples_per_s"])
-    finally:
-        torch.set_num_threads(threads)
     out: dict[str, Any] = {name: statistics.median(v) for name, v in runs.items()}
     out |= {"runs": runs, "cuts": list(plan_obj.cuts), "stage_ms": [s.cost * 1e3 for s in plan_obj.stages]}
     torch_runs = best_pipelining(model, microbatch_counts=microbatches, steps=steps, warmup=warmup, world=k,
@@ -168,17 +165,13 @@ def throughput(model: str, k: int, *, steps: int, warmup: int, rounds: int, micr
 
 def _traced_timeline(model: str, k: int, plan: str, steps: int) -> Any:
     """The measured timeline of ``steps`` batches in the threads runtime."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with _compiled(model, k, plan=plan).trainer(optimizer=_sgd, runtime="threads", threads_per_stage=1,
+    with one_thread():
+        with _compiled(model, k, plan=plan).trainer(optimizer=sgd, runtime="threads", threads_per_stage=1,
                                                     trace=True) as trainer:
             for x, y in _batches(steps):
                 trainer.step(x, y)
             trainer.finish()
             return trainer.timeline()
-    finally:
-        torch.set_num_threads(threads)
 
 
 def calibration(model: str, k: int, plan: str, *, steps: int, warmup: int) -> tuple[dict, Any]:
@@ -204,7 +197,7 @@ def calibration(model: str, k: int, plan: str, *, steps: int, warmup: int) -> tu
                                                              link_bandwidth=LOCAL_LINK).throughput}, timeline
 
 
-def _stage_messages(trainer: Any, x: torch.Tensor, y: torch.Tensor) -> list[Any]:
+def stage_messages(trainer: Any, x: torch.Tensor, y: torch.Tensor) -> list[Any]:
     """The message each stage receives for batch (x, y), made by running the stages before it."""
     msgs = [trainer._message(x, y, "train")]
     for r in trainer.runners[:-1]:
@@ -223,8 +216,8 @@ def _storage_bytes(tensors: Any) -> int:
 def stage_memory(model: str, k: int) -> list[dict]:
     """Per stage: live bytes of parameters, gradients, optimizer state and saved activations vs the plan's figure."""
     compiled = _compiled(model, k)
-    trainer = compiled.trainer(optimizer=_sgd)
-    msgs = _stage_messages(trainer, *_batches(1)[0])
+    trainer = compiled.trainer(optimizer=sgd)
+    msgs = stage_messages(trainer, *_batches(1)[0])
     rows = []
     for r, msg, sp in zip(trainer.runners, msgs, compiled.plan.stages):
         r.train_step(msg)  # gradients and momentum buffers exist from here on
