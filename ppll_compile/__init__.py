@@ -1,9 +1,9 @@
 """ppll-compile: compile an unmodified nn.Module into a pipeline for local learning or blockwise distillation."""
 
 from .api import PlanOptions, compile, plan
-from .distill import DistillPipeline
 from .errors import CutError, PartitionError, PlanError, PolicyError, PPLLError, TraceError
-from .lower import CompiledPipeline, Stage
+from .lowered import Stage
+from .pipeline import CompiledPipeline, DistillPipeline
 from .plan import BlockPlan, HeadSpec, Plan, StagePlan, TensorSpec
 from .runtime import CheckpointError, StageError, Trainer
 from .simulate import Simulation, StageSimulation, simulate

@@ -26,7 +26,9 @@ from . import heads as _heads
 from .cost import META_KEY, OPTIMIZER_STATES, ModuleCost, measure_graph, measure_module, time_callable
 from .cuts import Cut, legal_cuts
 from .errors import CutError, PartitionError, PlanError, PolicyError
-from .lower import CompiledPipeline, split_stages
+from .lower import split_stages
+from .lowered import Inputs, Lowered
+from .pipeline import CompiledPipeline
 from .plan import MODES, PLAN_VERSION, HeadSpec, Plan, StagePlan, TensorSpec
 from .trace import module_path, trace, train_mode
 
@@ -288,6 +290,15 @@ def _analyse(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwa
         trainable={k for k, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad},
     )
     return analysis
+
+
+def model_inputs(model: nn.Module, gm: fx.GraphModule, fixed: dict[str, Any]) -> Inputs:
+    return Inputs(model=type(model).__name__, signature=inspect.signature(model.forward), fixed=fixed,
+                  names=tuple(n.target for n in gm.graph.nodes if n.op == "placeholder"))
+
+
+def compiled_devices(plan: Plan) -> tuple[torch.device, ...]:
+    return tuple(torch.device(d) for d in plan.devices)
 
 
 def _model_output_spec(output: fx.Node) -> TensorSpec | None:
@@ -721,5 +732,6 @@ def compile(model: nn.Module, gpus: int | None = None, *, teacher: nn.Module | N
     for st, sp in zip(stages, result.stages):
         st.to(sp.device)
         heads.append(None if sp.is_last else _make_head(policy, sp.head.config, sp.boundary[0], a)[0].to(sp.device))
-    return CompiledPipeline(model=model, graph_module=a.gm, plan=result, stages=stages, heads=heads,
-                            fixed_args=a.fixed_args)
+    lowered = Lowered(modules=tuple(stages), heads=tuple(heads), devices=compiled_devices(result),
+                      inputs=model_inputs(model, a.gm, a.fixed_args))
+    return CompiledPipeline(model=model, graph_module=a.gm, plan=result, lowered=lowered)

@@ -21,15 +21,17 @@ from partitioners.replicas import (Layout, ReplicaProblem, layout_costs, solve_f
                                    solve_replicated)
 
 from .api import (PlanOptions, _analyse, _Analysis, _devices, _memory, _model_output_spec, _resolve_cut,
-                  first_device)
+                  first_device, model_inputs)
 from .cost import META_KEY, time_callable
 from .cuts import Cut
 from .errors import CutError, PartitionError, PolicyError
-from .lower import CompiledPipeline, Stage, move, split_stages
+from .lower import split_stages
+from .lowered import Lowered, Stage, move
+from .pipeline import DistillPipeline
 from .plan import BlockPlan, HeadSpec, Plan, StagePlan, TensorSpec
 from .trace import module_path
 
-__all__ = ["DistillPolicy", "load_distill_policy", "distill_loss", "DistillPipeline", "build", "compile_pipebd",
+__all__ = ["DistillPolicy", "load_distill_policy", "distill_loss", "build", "compile_pipebd",
            "LOSSES"]
 
 LOSSES: dict[str, dict[str, float]] = {"mse": {}, "smooth_l1": {"beta": 1.0}, "kl": {"temperature": 1.0}}
@@ -457,54 +459,10 @@ def compile_pipebd(student: nn.Module, teacher: nn.Module, example_inputs: Seque
                    blocks: Sequence[Sequence[str]] | None) -> DistillPipeline:
     """Plan (see :func:`build`) and lower to teacher and student block modules on their stages' devices."""
     result, b, tb, sb, losses = build(student, teacher, example_inputs, example_kwargs, opts, blocks)
-    return DistillPipeline(model=student, teacher=teacher, plan=result, graph_module=b.student.gm,
-                           fixed_args=b.student.fixed_args, teacher_blocks=tb, student_blocks=sb, losses=losses)
-
-
-class DistillPipeline(CompiledPipeline):
-    """A teacher/student pair compiled into aligned blocks: ``plan``, ``teacher_blocks``, ``student_blocks``.
-
-    The student blocks share the student's parameter objects, so training them trains the student in
-    place; each block sits on its stage's device. Calling the pipeline runs the *student* blocks in order
-    (the student's own output); the trainer trains each student block on the teacher's relayed activations.
-    """
-
-    def __init__(self, *, model: nn.Module, teacher: nn.Module, plan: Plan, graph_module: Any,
-                 fixed_args: dict[str, Any], teacher_blocks: list[Stage], student_blocks: list[Stage],
-                 losses: list[Callable[[Tensor, Tensor], Tensor]]) -> None:
-        super().__init__(model=model, graph_module=graph_module, plan=plan, stages=student_blocks,
-                         heads=[None] * len(student_blocks), fixed_args=fixed_args)
-        self.teacher = teacher
-        self.teacher_blocks = teacher_blocks
-        self.student_blocks = student_blocks
-        self.losses = losses
-        self.block_devices = [torch.device(s.device) for s in plan.stages for _ in s.blocks]
-        """The device of every block: its stage's (first replica's)."""
-        for t, s, d in zip(teacher_blocks, student_blocks, self.block_devices):
-            t.to(d).eval()
-            s.to(d)
-
-    def train(self, mode: bool = True) -> DistillPipeline:
-        for s in self.student_blocks:
-            s.train(mode)
-        return self
-
-    def stage_parameters(self, index: int) -> list[nn.Parameter]:
-        """Student parameters stage ``index`` trains (every block of the stage)."""
-        return [p for k in self.plan.stages[index].blocks for p in self.student_blocks[k].parameters()]
-
-    def make_runners(self, config: Any, indices: Sequence[int], devices: Sequence[torch.device],
-                     groups: Sequence[Any] | None = None) -> list[Any]:
-        from .runtime.distill import DistillRunner
-        return [DistillRunner(stage=self.plan.stages[i], teacher=[self.teacher_blocks[k] for k in
-                                                                  self.plan.stages[i].blocks],
-                              student=[self.student_blocks[k] for k in self.plan.stages[i].blocks],
-                              losses=[self.losses[k] for k in self.plan.stages[i].blocks], device=d, config=config,
-                              group=g)
-                for i, d, g in zip(indices, devices, groups or [None] * len(indices))]
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        values: Any = self.bind(*args, **kwargs)
-        for block, device in zip(self.student_blocks, self.block_devices):
-            values = block(*move(values, device))
-        return values
+    devices = tuple(torch.device(s.device) for s in result.stages for _ in s.blocks)
+    for t, s, d in zip(tb, sb, devices):
+        t.to(d).eval()
+        s.to(d)
+    lowered = Lowered(modules=tuple(sb), heads=(None,) * len(sb), devices=devices, teacher=tuple(tb),
+                      losses=tuple(losses), inputs=model_inputs(student, b.student.gm, b.student.fixed_args))
+    return DistillPipeline(model=student, teacher=teacher, plan=result, graph_module=b.student.gm, lowered=lowered)

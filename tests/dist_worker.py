@@ -104,16 +104,16 @@ def fifo_pipeline(k: int, runtime: str) -> Any:
 
 def stage_states(trainer: Any) -> dict[int, dict[str, torch.Tensor]]:
     """Block and head tensors (parameters and buffers) of every stage this process trains."""
-    c = trainer.compiled
+    c, plan = trainer.lowered, trainer.plan
     out = {}
-    if c.plan.mode == "pipebd":
+    if plan.mode == "pipebd":
         for i in trainer.stages:
-            out[i] = {f"block{k}.{n}": v.detach().cpu().clone() for k in c.plan.stages[i].blocks
-                      for n, v in c.student_blocks[k].state_dict().items()}
+            out[i] = {f"block{k}.{n}": v.detach().cpu().clone() for k in plan.stages[i].blocks
+                      for n, v in c.modules[k].state_dict().items()}
         return out
     for i in trainer.stages:
         head = c.heads[i]
-        out[i] = {f"block.{k}": v.detach().cpu().clone() for k, v in c.stages[i].state_dict().items()} | \
+        out[i] = {f"block.{k}": v.detach().cpu().clone() for k, v in c.modules[i].state_dict().items()} | \
                  ({f"head.{k}": v.detach().cpu().clone() for k, v in head.state_dict().items()} if head else {})
     return out
 
@@ -259,7 +259,7 @@ def main(argv: list[str]) -> None:
     elif scenario == "distill-raise":  # stage 1's first student block raises on its third batch
         rank = int(os.environ["RANK"])
         trainer = distill_pipeline("distributed", "two")
-        block = trainer.compiled.student_blocks[2]
+        block = trainer.lowered.modules[2]
         calls = iter(range(100))
         forward = block.forward
         block.forward = lambda *v: forward(*v) if next(calls) != 2 else _raise(RuntimeError("student broke"))

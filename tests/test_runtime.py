@@ -325,11 +325,11 @@ def test_load_rejects_a_corrupt_stage_file(tmp_path):
     data[len(data) // 2] ^= 0xFF
     (path / "stage-1.pt").write_bytes(bytes(data))
     trainer = _compiled(seed=5).trainer(optimizer=_sgd)
-    before = _state(trainer.compiled)
+    before = _state(trainer)
     with pytest.raises(CheckpointError, match=r"stage-1.pt' has \d+ bytes and another sha256; manifest.json "
                                               r"expects \d+ bytes"):
         trainer.load(path)
-    for p, q in zip(before, _state(trainer.compiled)):  # nothing was half-loaded
+    for p, q in zip(before, _state(trainer)):  # nothing was half-loaded
         assert torch.equal(p, q)
 
 

@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..lower import Stage, move
+from ..lowered import Lowered, Stage, move
+from ..plan import Plan
 from ..plan import StagePlan
 from ..timeline import span
 from .local import Counts, Losses, Runtime
@@ -108,19 +109,20 @@ class DNARuntime(Runtime):
     after another over the data, because each block depends only on the frozen teacher.
     """
 
-    def __init__(self, compiled: Any, config: TrainConfig, *, timeout: float) -> None:
+    def __init__(self, plan: Plan, lowered: Lowered, config: TrainConfig, *, timeout: float) -> None:
         from .distributed import _device, _init_group
+        from .runners import make_runners
         self._owns_group = False
         self.world, self.rank = 1, 0
-        self.device = compiled.devices[0]
+        self.device = torch.device(plan.devices[0])
         if "WORLD_SIZE" in os.environ or dist.is_initialized():
-            self._owns_group = _init_group(compiled.plan.num_stages, timeout)
+            self._owns_group = _init_group(plan.num_stages, timeout)
             self.world, self.rank = dist.get_world_size(), dist.get_rank()
             self.device = _device(self.rank)
-        k = compiled.plan.num_stages
+        k = plan.num_stages
         self.num_stages = k
         self.is_main_writer = self.is_main = self.rank == 0
-        self.runners = compiled.make_runners(config, range(k), [self.device] * k)
+        self.runners = make_runners(plan, lowered, config, range(k), [self.device] * k)
         self._teacher = [t for r in self.runners for t in r.teacher]
         self._parts = []  # per block: its stage's runner, its index there, the module the gradients go through
         for r in self.runners:

@@ -18,9 +18,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..errors import PPLLError
-from ..plan import TensorSpec
+from ..lowered import Lowered
+from ..plan import Plan, TensorSpec
 from ..timeline import span
 from .local import Counts, Losses, Runtime
+from .runners import make_runners
 from .stage import EVAL, TRAIN, Message, Recent, StageError, TrainConfig, add_counts, dtype_of
 
 __all__ = ["DistributedRuntime", "ERROR_KEY"]
@@ -230,9 +232,8 @@ class DistributedRuntime(Runtime):
     peer.
     """
 
-    def __init__(self, compiled: Any, config: TrainConfig, *, depth: int, latest: bool, timeout: float,
-                 decoupled: bool = True) -> None:
-        plan = compiled.plan
+    def __init__(self, plan: Plan, lowered: Lowered, config: TrainConfig, *, depth: int, latest: bool,
+                 timeout: float, decoupled: bool = True) -> None:
         k = plan.num_stages
         self._owns_group = _init_group(plan.world_size, timeout)
         try:
@@ -259,7 +260,7 @@ class DistributedRuntime(Runtime):
                 group = g if j == self.stage else group
             self._sync = None if decoupled else dist.new_group(list(range(world)))
             self.device = _device(self.rank)
-            self.runners = compiled.make_runners(config, [self.stage], [self.device], [group])
+            self.runners = make_runners(plan, lowered, config, [self.stage], [self.device], [group])
         except BaseException:
             if self._owns_group:
                 dist.destroy_process_group()

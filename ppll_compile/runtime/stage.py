@@ -13,12 +13,12 @@ from torch import Tensor, nn
 
 from ..errors import PPLLError
 from ..heads import head_loss
-from ..lower import Stage, move
+from ..lowered import Stage, move
 from ..plan import StagePlan
 from ..timeline import Recorder, span
 
 __all__ = ["Message", "Runner", "StageRunner", "add_counts", "StageError", "TrainConfig", "Recent", "dtype_of",
-           "make_runners", "TRAIN",
+           "TRAIN",
            "EVAL"]
 
 TRAIN, EVAL = "train", "eval"
@@ -338,12 +338,3 @@ def _correct(logits: Any, target: Any) -> int | None:
             and target.dim() == 1 and logits.shape[0] == target.shape[0]):
         return None
     return int((logits.argmax(1) == target).sum())
-
-
-def make_runners(compiled: Any, config: TrainConfig, indices: Sequence[int], devices: Sequence[torch.device],
-                 groups: Sequence[Any] | None = None) -> list[StageRunner]:
-    """Runners for the stages ``indices`` of ``compiled``, on ``devices``, in replica ``groups`` (one per index)."""
-    needs = [bool(getattr(h, "needs_input", False)) for h in compiled.heads]
-    return [StageRunner(stage=compiled.stages[i], head=compiled.heads[i], plan=compiled.plan.stages[i],
-                        device=d, config=config, carry_raw=any(needs[i + 1:]), group=g)
-            for i, d, g in zip(indices, devices, groups or [None] * len(indices))]

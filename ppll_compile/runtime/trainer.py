@@ -12,10 +12,12 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import PPLLError
-from ..plan import TensorSpec
+from ..lowered import Lowered
+from ..plan import Plan, TensorSpec
 from ..timeline import Recorder, Timeline
 from . import checkpoint
 from .local import Losses, Runtime, SequentialRuntime, ThreadsRuntime
+from .runners import make_runners
 from .stage import EVAL, TRAIN, Message, Runner, TrainConfig, dtype_of
 
 __all__ = ["Trainer", "RUNTIMES", "QUEUES"]
@@ -56,13 +58,13 @@ class Trainer:
     spans (receive, forward, backward, step, send); :meth:`timeline` returns them.
     """
 
-    def __init__(self, compiled: Any, *, optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    def __init__(self, plan: Plan, lowered: Lowered, *, optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
                  runtime: str = "sequential", loss: Callable[[Any, Tensor], Tensor] | None = None,
                  scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
                  clip_grad_norm: float | None = None, autocast: Any = None, queue_depth: int = 2,
                  queue: str = "fifo", nan_check: bool = False, threads_per_stage: int | None = None,
                  timeout: float = 300.0, decoupled: bool = True, trace: bool = False) -> None:
-        distill = compiled.plan.mode == "pipebd"
+        distill = plan.mode == "pipebd"
         _check_choice("runtime", runtime, RUNTIMES + (("dna",) if distill else ()))
         _check_choice("queue", queue, QUEUES)
         if not callable(optimizer):
@@ -81,24 +83,25 @@ class Trainer:
                              '"threads" and "distributed" with queue="fifo"')
         if not isinstance(trace, bool):
             raise TypeError(f"trace must be True or False, got {trace!r}")
-        self.compiled = compiled
-        self.plan = compiled.plan
+        self.plan = plan
+        self.lowered = lowered
+        """The modules this trainer trains, shared with the compiled pipeline."""
         self.runtime_name = runtime
         k = self.plan.num_stages
         config = TrainConfig(optimizer=optimizer, scheduler=scheduler, loss=loss, clip_grad_norm=clip_grad_norm,
                              autocast=_autocast(autocast, k), nan_check=nan_check)
-        self._carry_raw = compiled.carries_input
-        compiled.train()
+        self._carry_raw = lowered.carries_input
+        lowered.train()
         self._runtime: Runtime
         if runtime == "distributed":
             from .distributed import DistributedRuntime
-            self._runtime = DistributedRuntime(compiled, config, depth=queue_depth, latest=queue == "latest",
+            self._runtime = DistributedRuntime(plan, lowered, config, depth=queue_depth, latest=queue == "latest",
                                                timeout=timeout, decoupled=decoupled)
         elif runtime == "dna":
             from .distill import DNARuntime
-            self._runtime = DNARuntime(compiled, config, timeout=timeout)
+            self._runtime = DNARuntime(plan, lowered, config, timeout=timeout)
         else:
-            runners = compiled.make_runners(config, range(k), compiled.devices)
+            runners = make_runners(plan, lowered, config, range(k), [torch.device(d) for d in plan.devices])
             if runtime == "sequential":
                 self._runtime = SequentialRuntime(runners)
             else:
@@ -139,6 +142,10 @@ class Trainer:
         """Optimizer steps per stage run here."""
         return {r.index: r.steps for r in self.runners}
 
+    def stage_parameters(self, index: int) -> list[nn.Parameter]:
+        """Parameters stage ``index`` trains (wherever it runs): its modules' and its head's."""
+        return self.lowered.stage_parameters(self.plan.stages[index])
+
     @property
     def reused(self) -> dict[int, int]:
         """Inputs each stage run here trained on again instead of waiting (``queue="latest"``)."""
@@ -147,11 +154,11 @@ class Trainer:
     # ---- feeding batches -------------------------------------------------------------------
     def _message(self, inputs: Any, target: Any, kind: str) -> Message:
         if isinstance(inputs, dict):
-            values = self.compiled.bind(**inputs)
+            values = self.lowered.inputs.bind(**inputs)
         elif isinstance(inputs, (tuple, list)):
-            values = self.compiled.bind(*inputs)
+            values = self.lowered.inputs.bind(*inputs)
         else:
-            values = self.compiled.bind(inputs)
+            values = self.lowered.inputs.bind(inputs)
         batch = self._check_inputs(values)
         if target is None and self.plan.mode == "pipebd":  # distillation needs no labels; rows travel with the batch
             target = torch.zeros(batch, dtype=torch.int64)
@@ -289,13 +296,13 @@ class Trainer:
         files = [checkpoint.save_stage(path, state) for state in rt.states()]
         files = [f for part in rt.gather(files) for f in part]
         if rt.is_main_writer:
-            checkpoint.write_manifest(path, checkpoint.identity(self.compiled), files, {"batches": self.batches})
+            checkpoint.write_manifest(path, checkpoint.identity(self), files, {"batches": self.batches})
         rt.barrier()
 
     def load(self, path: str | os.PathLike) -> None:
         """Restore a checkpoint written by :meth:`save` (under any runtime) for the same model and plan."""
         self.finish()
-        trainer, states = checkpoint.read(path, checkpoint.identity(self.compiled), list(self.stages))
+        trainer, states = checkpoint.read(path, checkpoint.identity(self), list(self.stages))
         for r in self._runtime.runners:
             r.load_state_dict(states[r.index])
         self.batches = int(trainer["batches"])

@@ -1,0 +1,151 @@
+"""What lowering hands the runtime: stage modules, heads, Pipe-BD's teacher blocks and losses, and the input binder."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import Tensor, nn
+
+from .plan import StagePlan
+
+__all__ = ["Stage", "Inputs", "Lowered", "move", "SOURCE_NAME"]
+
+SOURCE_NAME = "ppll_name"
+"""``node.meta`` key that keeps a node's name in the traced graph after ``split_module`` renames it."""
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """A named value inside the model's output structure, filled in when the last stage runs."""
+
+    name: str
+
+
+def move(value: Any, device: torch.device | str) -> Any:
+    """Move every tensor in a (nested) value to ``device``; other objects pass through."""
+    if isinstance(value, Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, (tuple, list)):
+        moved = [move(v, device) for v in value]
+        return tuple(moved) if isinstance(value, tuple) else moved
+    if isinstance(value, dict):
+        return {k: move(v, device) for k, v in value.items()}
+    return value
+
+
+class Stage(nn.Module):
+    """One pipeline stage: a submodule made by split_module, plus the names of the values it takes and sends.
+
+    ``forward(*inputs)`` takes the previous stage's boundary values (the model's inputs for stage 0) in the
+    order of ``inputs`` and returns the tuple of ``outputs`` (the boundary, main tensor first); the last
+    stage returns the model's own output structure instead.
+    """
+
+    def __init__(self, module: fx.GraphModule, *, index: int, inputs: Sequence[str], outputs: Sequence[str],
+                 result: Any = None):
+        super().__init__()
+        self.module = module
+        self.index = index
+        self.inputs = tuple(inputs)
+        self.outputs = tuple(outputs)
+        # the model's output structure for the last stage, its values named by _Ref
+        self._result = None if result is None else fx.node.map_arg(result, lambda n: _Ref(n.name))
+        # split_module renames nodes inside a submodule; their meta keeps the original name
+        self._sub_inputs = tuple(n.meta[SOURCE_NAME] for n in module.graph.nodes if n.op == "placeholder")
+        out = next(n for n in module.graph.nodes if n.op == "output").args[0]
+        self._sub_outputs = tuple(a.meta[SOURCE_NAME] for a in out) if isinstance(out, (tuple, list)) \
+            else (out.meta[SOURCE_NAME],)
+        self._single = not isinstance(out, (tuple, list))
+
+    @property
+    def is_last(self) -> bool:
+        return self._result is not None
+
+    def forward(self, *values: Any) -> Any:
+        if len(values) != len(self.inputs):
+            raise TypeError(f"stage {self.index} takes {len(self.inputs)} value(s) {list(self.inputs)}, "
+                            f"got {len(values)}")
+        env = dict(zip(self.inputs, values))
+        out = self.module(*(env[n] for n in self._sub_inputs))
+        env.update(zip(self._sub_outputs, (out,) if self._single else out))
+        if self._result is not None:
+            return fx.node.map_aggregate(self._result, lambda v: env[v.name] if isinstance(v, _Ref) else v)
+        return tuple(env[n] for n in self.outputs)
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """Turns a call with the model's own signature into stage 0's inputs, in the traced graph's order."""
+
+    model: str
+    """Class name of the model, for error messages."""
+    signature: inspect.Signature
+    """The model's ``forward`` signature."""
+    names: tuple[str, ...]
+    """The graph's placeholders: the arguments stage 0 takes, in order."""
+    fixed: dict[str, Any]
+    """Arguments traced at their default value (constants in the graph): a call must not change them."""
+
+    def bind(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
+        """The model inputs in stage 0's order, from a call with the model's own signature."""
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"{self.model}: {e}") from None
+        bound.apply_defaults()
+        for name, default in self.fixed.items():
+            if bound.arguments.get(name, default) is not default:
+                raise TypeError(f"{self.model} was compiled with {name}={default!r} fixed; "
+                                f"compile again with {name} in example_kwargs to pass it")
+        return tuple(bound.arguments[n] for n in self.names)
+
+
+@dataclass(frozen=True, eq=False)
+class Lowered:
+    """The modules a plan trains, each on its device; they hold the model's own parameter objects.
+
+    A ``ppll`` plan has one module per stage and an auxiliary head for every stage but the last. A
+    ``pipebd`` plan has one student module per distillation block (``plan.blocks``), the frozen teacher
+    block it learns from, and its loss ``fn(student_out, teacher_out)``; its heads are all ``None``.
+    """
+
+    modules: tuple[Stage, ...]
+    """Per stage (``ppll``) or per block (``pipebd``): the trained backbone module."""
+    heads: tuple[nn.Module | None, ...]
+    """Per module: its auxiliary head, ``None`` where the model's own output is trained on."""
+    devices: tuple[torch.device, ...]
+    """Per module: the device it is placed on."""
+    inputs: Inputs
+    """Binds a call with the model's signature to the first module's inputs."""
+    teacher: tuple[Stage, ...] = ()
+    """``pipebd``: per block, the frozen teacher block."""
+    losses: tuple[Callable[[Tensor, Tensor], Tensor], ...] = ()
+    """``pipebd``: per block, the distillation loss."""
+
+    @property
+    def carries_input(self) -> bool:
+        """Whether a head reconstructs the model's raw input (InfoPro), so messages carry it."""
+        return any(getattr(h, "needs_input", False) for h in self.heads)
+
+    def stage_parameters(self, stage: StagePlan) -> list[nn.Parameter]:
+        """Parameters ``stage`` trains: its modules' (every block of a ``pipebd`` stage) and its head's."""
+        own = stage.blocks or (stage.index,)
+        return [p for k in own for m in (self.modules[k], self.heads[k]) if m is not None for p in m.parameters()]
+
+    def train(self, mode: bool = True) -> None:
+        """Set the train/eval mode of every trained module and head (a teacher stays in eval mode)."""
+        for m in (*self.modules, *self.heads):
+            if m is not None:
+                m.train(mode)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the modules in order, each on its device: the model's own output (in eval mode)."""
+        values: Any = self.inputs.bind(*args, **kwargs)
+        for module, device in zip(self.modules, self.devices):
+            values = module(*move(values, device))
+        return values
