@@ -13,9 +13,17 @@ import numpy as np
 from . import InfeasibleMemoryError, PartitionError, _check_ends, _fmt_bytes, _vector
 
 __all__ = ["ReplicaProblem", "Layout", "solve_replicated", "solve_fixed_replicas", "brute_force_replicated",
-           "layout_costs"]
+           "layout_costs", "allreduce_seconds"]
 
 _SEGMENT_FIELDS = ("head", "comm", "grad_bytes", "head_grad_bytes", "memory", "head_memory")
+
+
+def allreduce_seconds(nbytes, replicas, bandwidth):
+    """Seconds of a ring all-reduce of ``nbytes`` over ``replicas`` devices: ``2 (r-1)/r * nbytes / bandwidth``.
+
+    Exactly 0 for one replica; scalars or broadcast arrays, identical bits either way.
+    """
+    return 2 * (replicas - 1) / replicas * nbytes / bandwidth
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -309,7 +317,7 @@ def _cost(t: _Tables, a, b, r):
         row = np.maximum(np.asarray(r) - 2, 0)
         rest = (t.work_top[b - 1] - t.compute_prefix[b]) / r
         each = np.where(np.asarray(r) == 1, each, t.split_prefix[row, b] - t.split_prefix[row, a] + rest)
-    return each + 2 * (r - 1) / r * grad / t.bandwidth
+    return each + allreduce_seconds(grad, r, t.bandwidth)
 
 
 def _memory(t: _Tables, a, b):

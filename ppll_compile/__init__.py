@@ -1,8 +1,9 @@
 """ppll-compile: compile an unmodified nn.Module into a pipeline for local learning or blockwise distillation."""
 
-from .api import PlanOptions, compile, plan
+from .api import compile, plan
 from .errors import CutError, PartitionError, PlanError, PolicyError, PPLLError, TraceError
 from .lowered import Stage
+from .options import PlanOptions
 from .pipeline import CompiledPipeline, DistillPipeline
 from .plan import BlockPlan, HeadSpec, Plan, StagePlan, TensorSpec
 from .runtime import CheckpointError, StageError, Trainer

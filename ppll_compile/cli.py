@@ -28,9 +28,10 @@ from typing import Any, TextIO
 
 from torch import Tensor, nn
 
-from .api import PROFILES, PlanOptions, compile, plan
+from .api import compile, plan
 from .cost import OPTIMIZER_STATES
 from .errors import PPLLError
+from .options import PROFILES, PlanOptions
 from .plan import Plan
 
 __all__ = ["main"]

@@ -1,10 +1,8 @@
-"""Measure every traced node's FLOPs, parameters and saved activations on fake tensors, and time segments."""
+"""Measure every traced node's FLOPs, parameters and saved activations on fake tensors, without running them."""
 
 from __future__ import annotations
 
 import contextlib
-import statistics
-import time
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,7 +28,6 @@ __all__ = [
     "measure_graph",
     "measure_module",
     "tensor_spec",
-    "time_callable",
 ]
 
 META_KEY = "ppll_cost"
@@ -585,18 +582,3 @@ def measure_module(module: nn.Module, run: Callable[[], Any]) -> ModuleCost:
         bwd = bwd_counter.get_total_flops()
     return ModuleCost(flops_fwd=fwd.get_total_flops(), flops_bwd=bwd,
                       param_count=sum(p.numel() for p in params), activation_bytes=sum(saved.values()))
-
-
-def time_callable(fn: Callable[[], Any], *, device: torch.device, repeat: int = 5, warmup: int = 1) -> float:
-    """Median wall time in seconds of ``fn()`` over ``repeat`` runs after ``warmup`` runs."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)

@@ -11,14 +11,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import torch
 import torch.nn.functional as F
 import yaml
 from torch import Tensor, nn
 
 import policies as _policies
 
+from .cost import OPTIMIZER_STATES, measure_module
 from .errors import PolicyError
-from .plan import TensorSpec
+from .plan import HeadSpec, TensorSpec
 
 __all__ = [
     "KINDS",
@@ -32,6 +34,9 @@ __all__ = [
     "AuxHead",
     "InfoProHead",
     "head_loss",
+    "head_for",
+    "head_spec",
+    "model_head",
 ]
 
 KINDS = ("feature_map", "sequence", "vector")
@@ -395,3 +400,33 @@ def make_head(policy: Policy, spec: TensorSpec, num_classes: int,
                           f"it must return an nn.Module mapping a tensor of shape {tuple(spec.shape)} to logits "
                           f"N x {num_classes}")
     return head, config
+
+
+def head_for(policy: Policy, config: Mapping[str, Any] | None, spec: TensorSpec, num_classes: int,
+             input_shape: Sequence[int] | None) -> tuple[nn.Module, dict[str, Any]]:
+    """The head for a boundary: the policy's choice (``config`` None), a callable policy's, or a given config."""
+    if config is None or config.get("type") == "callable":
+        return make_head(policy, spec, num_classes, input_shape)
+    return build_head(config, spec, num_classes, input_shape), dict(config)
+
+
+def head_spec(policy: Policy, config: Mapping[str, Any] | None, spec: TensorSpec, num_classes: int,
+              input_shape: Sequence[int] | None, optimizer: str) -> HeadSpec:
+    """The head for a boundary, built on the meta device and counted like the backbone (FLOPs and memory)."""
+    with torch.device("meta"):
+        head, config = head_for(policy, config, spec, num_classes, input_shape)
+        head = head.to("meta")
+        h = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype))
+        y = torch.zeros(spec.shape[0], dtype=torch.long)
+        x = torch.empty(input_shape) if input_shape is not None else None
+    cost = measure_module(head, lambda: head_loss(head, h, y, x))
+    pbytes = sum(p.numel() * p.element_size() for p in head.parameters())
+    memory = pbytes * (2 + OPTIMIZER_STATES[optimizer]) + cost.activation_bytes
+    return HeadSpec(policy=policy.name, kind=tensor_kind(spec.shape), config=dict(config),
+                    param_count=cost.param_count, flops_fwd=cost.flops_fwd, flops_bwd=cost.flops_bwd,
+                    memory_bytes=memory)
+
+
+def model_head() -> HeadSpec:
+    """The last stage's head: the model's own output under the trainer's loss."""
+    return HeadSpec(policy="model", kind="model", config={"type": "model", "loss": "cross_entropy"})

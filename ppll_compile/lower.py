@@ -1,20 +1,25 @@
-"""Lower a plan to stage modules with split_module; the stages share the original model's parameters."""
+"""Lower a plan to stage modules with split_module (sharing the model's parameters) and heads, on their devices."""
 
 from __future__ import annotations
 
 import bisect
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 import torch.fx as fx
 from torch import nn
 from torch.fx.passes.split_module import split_module
 
+from .analysis import Analysis
 from .cuts import Cut
 from .errors import PlanError
-from .lowered import SOURCE_NAME, Stage
+from .heads import Policy, head_for
+from .lowered import SOURCE_NAME, Inputs, Lowered, Stage
+from .plan import Plan
 
-__all__ = ["split_stages"]
+__all__ = ["split_stages", "model_inputs", "lower_ppll"]
 
 
 def split_stages(gm: fx.GraphModule, cuts: Sequence[Cut]) -> list[Stage]:
@@ -76,3 +81,23 @@ def _attr(sub: nn.Module, gm: nn.Module, target: str) -> Any:
         except AttributeError:
             continue
     raise PlanError(f"stage reads attribute {target!r}, which the model does not have")
+
+
+def model_inputs(model: nn.Module, gm: fx.GraphModule, fixed: dict[str, Any]) -> Inputs:
+    """The binder from a call with ``model``'s signature to the inputs of its traced graph ``gm``."""
+    return Inputs(model=type(model).__name__, signature=inspect.signature(model.forward), fixed=fixed,
+                  names=tuple(n.target for n in gm.graph.nodes if n.op == "placeholder"))
+
+
+def lower_ppll(model: nn.Module, plan: Plan, a: Analysis, policy: Policy) -> Lowered:
+    """The stage modules of a ``ppll`` plan and the auxiliary head of every stage but the last, on their devices."""
+    by_name = {c.node: c for c in a.cuts}
+    stages = split_stages(a.gm, [by_name[c] for c in plan.cuts])
+    input_shape = a.inputs[0].shape if a.inputs else None
+    heads: list[nn.Module | None] = []
+    for st, sp in zip(stages, plan.stages):
+        st.to(sp.device)
+        heads.append(None if sp.is_last else
+                     head_for(policy, sp.head.config, sp.boundary[0], a.num_classes, input_shape)[0].to(sp.device))
+    return Lowered(modules=tuple(stages), heads=tuple(heads), devices=tuple(torch.device(d) for d in plan.devices),
+                   inputs=model_inputs(model, a.gm, a.fixed_args))

@@ -11,6 +11,8 @@ from typing import Any
 
 import yaml
 
+from partitioners.replicas import allreduce_seconds
+
 from .errors import PlanError
 
 __all__ = [
@@ -301,7 +303,7 @@ class Plan:
         part of the stage's ``compute_cost``."""
         r = stage.replicas
         head = stage.head.param_count * 4 if self.mode == "ppll" and not stage.is_last else 0  # float32 heads
-        return 2 * (r - 1) / r * (stage.grad_bytes + head) / (link_bandwidth or self.link_bandwidth)
+        return allreduce_seconds(stage.grad_bytes + head, r, link_bandwidth or self.link_bandwidth)
 
     def totals(self) -> dict[str, float]:
         return {

@@ -1,0 +1,239 @@
+"""The traced, measured model with its legal cuts: the one object both plan kinds read."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import Tensor, nn
+
+from .cost import META_KEY, OPTIMIZER_STATES, measure_graph
+from .cuts import Cut, legal_cuts
+from .errors import CutError
+from .options import PlanOptions
+from .plan import TensorSpec
+from .trace import module_path, trace
+
+__all__ = ["Analysis", "Summary", "analyse", "INFERRED_BATCH"]
+
+INFERRED_BATCH = 32
+"""Batch size of an inferred example input (override with ``batch_size=``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Summary:
+    """FLOPs and memory of a run of nodes, shared parameters and saved storages counted once."""
+
+    flops_fwd: int
+    """Forward FLOPs."""
+    flops_bwd: int
+    """Backward FLOPs."""
+    param_count: int
+    """Parameters used."""
+    param_bytes: int
+    """Bytes of those parameters."""
+    grad_bytes: int
+    """Bytes of the gradients of the trainable ones."""
+    optim_bytes: int
+    """Bytes of their optimizer state."""
+    activation_bytes: int
+    """Bytes saved for backward."""
+
+    @property
+    def memory(self) -> int:
+        """Parameters, gradients, optimizer state and saved activations, in bytes."""
+        return self.param_bytes + self.grad_bytes + self.optim_bytes + self.activation_bytes
+
+    def fields(self) -> dict[str, int]:
+        """The figures as keyword arguments of a :class:`~ppll_compile.plan.StagePlan`."""
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class Analysis:
+    """A traced model measured node by node, with its legal cuts; segment ``i`` ends at cut ``i``."""
+
+    gm: fx.GraphModule
+    """The traced model; every node carries its :class:`~ppll_compile.cost.NodeCost` in ``meta``."""
+    nodes: list[fx.Node]
+    """The graph's nodes in order (the output node last)."""
+    cuts: list[Cut]
+    """The legal cuts in graph order."""
+    inputs: tuple[TensorSpec, ...]
+    """The graph's inputs at the planned batch size."""
+    real_inputs: tuple[Any, ...]
+    """The example values of those inputs."""
+    fixed_args: dict[str, Any]
+    """Arguments of ``forward`` traced at their default value."""
+    num_classes: int
+    """Classes the auxiliary heads predict."""
+    param_bytes: dict[str, int] = field(default_factory=dict)
+    """Bytes of every parameter by qualified name."""
+    trainable: set[str] = field(default_factory=set)
+    """Names of the parameters that require gradients."""
+
+    def segment_nodes(self, first: int, last: int) -> list[fx.Node]:
+        """Nodes of atomic segments ``first..last`` (inclusive), excluding the output node."""
+        lo = self.cuts[first - 1].position + 1 if first > 0 else 0
+        hi = self.cuts[last].position + 1 if last < len(self.cuts) else len(self.nodes) - 1
+        return self.nodes[lo:hi]
+
+    def summary(self, nodes: Sequence[fx.Node], optimizer: str) -> Summary:
+        """FLOPs and memory of a run of nodes, counting shared parameters and saved storages once."""
+        params: dict[str, int] = {}
+        saved: dict[str, int] = {}
+        fwd = bwd = 0
+        for n in nodes:
+            c = n.meta[META_KEY]
+            fwd += c.flops_fwd
+            bwd += c.flops_bwd
+            params.update(c.params)
+            for k, b in c.saved.items():
+                saved[k] = max(saved.get(k, 0), b)
+        pbytes = sum(self.param_bytes[p] for p in params)
+        gbytes = sum(self.param_bytes[p] for p in params if p in self.trainable)
+        return Summary(flops_fwd=fwd, flops_bwd=bwd, param_count=sum(params.values()), param_bytes=pbytes,
+                       grad_bytes=gbytes, optim_bytes=gbytes * OPTIMIZER_STATES[optimizer],
+                       activation_bytes=sum(saved.values()))
+
+    def trains(self, nodes: Sequence[fx.Node]) -> bool:
+        """Whether any of ``nodes`` uses a trainable parameter."""
+        return any(p in self.trainable for n in nodes for p in n.meta[META_KEY].params)
+
+    @functools.cached_property
+    def by_name(self) -> dict[str, fx.Node]:
+        """Every node by its name."""
+        return {n.name: n for n in self.nodes}
+
+    def boundary(self, cut: Cut) -> tuple[TensorSpec, ...]:
+        """The values that cross ``cut``, main tensor first."""
+        return tuple(dataclasses.replace(self.by_name[name].meta[META_KEY].value, name=name) for name in cut.boundary)
+
+    def output_spec(self) -> TensorSpec | None:
+        """The model's output when it is one tensor, else ``None``."""
+        arg = self.nodes[-1].args[0]
+        if isinstance(arg, fx.Node):
+            value = arg.meta[META_KEY].value
+            return value if isinstance(value, TensorSpec) else None
+        return None
+
+    def cut_index(self, name: str) -> int:
+        """Index into :attr:`cuts` of a cut given as a node name or a module name."""
+        legal = {c.node: i for i, c in enumerate(self.cuts)}
+        if name in legal:
+            return legal[name]
+        node = next((n for n in self.nodes if n.op == "call_module" and n.target == name), None)
+        if node is None:
+            inside = [n for n in self.nodes if module_path(n) == name or module_path(n).startswith(name + ".")]
+            node = inside[-1] if inside else None
+        if node is not None and node.name in legal:
+            return legal[node.name]
+        if node is None and name not in self.by_name:
+            close = difflib.get_close_matches(name, [n.name for n in self.nodes] + [c.node for c in self.cuts], n=3)
+            hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
+            raise CutError(f"{name!r} is neither a node nor a module of the traced model{hint}; "
+                           f"legal cuts include {self._nearest_cuts(name)}")
+        target = node.name if node is not None else name
+        raise CutError(f"cannot cut after {name!r}: its output does not carry everything later layers need "
+                       f"(a skip connection or other value crosses it); nearest legal cuts: "
+                       f"{self._nearest_cuts(target)}")
+
+    def _nearest_cuts(self, name: str) -> str:
+        pos = next((i for i, n in enumerate(self.nodes) if n.name == name), None)
+        if pos is None:
+            return ", ".join(repr(c.node) for c in self.cuts[:6]) + (" ..." if len(self.cuts) > 6 else "")
+        before = [c.node for c in self.cuts if c.position < pos][-1:]
+        after = [c.node for c in self.cuts if c.position > pos][:1]
+        return " or ".join(repr(c) for c in before + after) or "none"
+
+
+def _infer_inputs(model: nn.Module) -> tuple[Tensor, ...]:
+    """An example input for models whose first layer tells the input shape (e.g. torchvision classifiers)."""
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d):
+            return (torch.randn(INFERRED_BATCH, m.in_channels, 224, 224),)
+        if isinstance(m, nn.Linear):
+            return (torch.randn(INFERRED_BATCH, m.in_features),)
+        if isinstance(m, (nn.Conv1d, nn.Conv3d, nn.Embedding, nn.RNNBase, nn.MultiheadAttention)):
+            break
+    raise ValueError(f"cannot infer an input shape for {type(model).__name__}; pass example_inputs=(x,) "
+                     "with a batch of real inputs (only their shapes and dtypes are used for planning)")
+
+
+def _at_batch(x: Any, batch: int) -> Any:
+    """Repeat (or trim) a tensor's first dimension to ``batch`` rows; other values pass through."""
+    if not isinstance(x, Tensor) or x.dim() == 0 or x.shape[0] == batch:
+        return x
+    return x[torch.arange(batch) % x.shape[0]]
+
+
+def _inputs_from_specs(specs: Sequence[TensorSpec]) -> tuple[Tensor, ...]:
+    out = []
+    for s in specs:
+        dtype = getattr(torch, s.dtype)
+        out.append(torch.randn(s.shape, dtype=dtype) if dtype.is_floating_point else torch.zeros(s.shape, dtype=dtype))
+    return tuple(out)
+
+
+def _example(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwargs: dict[str, Any] | None,
+             batch_size: int | None, planned: Sequence[TensorSpec] | None) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The example call at the planned batch size: given, re-made from a saved plan's inputs, or inferred."""
+    if example_inputs is None and not example_kwargs:
+        example_inputs = _inputs_from_specs(planned) if planned else _infer_inputs(model)
+    example_inputs = tuple(example_inputs or ())
+    kwargs = dict(example_kwargs or {})
+    first = next((x for x in (*example_inputs, *kwargs.values()) if isinstance(x, Tensor) and x.dim() > 0), None)
+    if first is None:
+        raise ValueError("example_inputs must contain at least one tensor with a batch dimension")
+    batch = batch_size or first.shape[0]
+    return tuple(_at_batch(x, batch) for x in example_inputs), {k: _at_batch(v, batch) for k, v in kwargs.items()}
+
+
+def _num_classes(model: nn.Module, out: TensorSpec | None, given: int | None, needed: bool) -> int:
+    if given is not None:
+        return given
+    logits = out is not None and len(out.shape) == 2
+    if logits:
+        return out.shape[1]  # type: ignore[union-attr]
+    if not needed:
+        return 0
+    raise ValueError(f"cannot infer the number of classes: {type(model).__name__} returns "
+                     f"{'shape ' + str(list(out.shape)) if out else 'a structured output'}, "
+                     "not N x classes logits; pass num_classes=...")
+
+
+def analyse(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwargs: dict[str, Any] | None,
+            opts: PlanOptions, planned_inputs: Sequence[TensorSpec] | None = None, *,
+            need_classes: bool = True) -> Analysis:
+    """Trace ``model`` on its example call, measure every node on fake tensors and find the legal cuts.
+
+    Without example inputs, they are made from ``planned_inputs`` (a saved plan's) or inferred from the
+    model's first layer. ``need_classes``: the number of classes must be known (given, or read off N x C
+    logits), as auxiliary heads predict them.
+    """
+    args, kwargs = _example(model, example_inputs, example_kwargs, opts.batch_size, planned_inputs)
+    gm = trace(model, example_inputs=args, example_kwargs=kwargs, leaf_modules=opts.leaf_modules,
+               split_points=opts.split_points)
+    params = inspect.signature(model.forward).parameters
+    by_name = dict(zip(params, args)) | kwargs
+    real_inputs = tuple(by_name[n.target] for n in gm.graph.nodes if n.op == "placeholder")
+    measure_graph(gm, real_inputs)
+    nodes = list(gm.graph.nodes)
+    analysis = Analysis(
+        gm=gm, nodes=nodes, cuts=legal_cuts(gm),
+        inputs=tuple(dataclasses.replace(n.meta[META_KEY].value, name=n.name) for n in nodes
+                     if n.op == "placeholder"),
+        real_inputs=real_inputs, fixed_args={p.name: p.default for p in params.values() if p.name not in by_name},
+        num_classes=0,
+        param_bytes={k: p.numel() * p.element_size() for k, p in gm.named_parameters(remove_duplicate=False)},
+        trainable={k for k, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad},
+    )
+    analysis.num_classes = _num_classes(model, analysis.output_spec(), opts.num_classes, need_classes)
+    return analysis

@@ -1,0 +1,135 @@
+"""Analysis + stage layout + heads -> the Plan: one loop over the stages for both plan kinds."""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from partitioners.replicas import allreduce_seconds
+
+from .analysis import Analysis, Summary
+from .heads import model_head
+from .options import PlanOptions
+from .partition import Costs, StageLayout
+from .plan import HeadSpec, Plan, StagePlan, TensorSpec
+from .trace import module_path
+
+__all__ = ["StageParts", "stage_devices", "assemble", "assemble_ppll"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageParts:
+    """What a plan kind says of one stage: its nodes and their figures, its head, boundary and costs."""
+
+    nodes: list[fx.Node]
+    """The traced nodes the stage trains, in graph order."""
+    summary: Summary
+    """Their FLOPs and memory."""
+    head: HeadSpec
+    """The stage's head (``ppll``: auxiliary or the model's own; ``pipebd``: its distillation losses)."""
+    boundary: tuple[TensorSpec, ...]
+    """What it sends on (empty for the last stage)."""
+    aux_flops: int
+    """FLOPs beside the backbone's: the auxiliary head's, or the teacher blocks'."""
+    memory_bytes: int
+    """Predicted peak memory of one replica."""
+    compute_cost: float
+    """Compute seconds per batch (over its replicas)."""
+    comm_cost: float
+    """Seconds to send the boundary on."""
+    cost: float
+    """Step time in seconds."""
+    blocks: tuple[int, ...] = ()
+    """``pipebd``: the blocks it trains."""
+
+
+def stage_devices(n: int, requested: Sequence[str] | None, notes: list[str]) -> tuple[str, ...]:
+    """One device per stage: ``requested`` or ``cuda:0..n-1``, falling back to the CPU (with one warning)."""
+    if requested is not None and len(requested) != n:
+        raise ValueError(f"devices lists {len(requested)} device(s) for {n} stages; give one per stage")
+    wanted = [torch.device(d) for d in requested] if requested is not None else \
+        [torch.device("cuda", i) for i in range(n)]
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    missing = [str(d) for d in wanted if d.type == "cuda" and (d.index or 0) >= have]
+    if not missing:
+        return tuple(str(d) for d in wanted)
+    msg = (f"this machine has {have} CUDA device(s), so {', '.join(missing)} cannot be used; all {n} stages "
+           "run on the CPU (pass devices=[...] to choose)")
+    warnings.warn(msg, stacklevel=_caller_level())
+    notes.append(msg)
+    return ("cpu",) * n
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside this package (the user's call)."""
+    here = os.path.dirname(__file__)
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(here):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def assemble(layout: StageLayout, devices: Sequence[str], parts: Callable[[int, int, int, int], StageParts], *,
+             analysis: Analysis, opts: PlanOptions, model: str, policy: str, sequential: float,
+             notes: list[str], **kind: Any) -> Plan:
+    """The validated plan of ``layout``: ``parts(j, start, end, replicas)`` describes stage ``j`` over units
+    ``start .. end - 1``; ``kind`` holds the plan kind's own fields (``mode``, ``teacher``, ``blocks``, ...)."""
+    stages = []
+    start = offset = 0
+    for j, (end, r) in enumerate(zip(layout.ends, layout.replicas)):
+        p = parts(j, start, end, r)
+        stages.append(StagePlan(
+            index=j, device=devices[offset], replicas=r, first_node=p.nodes[0].name, last_node=p.nodes[-1].name,
+            first_module=module_path(p.nodes[0]), last_module=module_path(p.nodes[-1]),
+            nodes=tuple(n.name for n in p.nodes), aux_flops=p.aux_flops, memory_bytes=p.memory_bytes,
+            boundary=p.boundary, head=p.head, compute_cost=p.compute_cost, comm_cost=p.comm_cost, cost=p.cost,
+            blocks=p.blocks, **p.summary.fields()))
+        start, offset = end, offset + r
+    a = analysis
+    plan = Plan(
+        model=model, inputs=a.inputs, batch_size=a.inputs[0].shape[0] if a.inputs else 0,
+        num_classes=a.num_classes, policy=policy, partitioner=layout.partitioner, profile=opts.profile,
+        optimizer=opts.optimizer, flops_per_second=opts.flops_per_second, link_bandwidth=opts.link_bandwidth,
+        device_speeds=layout.speeds, memory_limit=opts.memory_limit, legal_cuts=tuple(c.node for c in a.cuts),
+        stages=tuple(stages), sequential_cost=sequential, notes=tuple(notes), **kind)
+    plan.validate()
+    return plan
+
+
+def assemble_ppll(model: str, a: Analysis, heads: Mapping[int, HeadSpec], costs: Costs, layout: StageLayout,
+                  opts: PlanOptions, policy: str, notes: list[str]) -> Plan:
+    """The ``ppll`` plan: stage ``j`` trains segments up to a cut, with the head chosen there (the last stage:
+    the model's own output); its compute is split over its replicas, plus their gradient all-reduce."""
+    devices = stage_devices(sum(layout.replicas), opts.devices, notes)
+    multi = tuple(c.node for c in a.cuts if len(c.boundary) > 1)
+    last_stage = len(layout.ends) - 1
+
+    def parts(j: int, start: int, end: int, r: int) -> StageParts:
+        nodes = [n for n in a.segment_nodes(start, end - 1) if n.op not in ("placeholder", "get_attr")] \
+            or a.segment_nodes(start, end - 1)
+        s = a.summary(nodes, opts.optimizer)
+        last = j == last_stage
+        cut = None if last else a.cuts[end - 1]
+        head = model_head() if last else heads[end - 1]
+        sync = allreduce_seconds(s.grad_bytes + (0 if last else costs.head_grad_bytes[end - 1]), r,  # type: ignore
+                                 opts.link_bandwidth)
+        compute = (sum(costs.compute[start:end]) + (0.0 if last else costs.head[end - 1])) \
+            / layout.speeds[j] / r + sync  # type: ignore[index]
+        send = 0.0 if last else costs.comm[end - 1] / r
+        if cut is not None and cut.node in multi:
+            notes.append(f"stage {j} sends {len(cut.boundary)} values ({', '.join(cut.boundary)}); its aux head "
+                         f"reads the first")
+        return StageParts(nodes=nodes, summary=s, head=head, boundary=() if cut is None else a.boundary(cut),
+                          aux_flops=head.flops_fwd + head.flops_bwd, memory_bytes=s.memory + head.memory_bytes,
+                          compute_cost=compute, comm_cost=send, cost=compute + send)
+
+    sequential = sum(costs.compute) + sum(costs.head[e - 1] for e in layout.ends[:-1])  # type: ignore[index]
+    return assemble(layout, devices, parts, analysis=a, opts=opts, model=model, policy=policy,
+                    sequential=sequential, notes=notes, multi_tensor_cuts=multi)

@@ -1,0 +1,226 @@
+"""Every choice that shapes a plan, checked: ``PlanOptions``, and a saved plan's settings re-applied as defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from torch import nn
+
+import partitioners
+
+from .cost import OPTIMIZER_STATES
+from .errors import PartitionError, PlanError
+from .plan import MODES, PLAN_VERSION, Plan, TensorSpec
+
+__all__ = ["PlanOptions", "SavedPlan", "read_saved_plan", "resolve_options", "resolve_mode", "check_no_blocks",
+           "PROFILES", "DEFAULT_FLOPS_PER_SECOND", "DEFAULT_LINK_BANDWIDTH"]
+
+DEFAULT_FLOPS_PER_SECOND = 1e13
+"""Sustained training throughput assumed per device when costs are counted in FLOPs (10 TFLOP/s)."""
+DEFAULT_LINK_BANDWIDTH = 25e9
+"""Bytes per second assumed between neighbouring stages (about PCIe 4.0 x16)."""
+PROFILES = ("flops", "time")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanOptions:
+    """Every choice that shapes a plan; ``ppll-plan`` flags map onto these one to one."""
+
+    gpus: int | None = None
+    """Number of devices (= stages); defaults to ``len(devices)`` or the number of ``split_points`` + 1."""
+    devices: tuple[str, ...] | None = None
+    """Explicit device per stage, e.g. ``("cuda:0", "cuda:1")``; overrides the ``cuda:i`` default."""
+    batch_size: int | None = None
+    """Batch size the costs are measured at; defaults to the example inputs' batch dimension."""
+    policy: Any = "auto"
+    """Aux-head policy: a shipped name, a YAML path, or a callable ``fn(spec, num_classes) -> nn.Module``."""
+    partitioner: str = "exact"
+    """Partitioner name: ``exact`` or a baseline (``uniform``, ``greedy``, ``params``)."""
+    profile: str = "flops"
+    """``flops`` (counted on fake tensors, no compute) or ``time`` (measured on the first stage's device)."""
+    optimizer: str = "sgd"
+    """Optimizer whose state the memory model counts: ``sgd``, ``momentum`` or ``adam``."""
+    memory_limit: int | None = None
+    """Per-device memory cap in bytes."""
+    device_speeds: tuple[float, ...] | None = None
+    """Relative speed per device (heterogeneous devices); 1.0 each by default."""
+    link_bandwidth: float = DEFAULT_LINK_BANDWIDTH
+    """Bytes per second between neighbouring stages."""
+    flops_per_second: float = DEFAULT_FLOPS_PER_SECOND
+    """Device throughput that turns FLOPs into seconds (profile ``flops``)."""
+    leaf_modules: tuple[Any, ...] = ()
+    """Extra module names or types to keep opaque while tracing."""
+    split_points: tuple[str, ...] | None = None
+    """Cut by hand after these modules (or nodes), instead of running the partitioner."""
+    num_classes: int | None = None
+    """Classes the aux heads predict; inferred from a 2-D model output when omitted."""
+    replicas: bool | int | tuple[int, ...] | None = None
+    """Data-parallel replicas per stage: ``True`` lets the exact partitioner choose stages and replicas for
+    ``gpus`` devices, an int also caps the replicas of a stage, a tuple fixes them per stage (the cuts come
+    from ``split_points`` or the partitioner); ``False`` (``None``: the PPLL default) means one device per
+    stage. ``pipebd`` plans default to ``True``."""
+
+    def __post_init__(self) -> None:
+        if self.gpus is not None and (not isinstance(self.gpus, int) or self.gpus < 1):
+            raise ValueError(f"gpus must be a positive integer, got {self.gpus!r}")
+        if self.profile not in PROFILES:
+            raise ValueError(f"profile must be one of {', '.join(PROFILES)}, got {self.profile!r}")
+        if self.optimizer not in OPTIMIZER_STATES:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {self.optimizer!r}")
+        if self.partitioner not in partitioners.SOLVERS:
+            raise PartitionError(f"unknown partitioner {self.partitioner!r}; known partitioners: "
+                                 f"{', '.join(sorted(partitioners.SOLVERS))}")
+        for name in ("batch_size", "memory_limit", "num_classes"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("link_bandwidth", "flops_per_second"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if self.device_speeds is not None and not all(s > 0 for s in self.device_speeds):
+            raise ValueError(f"device_speeds must all be positive, got {list(self.device_speeds)}")
+        r = self.replicas
+        if not (r is None or isinstance(r, bool) or (isinstance(r, int) and r >= 1) or (
+                isinstance(r, tuple) and r and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1
+                                                   for v in r))):
+            raise ValueError(f"replicas must be True, False, a positive cap per stage, or one positive count per "
+                             f"stage; got {r!r}")
+        if self.replicated and self.device_speeds is not None:
+            raise ValueError("replicated stages split the batch evenly over identical devices; drop device_speeds "
+                             "or replicas")
+        if self.replicas_chosen and self.partitioner != "exact":
+            raise ValueError(f"replicas={r!r} lets the exact partitioner place replicas; drop "
+                             f"partitioner={self.partitioner!r}")
+
+    @property
+    def replicas_chosen(self) -> bool:
+        """Whether the partitioner chooses the stages and their replicas (``replicas`` is True or a cap)."""
+        return isinstance(self.replicas, int) and (self.replicas is True or not isinstance(self.replicas, bool))
+
+    @property
+    def replicated(self) -> bool:
+        """Whether a stage may run on more than one device."""
+        r = self.replicas
+        if isinstance(r, tuple):
+            return any(v > 1 for v in r)
+        return r is True or (self.replicas_chosen and r > 1)
+
+    @classmethod
+    def make(cls, **kwargs: Any) -> PlanOptions:
+        """Build options from keyword arguments, naming any unknown one."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown option(s) {unknown}; known options: {sorted(known)}")
+        if isinstance(kwargs.get("replicas"), list):
+            kwargs["replicas"] = tuple(kwargs["replicas"])
+        for name in ("devices", "device_speeds", "leaf_modules", "split_points"):
+            if kwargs.get(name) is not None:
+                kwargs[name] = tuple(kwargs[name])
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SavedPlan:
+    """What a saved (possibly hand-edited) plan fixes: its cuts and heads, the inputs and settings it was made for."""
+
+    source: str
+    """Where the plan came from, for error messages."""
+    inputs: tuple[TensorSpec, ...]
+    """The model inputs the plan was made for."""
+    cuts: tuple[str, ...]
+    """``last_node`` of every stage but the last: the only field to edit to move a cut."""
+    heads: tuple[dict[str, Any], ...]
+    """Head config of every stage but the last."""
+    settings: dict[str, Any]
+    """The plan's :class:`PlanOptions` values (devices, policy, optimizer, ...), the defaults for re-planning."""
+    mode: str = "ppll"
+    """The plan's kind."""
+    blocks: tuple[tuple[str, str], ...] | None = None
+    """``pipebd``: the (teacher, student) node where every block but the last ends."""
+
+
+_CARRIED = ("batch_size", "num_classes", "policy", "profile", "optimizer", "memory_limit", "device_speeds",
+            "link_bandwidth", "flops_per_second")
+
+
+def read_saved_plan(plan: Plan | str | Path | None) -> SavedPlan | None:
+    """Read the parts of a plan that a user may edit by hand; derived fields (nodes, costs) are ignored."""
+    if plan is None:
+        return None
+    if isinstance(plan, Plan):
+        d, source = plan.to_dict(), "plan"
+    else:
+        path = Path(plan)
+        if not path.is_file():
+            raise PlanError(f"plan file {str(path)!r} does not exist")
+        source = str(path)
+        try:
+            d = yaml.safe_load(path.read_text())  # YAML is a superset of JSON
+        except yaml.YAMLError as e:
+            raise PlanError(f"{source}: not a readable plan ({e})") from None
+    if not isinstance(d, dict) or d.get("version") != PLAN_VERSION:
+        raise PlanError(f"{source}: not a version-{PLAN_VERSION} plan (re-create it with `ppll-plan MODEL.py "
+                        "--yaml plan.yaml`)")
+
+    def get(obj: dict[str, Any], key: str, where: str) -> Any:
+        if not isinstance(obj, dict) or key not in obj:
+            raise PlanError(f"{source}: {where} has no {key!r}")
+        return obj[key]
+
+    stages = get(d, "stages", "the plan")
+    if not isinstance(stages, list) or not stages:
+        raise PlanError(f"{source}: 'stages' must be a non-empty list")
+    try:
+        settings = {k: d[k] for k in _CARRIED if d.get(k) is not None}
+        replicas = tuple(int(s.get("replicas", 1)) if isinstance(s, dict) else 1 for s in stages)
+        distill = d.get("mode") == "pipebd"
+        if distill or any(r > 1 for r in replicas):  # the devices of other replicas are not listed: default ones
+            settings["replicas"] = replicas
+            settings.pop("device_speeds", None)
+        else:
+            settings["devices"] = [str(get(s, "device", f"stages[{i}]")) for i, s in enumerate(stages)]
+        blocks = None
+        if distill:
+            settings["split_points"] = [str(get(s, "last_node", f"stages[{i}]")) for i, s in enumerate(stages[:-1])]
+            blocks = tuple((str(get(b, "teacher_nodes", f"blocks[{i}]")[-1]),
+                            str(get(b, "student_nodes", f"blocks[{i}]")[-1]))
+                           for i, b in enumerate(get(d, "blocks", "the plan")[:-1]))
+        return SavedPlan(
+            mode=str(d.get("mode", "ppll")), blocks=blocks,
+            source=source,
+            inputs=tuple(TensorSpec.from_dict(t) for t in get(d, "inputs", "the plan")),
+            cuts=tuple(str(get(s, "last_node", f"stages[{i}]")) for i, s in enumerate(stages[:-1])),
+            heads=tuple(dict(get(get(s, "head", f"stages[{i}]"), "config", f"stages[{i}].head"))
+                        for i, s in enumerate(stages[:-1])),
+            settings=settings)
+    except (KeyError, TypeError, ValueError) as e:
+        raise PlanError(f"{source}: malformed plan field ({e})") from None
+
+
+def resolve_options(gpus: int | None, base: SavedPlan | None, options: dict[str, Any]) -> PlanOptions:
+    """Options from the call, falling back to a re-applied plan's own settings."""
+    return PlanOptions.make(gpus=gpus, **{**(base.settings if base is not None else {}), **options})
+
+
+def resolve_mode(mode: str | None, teacher: nn.Module | None, base: SavedPlan | None) -> str:
+    """The plan kind: asked for, the saved plan's, else ``pipebd`` with a teacher and ``ppll`` without."""
+    mode = mode or (base.mode if base is not None else "pipebd" if teacher is not None else "ppll")
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is not known; choose one of {', '.join(MODES)}")
+    if mode == "pipebd" and not isinstance(teacher, nn.Module):
+        raise TypeError("mode='pipebd' distils the model from a teacher: pass teacher=<the frozen nn.Module>")
+    if mode == "ppll" and teacher is not None:
+        raise ValueError("a teacher is only used by mode='pipebd' (blockwise distillation); drop teacher= or "
+                         "pass mode='pipebd'")
+    return mode
+
+
+def check_no_blocks(blocks: Any) -> None:
+    """``blocks=`` belongs to ``pipebd`` plans only."""
+    if blocks is not None:
+        raise ValueError("blocks= aligns a teacher with a student; it needs mode='pipebd' and teacher=")

@@ -1,0 +1,185 @@
+"""Pipe-BD planning and lowering: analyse teacher and student, align them, cost the blocks, place, assemble, lower."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..analysis import Analysis, Summary, analyse
+from ..assemble import StageParts, assemble, stage_devices
+from ..errors import CutError, PolicyError
+from ..lower import model_inputs, split_stages
+from ..lowered import Lowered, Stage
+from ..options import PlanOptions
+from ..partition import Costs, block_layout
+from ..pipeline import DistillPipeline
+from ..plan import BlockPlan, HeadSpec, Plan, TensorSpec
+from ..profile import first_device, time_blocks
+from ..trace import module_path
+from .align import Blocks, align, output_spec, stage_ends
+from .policy import DistillPolicy, distill_loss, load_distill_policy
+
+__all__ = ["PipeBD", "plan_pipebd", "compile_pipebd"]
+
+
+@dataclass(frozen=True, eq=False)
+class PipeBD:
+    """A planned teacher/student pair: the plan, the alignment, and each block's modules and loss."""
+
+    plan: Plan
+    """The ``pipebd`` plan."""
+    blocks: Blocks
+    """Both traced models and where their blocks end."""
+    teacher: list[Stage]
+    """Per block: the frozen teacher block."""
+    student: list[Stage]
+    """Per block: the student block (the student's own parameters)."""
+    losses: list[Callable[[Tensor, Tensor], Tensor]]
+    """Per block: the distillation loss ``fn(student_out, teacher_out)``."""
+
+
+def _analysed_pair(student: nn.Module, teacher: nn.Module, example_inputs: Sequence[Any] | None,
+                   example_kwargs: dict[str, Any] | None, opts: PlanOptions) -> tuple[Analysis, Analysis, TensorSpec]:
+    """Both models traced and measured, checked to take the same inputs and return the same shape."""
+    teacher.eval()
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    t = analyse(teacher, example_inputs, example_kwargs, opts, need_classes=False)
+    s = analyse(student, example_inputs, example_kwargs, opts, need_classes=False)
+    t_in = [(x.shape, x.dtype) for x in t.inputs]
+    s_in = [(x.shape, x.dtype) for x in s.inputs]
+    if t_in != s_in:
+        raise ValueError(f"teacher and student must take the same inputs; teacher takes {t_in}, student {s_in}")
+    t_out, s_out = output_spec(t), output_spec(s)
+    if t_out.shape != s_out.shape:
+        raise CutError(f"the teacher returns shape {list(t_out.shape)} but the student {list(s_out.shape)}; the "
+                       f"last student block learns the teacher's output, so they must agree")
+    return t, s, t_out
+
+
+def _most_replicas(opts: PlanOptions, gpus: int | None) -> int:
+    """The most replicas any stage may get: what the time profile measures shares for."""
+    r = opts.replicas
+    if isinstance(r, tuple):
+        return max(r)
+    if r is False or opts.split_points is not None:
+        return 1
+    return min(gpus or 1, int(r)) if opts.replicas_chosen and r is not True else gpus or 1
+
+
+def _block_costs(b: Blocks, summaries: list[tuple[Summary, Summary]], built: tuple[list[Stage], list[Stage], list],
+                 opts: PlanOptions, gpus: int | None, notes: list[str]) -> Costs:
+    """Per block: teacher forward plus student forward and backward (counted, or timed at every replica share)."""
+    split: list[list[float]] = []
+    if opts.profile == "time":
+        device = first_device(opts.devices)
+        most = _most_replicas(opts, gpus)
+        compute, *split = time_blocks(*built, b.teacher.real_inputs, device, most)
+        notes.append(f"costs measured as median teacher forward + student forward/backward time on {device}"
+                     + (f", also at 1/2 .. 1/{most} of the batch (replicas)" if most > 1 else ""))
+    else:
+        compute = [(ts.flops_fwd + ss.flops_fwd + ss.flops_bwd) / opts.flops_per_second for ts, ss in summaries]
+    return Costs(compute=compute, comm=[b.teacher.boundary(c)[0].bytes / opts.link_bandwidth for c in b.cuts(0)] + [0.0],
+                 memory=[ts.param_bytes + ss.memory for ts, ss in summaries],
+                 grad_bytes=[ss.grad_bytes for _, ss in summaries], split=split or None)
+
+
+def _block_plans(b: Blocks, summaries: list[tuple[Summary, Summary]], costs: Costs, losses: list[dict[str, Any]],
+                 output: TensorSpec) -> tuple[BlockPlan, ...]:
+    out = []
+    for k, ((ts, ss), cost) in enumerate(zip(summaries, costs.compute)):
+        tn, sn = b.nodes(k)
+        target = b.teacher.boundary(b.cuts(0)[k])[0] if k < len(summaries) - 1 else \
+            dataclasses.replace(output, name="output")
+        out.append(BlockPlan(
+            index=k, teacher_nodes=tuple(x.name for x in tn), student_nodes=tuple(x.name for x in sn),
+            teacher_module=module_path(tn[-1]), student_module=module_path(sn[-1]), output=target,
+            teacher_flops=ts.flops_fwd, flops_fwd=ss.flops_fwd, flops_bwd=ss.flops_bwd,
+            param_count=ss.param_count, teacher_param_count=ts.param_count,
+            memory_bytes=costs.memory[k], grad_bytes=ss.grad_bytes, loss=losses[k], cost=cost))
+    return tuple(out)
+
+
+def _checked_options(opts: PlanOptions) -> None:
+    if opts.device_speeds is not None:
+        raise ValueError("a pipebd plan assumes identical devices (replicas split the batch evenly); drop "
+                         "device_speeds")
+    if opts.partitioner != "exact":
+        raise ValueError(f"a pipebd plan is placed by the exact replica partitioner; got "
+                         f"partitioner={opts.partitioner!r} (drop it)")
+
+
+def _loss_configs(rules: DistillPolicy, n: int, output: TensorSpec) -> list[dict[str, Any]]:
+    if rules.last["type"] == "kl" and len(output.shape) != 2:
+        raise PolicyError(f"policy {rules.name!r} compares the last block's outputs with kl, which needs N x C "
+                          f"logits; the models return shape {list(output.shape)} (use policy='mse')")
+    return [dict(rules.loss)] * (n - 1) + [dict(rules.last)]
+
+
+def plan_pipebd(student: nn.Module, teacher: nn.Module, example_inputs: Sequence[Any] | None,
+                example_kwargs: dict[str, Any] | None, opts: PlanOptions,
+                blocks: Sequence[Sequence[str]] | None) -> PipeBD:
+    """Align, cost and place a teacher/student pair: the plan, the alignment, the block modules and losses.
+
+    Both models are traced; their block ends are matched in order by boundary shape, or named with
+    ``blocks=[(teacher_module, student_module), ...]``. Student block ``k`` takes the teacher's output of
+    block ``k - 1`` and learns the teacher's output of block ``k`` under the policy's loss (``mse``, or
+    ``kl`` on the last block's logits). The exact replica partitioner groups blocks into stages and chooses
+    how many devices replicate each (``replicas=False``: none; an int caps it; a tuple fixes it per stage;
+    ``split_points`` names the student block ends where stages end). The teacher is put in eval mode
+    with ``requires_grad=False``.
+    """
+    _checked_options(opts)
+    notes: list[str] = []
+    rules = load_distill_policy("mse" if opts.policy == "auto" else opts.policy)
+    t, s, output = _analysed_pair(student, teacher, example_inputs, example_kwargs, opts)
+    b = align(t, s, blocks, notes)
+    loss_cfg = _loss_configs(rules, len(b.ends) + 1, output)
+    losses = [distill_loss(c) for c in loss_cfg]
+    tb, sb = split_stages(t.gm, b.cuts(0)), split_stages(s.gm, b.cuts(1))
+    summaries = [(t.summary(tn, opts.optimizer), s.summary(sn, opts.optimizer))
+                 for tn, sn in map(b.nodes, range(len(b.ends) + 1))]
+    gpus = opts.gpus or (len(opts.devices) if opts.devices else None)
+    costs = _block_costs(b, summaries, (tb, sb, losses), opts, gpus, notes)
+    manual = stage_ends(b, opts.split_points) if opts.split_points is not None else None
+    layout = block_layout(costs, manual, opts, gpus)
+    devices = stage_devices(sum(layout.replicas), opts.devices[:sum(layout.replicas)] if opts.devices else None,
+                            notes)
+    block_plans = _block_plans(b, summaries, costs, loss_cfg, output)
+
+    def parts(j: int, start: int, end: int, r: int) -> StageParts:
+        own = block_plans[start:end]
+        nodes = [x for k in range(start, end) for x in b.nodes(k)[1]]
+        last = j == len(layout.ends) - 1
+        send = 0.0 if last else own[-1].output.bytes / opts.link_bandwidth / r
+        types = list(dict.fromkeys(k.loss["type"] for k in own))
+        return StageParts(nodes=nodes, summary=s.summary(nodes, opts.optimizer),
+                          head=HeadSpec(policy=rules.name, kind="distill", config={"type": "+".join(types)}),
+                          boundary=() if last else (own[-1].output,), aux_flops=sum(k.teacher_flops for k in own),
+                          memory_bytes=sum(k.memory_bytes for k in own), compute_cost=layout.costs[j] - send,
+                          comm_cost=send, cost=layout.costs[j], blocks=tuple(range(start, end)))
+
+    plan = assemble(layout, devices, parts, analysis=s, opts=opts, model=type(student).__name__, policy=rules.name,
+                    sequential=sum(costs.compute), notes=notes, mode="pipebd", teacher=type(teacher).__name__,
+                    blocks=block_plans)
+    return PipeBD(plan=plan, blocks=b, teacher=tb, student=sb, losses=losses)
+
+
+def compile_pipebd(student: nn.Module, teacher: nn.Module, example_inputs: Sequence[Any] | None,
+                   example_kwargs: dict[str, Any] | None, opts: PlanOptions,
+                   blocks: Sequence[Sequence[str]] | None) -> DistillPipeline:
+    """Plan (see :func:`plan_pipebd`) and lower to teacher and student block modules on their stages' devices."""
+    p = plan_pipebd(student, teacher, example_inputs, example_kwargs, opts, blocks)
+    devices = tuple(torch.device(st.device) for st in p.plan.stages for _ in st.blocks)
+    for t, s, d in zip(p.teacher, p.student, devices):
+        t.to(d).eval()
+        s.to(d)
+    s = p.blocks.student
+    lowered = Lowered(modules=tuple(p.student), heads=(None,) * len(p.student), devices=devices,
+                      teacher=tuple(p.teacher), losses=tuple(p.losses), inputs=model_inputs(student, s.gm, s.fixed_args))
+    return DistillPipeline(model=student, teacher=teacher, plan=p.plan, graph_module=s.gm, lowered=lowered)

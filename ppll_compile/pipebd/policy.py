@@ -1,0 +1,106 @@
+"""Pipe-BD's loss policy: the distillation loss of every block (``mse``, ``smooth_l1``) and of the last (``kl`` too)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from torch import Tensor
+from torch.nn import functional as F
+
+import policies as _policies
+
+from ..errors import PolicyError
+
+__all__ = ["DistillPolicy", "load_distill_policy", "distill_loss", "LOSSES"]
+
+LOSSES: dict[str, dict[str, float]] = {"mse": {}, "smooth_l1": {"beta": 1.0}, "kl": {"temperature": 1.0}}
+"""Distillation losses by type, with their options and defaults; ``kl`` compares N x C logits."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistillPolicy:
+    """The loss every student block is trained on to match its teacher block."""
+
+    name: str
+    """Shipped policy name or file path."""
+    loss: Mapping[str, Any]
+    """Loss of every block but the last: ``type`` plus options."""
+    last: Mapping[str, Any]
+    """Loss of the last block (on the model outputs)."""
+
+
+def _check_loss(d: Any, source: str, at: str) -> dict[str, Any]:
+    if not isinstance(d, Mapping) or "type" not in d:
+        raise PolicyError(f"{source}: {at} must be a mapping with a 'type' ({', '.join(LOSSES)}), got {d!r}")
+    kind = d["type"]
+    if kind not in LOSSES:
+        raise PolicyError(f"{source}: {at}.type is {kind!r}; known distillation losses: {', '.join(LOSSES)}")
+    unknown = sorted(set(d) - {"type"} - set(LOSSES[kind]))
+    if unknown:
+        raise PolicyError(f"{source}: {at} has unknown option(s) {unknown}; {kind} takes "
+                          f"{sorted(LOSSES[kind]) or 'no options'}")
+    out = {"type": kind, **LOSSES[kind]}
+    for k, v in d.items():
+        if k != "type":
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise PolicyError(f"{source}: {at}.{k} must be a positive number, got {v!r}")
+            out[k] = float(v)
+    return out
+
+
+def load_distill_policy(policy: str | os.PathLike | Mapping[str, Any] | DistillPolicy) -> DistillPolicy:
+    """A :class:`DistillPolicy` from a shipped name (``mse``, ``kl``), a YAML file, or a mapping."""
+    if isinstance(policy, DistillPolicy):
+        return policy
+    if isinstance(policy, Mapping):
+        data, source = policy, "distillation policy"
+    elif isinstance(policy, (str, os.PathLike)):
+        if isinstance(policy, str) and policy in _policies.distill_names():
+            path = _policies.distill_path(policy)
+        elif Path(policy).is_file():
+            path = Path(policy)
+        else:
+            raise PolicyError(f"unknown distillation policy {os.fspath(policy)!r}: not a shipped one "
+                              f"({', '.join(_policies.distill_names())}) nor a file; pass a shipped name or the "
+                              f"path to a YAML file with 'loss:' and 'last:'")
+        source = str(path)
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            raise PolicyError(f"{source}: not valid YAML ({e})") from None
+    else:
+        raise PolicyError(f"a distillation policy is a shipped name, a YAML path or a mapping; got {policy!r}")
+    if not isinstance(data, Mapping):
+        raise PolicyError(f"{source}: a distillation policy is a mapping with 'loss:' and 'last:'")
+    unknown = sorted(set(data) - {"name", "description", "loss", "last"})
+    if unknown:
+        raise PolicyError(f"{source}: unknown key(s) {unknown}; a distillation policy has name, description, "
+                          f"loss and last")
+    loss = _check_loss(data.get("loss", {"type": "mse"}), source, "loss")
+    if loss["type"] == "kl":
+        raise PolicyError(f"{source}: loss.type kl compares class logits and fits only the last block; use mse "
+                          f"or smooth_l1 for 'loss' and put kl under 'last'")
+    last = _check_loss(data.get("last", loss), source, "last")
+    name = policy if isinstance(policy, str) and policy in _policies.distill_names() else str(data.get("name", source))
+    return DistillPolicy(name=name, loss=loss, last=last)
+
+
+def distill_loss(config: Mapping[str, Any]) -> Callable[[Tensor, Tensor], Tensor]:
+    """``fn(student_out, teacher_out) -> loss``, a mean over the batch, for a loss config of a policy."""
+    kind = config["type"]
+    if kind == "mse":
+        return F.mse_loss
+    if kind == "smooth_l1":
+        beta = float(config["beta"])
+        return lambda s, t: F.smooth_l1_loss(s, t, beta=beta)
+    temperature = float(config["temperature"])
+
+    def kl(s: Tensor, t: Tensor) -> Tensor:
+        return F.kl_div(F.log_softmax(s / temperature, dim=1), F.log_softmax(t / temperature, dim=1),
+                        reduction="batchmean", log_target=True) * temperature ** 2
+    return kl
