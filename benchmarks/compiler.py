@@ -2,9 +2,9 @@
 
 ``ppll_compile.plan`` (no lowering) for 4 stages at batch 64, FLOP profile, ``auto`` heads, on torchvision ResNets
 and ViTs (224x224 inputs) and deep MLPs (``nn.Sequential`` of ``Linear(64, 64)`` + ``ReLU``). Each phase is the time
-spent inside one of the compiler's own functions during that call: ``trace`` (torch.fx), ``measure_graph`` (FLOPs
-and memory of every node on fake tensors), ``legal_cuts``, the heads' measurement and the partitioner's ``solve``;
-the total is the whole call. Medians over 7 rounds that plan every model once in turn, after warm-up plans of two
+``ppll_compile.phases.record_phases`` reports for that call: ``trace`` (torch.fx), ``cost`` (FLOPs and memory of
+every node on fake tensors), ``cuts`` (the legal cuts), ``heads`` (the heads' measurement) and ``partition`` (the
+partitioner's solve); the total is the whole call. Medians over 7 rounds that plan every model once in turn, after warm-up plans of two
 small models. Then the exact partitioner alone on 10,000 random segments into 64 stages (heads, links, device speeds
 and a binding memory cap). ``--quick``: resnet18, resnet50, vit_b_16 and MLPs of 100 and 1,000 layers, 3 rounds.
 """
@@ -15,7 +15,6 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,17 +25,13 @@ from torch import nn
 
 import partitioners
 import ppll_compile
-from ppll_compile import api
+from ppll_compile.phases import PHASES, record_phases
+from ppll_compile.trace import trace
 
 from .report import Section, standalone
 
 __all__ = ["PHASES", "section", "compile_scaling", "partitioner_time", "main"]
 
-PHASES = ("trace", "cost", "cuts", "heads", "partition")
-"""The timed phases of ``plan()``, in the order they run."""
-_HOOKS = {"trace": (api, "trace"), "cost": (api, "measure_graph"), "cuts": (api, "legal_cuts"),
-          "heads": (api, "_head_cost"), "partition": (partitioners, "solve")}
-"""Phase -> (module, function) whose calls during ``plan()`` make up that phase."""
 STAGES = 4
 BATCH = 64
 RESNETS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
@@ -64,41 +59,15 @@ def _models(plan: dict[str, tuple]) -> Iterator[tuple[str, str, Callable[[], nn.
         yield "mlp", f"mlp-{layers}", lambda layers=layers: _mlp(layers), (torch.randn(1, 64),)
 
 
-@contextmanager
-def _phase_clock(seconds: dict[str, float], seen: dict[str, Any]) -> Iterator[None]:
-    """Add the time spent in each phase's function to ``seconds``; keep the traced graph in ``seen``."""
-    originals = {phase: getattr(module, name) for phase, (module, name) in _HOOKS.items()}
-
-    def timed(phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                out = fn(*args, **kwargs)
-            finally:
-                seconds[phase] = seconds.get(phase, 0.0) + time.perf_counter() - start
-            seen.setdefault(phase, out)
-            return out
-        return run
-
-    for phase, (module, name) in _HOOKS.items():
-        setattr(module, name, timed(phase, originals[phase]))
-    try:
-        yield
-    finally:
-        for phase, (module, name) in _HOOKS.items():
-            setattr(module, name, originals[phase])
-
-
 def _plan_once(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> tuple[dict[str, float], int, int]:
     """Seconds per phase and in total of one ``plan()``, the traced graph's node count and its legal cuts."""
-    seconds: dict[str, float] = {}
-    seen: dict[str, Any] = {}
-    with _phase_clock(seconds, seen), warnings.catch_warnings():
+    with record_phases() as seconds, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the CPU fallback of a machine without GPUs
         start = time.perf_counter()
         plan = ppll_compile.plan(model, STAGES, example_inputs=inputs, batch_size=BATCH)
-        seconds["total"] = time.perf_counter() - start
-    return {p: seconds.get(p, 0.0) for p in (*PHASES, "total")}, len(seen["trace"].graph.nodes), len(plan.legal_cuts)
+        total = time.perf_counter() - start
+    nodes = len(trace(model, example_inputs=inputs).graph.nodes)
+    return {**seconds, "total": total}, nodes, len(plan.legal_cuts)
 
 
 def compile_scaling(plan: dict[str, tuple], repeat: int) -> list[dict[str, Any]]:

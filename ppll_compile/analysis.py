@@ -18,6 +18,7 @@ from .cost import META_KEY, OPTIMIZER_STATES, measure_graph
 from .cuts import Cut, legal_cuts
 from .errors import CutError
 from .options import PlanOptions
+from .phases import phase
 from .plan import TensorSpec
 from .trace import module_path, trace
 
@@ -219,15 +220,19 @@ def analyse(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwar
     logits), as auxiliary heads predict them.
     """
     args, kwargs = _example(model, example_inputs, example_kwargs, opts.batch_size, planned_inputs)
-    gm = trace(model, example_inputs=args, example_kwargs=kwargs, leaf_modules=opts.leaf_modules,
-               split_points=opts.split_points)
+    with phase("trace"):
+        gm = trace(model, example_inputs=args, example_kwargs=kwargs, leaf_modules=opts.leaf_modules,
+                   split_points=opts.split_points)
     params = inspect.signature(model.forward).parameters
     by_name = dict(zip(params, args)) | kwargs
     real_inputs = tuple(by_name[n.target] for n in gm.graph.nodes if n.op == "placeholder")
-    measure_graph(gm, real_inputs)
+    with phase("cost"):
+        measure_graph(gm, real_inputs)
+    with phase("cuts"):
+        cuts = legal_cuts(gm)
     nodes = list(gm.graph.nodes)
     analysis = Analysis(
-        gm=gm, nodes=nodes, cuts=legal_cuts(gm),
+        gm=gm, nodes=nodes, cuts=cuts,
         inputs=tuple(dataclasses.replace(n.meta[META_KEY].value, name=n.name) for n in nodes
                      if n.op == "placeholder"),
         real_inputs=real_inputs, fixed_args={p.name: p.default for p in params.values() if p.name not in by_name},

@@ -20,6 +20,7 @@ import policies as _policies
 
 from .cost import OPTIMIZER_STATES, measure_module
 from .errors import PolicyError
+from .phases import phase
 from .plan import HeadSpec, TensorSpec
 
 __all__ = [
@@ -413,6 +414,12 @@ def head_for(policy: Policy, config: Mapping[str, Any] | None, spec: TensorSpec,
 def head_spec(policy: Policy, config: Mapping[str, Any] | None, spec: TensorSpec, num_classes: int,
               input_shape: Sequence[int] | None, optimizer: str) -> HeadSpec:
     """The head for a boundary, built on the meta device and counted like the backbone (FLOPs and memory)."""
+    with phase("heads"):
+        return _counted_head(policy, config, spec, num_classes, input_shape, optimizer)
+
+
+def _counted_head(policy: Policy, config: Mapping[str, Any] | None, spec: TensorSpec, num_classes: int,
+                  input_shape: Sequence[int] | None, optimizer: str) -> HeadSpec:
     with torch.device("meta"):
         head, config = head_for(policy, config, spec, num_classes, input_shape)
         head = head.to("meta")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import partitioners
 from partitioners.replicas import Layout, ReplicaProblem, layout_costs, solve_fixed_replicas, solve_replicated
@@ -12,6 +13,7 @@ from .analysis import Analysis
 from .errors import CutError, PartitionError
 from .heads import Policy
 from .options import PlanOptions, SavedPlan
+from .phases import phase
 from .plan import HeadSpec
 from .profile import first_device, time_segments
 
@@ -147,9 +149,11 @@ def _stage_count(opts: PlanOptions, manual: list[int] | None, fixed: tuple[int, 
     raise ValueError("say how many devices to plan for: gpus=N (or devices=[...], split_points=[...])")
 
 
-def _solved(solve: Callable[[], Layout]) -> Layout:
+def _solved(solve: Callable[[], Any]) -> Any:
+    """``solve()``, timed as the ``partition`` phase, its errors raised as this package's PartitionError."""
     try:
-        return solve()
+        with phase("partition"):
+            return solve()
     except partitioners.PartitionError as e:
         raise PartitionError(str(e)) from None
 
