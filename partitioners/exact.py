@@ -7,7 +7,8 @@ import math
 
 import numpy as np
 
-from . import Problem, _Arrays, _arrays, _infeasible, _stage_cost, register
+from . import register
+from .problem import Arrays, Problem, infeasible
 
 __all__ = ["exact_partition"]
 
@@ -21,14 +22,14 @@ def exact_partition(problem: Problem, num_stages: int) -> tuple[int, ...]:
 
     Raises ``InfeasibleMemoryError`` (with the smallest uniform cap that would work) when none fits.
     """
-    t = _arrays(problem, num_stages)
+    t = Arrays.of(problem, num_stages)
     ends, _ = _probe(t, math.inf)
     if ends is None:
-        raise _infeasible(t.caps, _min_limit(t))
+        raise infeasible(t.caps, _min_limit(t))
     return _min_max(t, ends)
 
 
-def _min_limit(t: _Arrays) -> float:
+def _min_limit(t: Arrays) -> float:
     """Smallest uniform memory cap that some partition fits: the min-max over stage memory instead of time."""
     k = len(t.speeds)
     by_memory = dataclasses.replace(
@@ -43,7 +44,7 @@ def _min_limit(t: _Arrays) -> float:
     return _bottleneck(by_memory, _min_max(by_memory, ends))
 
 
-def _min_max(t: _Arrays, ends: tuple[int, ...]) -> tuple[int, ...]:
+def _min_max(t: Arrays, ends: tuple[int, ...]) -> tuple[int, ...]:
     """Improve the feasible partition ``ends`` to one whose slowest stage is as fast as possible.
 
     Keeps ``lo <= optimum <= hi``. A passing probe at ``limit`` yields a partition whose actual bottleneck
@@ -66,7 +67,7 @@ def _min_max(t: _Arrays, ends: tuple[int, ...]) -> tuple[int, ...]:
     return ends
 
 
-def _probe(t: _Arrays, limit: float) -> tuple[tuple[int, ...] | None, float]:
+def _probe(t: Arrays, limit: float) -> tuple[tuple[int, ...] | None, float]:
     """A partition whose stages all cost at most ``limit`` and fit the memory caps, if one exists.
 
     Otherwise ``None`` and a threshold below which every probe fails the same way: the smallest cost the
@@ -125,6 +126,6 @@ def _probe(t: _Arrays, limit: float) -> tuple[tuple[int, ...] | None, float]:
     return tuple(reversed(ends)), bound
 
 
-def _bottleneck(t: _Arrays, ends: tuple[int, ...]) -> float:
+def _bottleneck(t: Arrays, ends: tuple[int, ...]) -> float:
     """Time of the slowest stage of ``ends``."""
-    return max(_stage_cost(t, j, a, b) for j, (a, b) in enumerate(zip((0, *ends), ends)))
+    return max(t.stage_cost(j, a, b) for j, (a, b) in enumerate(zip((0, *ends), ends)))

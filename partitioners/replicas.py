@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import InfeasibleMemoryError, PartitionError, _check_ends, _fmt_bytes, _vector
+from .problem import InfeasibleMemoryError, PartitionError, check_ends, format_bytes, vector
 
 __all__ = ["ReplicaProblem", "Layout", "solve_replicated", "solve_fixed_replicas", "brute_force_replicated",
            "layout_costs", "allreduce_seconds"]
@@ -232,7 +232,7 @@ def brute_force_replicated(problem: ReplicaProblem) -> Layout:
 def layout_costs(problem: ReplicaProblem, ends: Sequence[int], replicas: Sequence[int]) -> list[float]:
     """Time in seconds of each stage of the layout ``ends`` with ``replicas`` per stage."""
     t = _Tables.of(problem)
-    _check_ends(tuple(ends), len(t.work_top))
+    check_ends(tuple(ends), len(t.work_top))
     if len(replicas) != len(ends):
         raise PartitionError(
             f"{len(replicas)} replica counts for {len(ends)} stages; expected one replica count per stage"
@@ -368,16 +368,16 @@ def _infeasible(problem: ReplicaProblem, min_limit: float) -> InfeasibleMemoryEr
     elif stages is not None and stages < n:
         way += " or use more stages" + (" and devices" if stages == devices else "")
     return InfeasibleMemoryError(
-        f"no layout of {shape} fits a memory limit of {_fmt_bytes(problem.memory_limit)} per device; "
-        f"the smallest limit that works is {_fmt_bytes(min_limit)} ({way})",
+        f"no layout of {shape} fits a memory limit of {format_bytes(problem.memory_limit)} per device; "
+        f"the smallest limit that works is {format_bytes(min_limit)} ({way})",
         min_limit=min_limit,
     )
 
 
 def _column(name: str, values: object) -> np.ndarray:
-    """``partitioners._vector`` with errors naming ``ReplicaProblem`` instead of ``Problem``."""
+    """``partitioners.problem.vector`` with errors naming ``ReplicaProblem`` instead of ``Problem``."""
     try:
-        return _vector(name, values)
+        return vector(name, values)
     except PartitionError as error:
         raise PartitionError(str(error).replace("Problem.", "ReplicaProblem.", 1)) from None
 
