@@ -74,7 +74,7 @@ def check(name: str, batch: int, stages: int, device: str, size: int) -> dict:
     peak = []
     if device.startswith("cuda"):  # each stage's peak during a (second) training step, vs the plan
         trainer = compiled.trainer(optimizer=sgd)
-        msgs = [trainer._message(x, y, "train")]
+        msgs = [trainer.message(x, y)]
         for runner in trainer.runners[:-1]:
             msgs.append(runner.train_step(msgs[-1])[0])  # also creates gradients and momentum buffers
         trainer.runners[-1].train_step(msgs[-1])

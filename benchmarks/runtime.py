@@ -199,7 +199,7 @@ def calibration(model: str, k: int, plan: str, *, steps: int, warmup: int) -> tu
 
 def stage_messages(trainer: Any, x: torch.Tensor, y: torch.Tensor) -> list[Any]:
     """The message each stage receives for batch (x, y), made by running the stages before it."""
-    msgs = [trainer._message(x, y, "train")]
+    msgs = [trainer.message(x, y)]
     for r in trainer.runners[:-1]:
         msgs.append(r.train_step(msgs[-1])[0])
     return msgs
@@ -223,7 +223,7 @@ def stage_memory(model: str, k: int) -> list[dict]:
         r.train_step(msg)  # gradients and momentum buffers exist from here on
         saved: list[torch.Tensor] = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-            out, loss = r._forward(*r._receive(msg))
+            out, loss = r.forward_loss(msg)
         params = r.params
         state = [v for s in r.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         measured = (_storage_bytes(params) + _storage_bytes(p.grad for p in params) + _storage_bytes(state)

@@ -1,6 +1,6 @@
 """The exceptions ppll-compile raises; each message says what was found, what was expected and the way out."""
 
-__all__ = ["PPLLError", "TraceError", "CutError", "PolicyError", "PlanError", "PartitionError"]
+__all__ = ["PPLLError", "TraceError", "CutError", "PolicyError", "PlanError", "PartitionError", "StageError"]
 
 
 class PPLLError(Exception):
@@ -25,3 +25,17 @@ class PlanError(PPLLError, ValueError):
 
 class PartitionError(PPLLError, ValueError):
     """The partitioner cannot satisfy the request (unknown solver, infeasible memory cap, ...)."""
+
+
+class StageError(PPLLError, RuntimeError):
+    """A stage raised (or produced a non-finite loss) while the pipeline ran; it names the stage and batch."""
+
+    def __init__(self, stage: int, batch: int | None, message: str, traceback: str = "") -> None:
+        at = f" at batch {batch}" if batch is not None else ""
+        text = f"stage {stage} failed{at}: {message}"
+        if traceback:
+            text += f"\n--- traceback of stage {stage} ---\n{traceback.rstrip()}"
+        super().__init__(text)
+        self.stage = stage
+        self.batch = batch
+        self.traceback = traceback

@@ -9,8 +9,10 @@ import torch
 
 from ..lowered import Lowered
 from ..plan import Plan
-from .distill import DistillRunner
-from .stage import Runner, StageRunner, TrainConfig
+from .config import TrainConfig
+from .pipebd import DistillRunner
+from .ppll import StageRunner
+from .runner import Runner
 
 __all__ = ["make_runners"]
 

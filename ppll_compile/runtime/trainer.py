@@ -13,12 +13,19 @@ from torch import Tensor, nn
 
 from ..errors import PPLLError
 from ..lowered import Lowered
-from ..plan import Plan, TensorSpec
+from ..plan import Plan
 from ..timeline import Recorder, Timeline
 from . import checkpoint
-from .local import Losses, Runtime, SequentialRuntime, ThreadsRuntime
+from .base import Losses, Runtime
+from .config import TrainConfig
+from .distributed import DistributedRuntime
+from .dna import DNARuntime
+from .inputs import batch_message, loader_pair
+from .messages import EVAL, TRAIN, Message
+from .runner import Runner
 from .runners import make_runners
-from .stage import EVAL, TRAIN, Message, Runner, TrainConfig, dtype_of
+from .sequential import SequentialRuntime
+from .threads import ThreadsRuntime
 
 __all__ = ["Trainer", "RUNTIMES", "QUEUES"]
 
@@ -29,6 +36,30 @@ QUEUES = ("fifo", "latest")
 def _check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
     if value not in choices:
         raise ValueError(f"{name}={value!r} is not known; choose one of {', '.join(choices)}")
+
+
+def _check_options(plan: Plan, *, runtime: str, queue: str, optimizer: Any, queue_depth: Any, loss: Any,
+                   decoupled: bool, trace: Any) -> None:
+    """The trainer's options, each alone and together with the others and the plan's kind."""
+    distill = plan.mode == "pipebd"
+    _check_choice("runtime", runtime, RUNTIMES + (("dna",) if distill else ()))
+    _check_choice("queue", queue, QUEUES)
+    if not callable(optimizer):
+        raise TypeError(f"optimizer must be a factory fn(params) -> torch.optim.Optimizer, e.g. "
+                        f"lambda p: torch.optim.SGD(p, lr=0.1); got {optimizer!r}")
+    if not (isinstance(queue_depth, int) and queue_depth >= 1):
+        raise ValueError(f"queue_depth must be an integer >= 1, got {queue_depth!r}")
+    if queue == "latest" and runtime in ("sequential", "dna"):
+        raise ValueError(f'queue="latest" needs a pipelined runtime ("threads" or "distributed"); the '
+                         f'{runtime} runtime never waits')
+    if distill and loss is not None:
+        raise ValueError("a pipebd plan trains on the distillation losses of its policy; drop loss= and "
+                         "compile with policy=... (mse, kl or your YAML file) instead")
+    if not decoupled and (queue == "latest" or runtime in ("sequential", "dna")):
+        raise ValueError('decoupled=False (a barrier after every batch) applies to the pipelined runtimes '
+                         '"threads" and "distributed" with queue="fifo"')
+    if not isinstance(trace, bool):
+        raise TypeError(f"trace must be True or False, got {trace!r}")
 
 
 def _autocast(value: Any, n: int) -> tuple[torch.dtype | None, ...]:
@@ -43,8 +74,20 @@ def _autocast(value: Any, n: int) -> tuple[torch.dtype | None, ...]:
                      f"({n} stages); got {value!r}")
 
 
-def _shape_text(shape: Sequence[int]) -> str:
-    return "(" + ", ".join(str(s) for s in shape) + ")"
+def _make_runtime(name: str, plan: Plan, lowered: Lowered, config: TrainConfig, *, depth: int, latest: bool,
+                  threads_per_stage: int | None, timeout: float, decoupled: bool) -> Runtime:
+    """The runtime called ``name``, with its runners built for ``plan``."""
+    if name == "distributed":
+        return DistributedRuntime(plan, lowered, config, depth=depth, latest=latest, timeout=timeout,
+                                  decoupled=decoupled)
+    if name == "dna":
+        return DNARuntime(plan, lowered, config, timeout=timeout)
+    k = plan.num_stages
+    runners = make_runners(plan, lowered, config, range(k), [torch.device(d) for d in plan.devices])
+    if name == "sequential":
+        return SequentialRuntime(runners)
+    share = threads_per_stage or max(1, (os.cpu_count() or 1) // k)
+    return ThreadsRuntime(runners, depth=depth, latest=latest, threads_per_stage=share, decoupled=decoupled)
 
 
 class Trainer:
@@ -64,50 +107,19 @@ class Trainer:
                  clip_grad_norm: float | None = None, autocast: Any = None, queue_depth: int = 2,
                  queue: str = "fifo", nan_check: bool = False, threads_per_stage: int | None = None,
                  timeout: float = 300.0, decoupled: bool = True, trace: bool = False) -> None:
-        distill = plan.mode == "pipebd"
-        _check_choice("runtime", runtime, RUNTIMES + (("dna",) if distill else ()))
-        _check_choice("queue", queue, QUEUES)
-        if not callable(optimizer):
-            raise TypeError(f"optimizer must be a factory fn(params) -> torch.optim.Optimizer, e.g. "
-                            f"lambda p: torch.optim.SGD(p, lr=0.1); got {optimizer!r}")
-        if not (isinstance(queue_depth, int) and queue_depth >= 1):
-            raise ValueError(f"queue_depth must be an integer >= 1, got {queue_depth!r}")
-        if queue == "latest" and runtime in ("sequential", "dna"):
-            raise ValueError(f'queue="latest" needs a pipelined runtime ("threads" or "distributed"); the '
-                             f'{runtime} runtime never waits')
-        if distill and loss is not None:
-            raise ValueError("a pipebd plan trains on the distillation losses of its policy; drop loss= and "
-                             "compile with policy=... (mse, kl or your YAML file) instead")
-        if not decoupled and (queue == "latest" or runtime in ("sequential", "dna")):
-            raise ValueError('decoupled=False (a barrier after every batch) applies to the pipelined runtimes '
-                             '"threads" and "distributed" with queue="fifo"')
-        if not isinstance(trace, bool):
-            raise TypeError(f"trace must be True or False, got {trace!r}")
+        _check_options(plan, runtime=runtime, queue=queue, optimizer=optimizer, queue_depth=queue_depth, loss=loss,
+                       decoupled=decoupled, trace=trace)
         self.plan = plan
         self.lowered = lowered
         """The modules this trainer trains, shared with the compiled pipeline."""
         self.runtime_name = runtime
-        k = self.plan.num_stages
         config = TrainConfig(optimizer=optimizer, scheduler=scheduler, loss=loss, clip_grad_norm=clip_grad_norm,
-                             autocast=_autocast(autocast, k), nan_check=nan_check)
+                             autocast=_autocast(autocast, plan.num_stages), nan_check=nan_check)
         self._carry_raw = lowered.carries_input
         lowered.train()
-        self._runtime: Runtime
-        if runtime == "distributed":
-            from .distributed import DistributedRuntime
-            self._runtime = DistributedRuntime(plan, lowered, config, depth=queue_depth, latest=queue == "latest",
+        self._runtime: Runtime = _make_runtime(runtime, plan, lowered, config, depth=queue_depth,
+                                               latest=queue == "latest", threads_per_stage=threads_per_stage,
                                                timeout=timeout, decoupled=decoupled)
-        elif runtime == "dna":
-            from .distill import DNARuntime
-            self._runtime = DNARuntime(plan, lowered, config, timeout=timeout)
-        else:
-            runners = make_runners(plan, lowered, config, range(k), [torch.device(d) for d in plan.devices])
-            if runtime == "sequential":
-                self._runtime = SequentialRuntime(runners)
-            else:
-                share = threads_per_stage or max(1, (os.cpu_count() or 1) // k)
-                self._runtime = ThreadsRuntime(runners, depth=queue_depth, latest=queue == "latest",
-                                               threads_per_stage=share, decoupled=decoupled)
         self.batches = 0
         """Batches fed in so far (by this process, under ``distributed`` the first stage's)."""
         self.tracing = trace
@@ -116,7 +128,6 @@ class Trainer:
             for r in self.runners:
                 r.recorder = Recorder(r.index, self._runtime.replica, r.device)
 
-    # ---- what runs here -------------------------------------------------------------------
     @property
     def runners(self) -> list[Runner]:
         """The stages this process trains, each with its block, head, optimizer, scheduler and counters."""
@@ -151,46 +162,20 @@ class Trainer:
         """Inputs each stage run here trained on again instead of waiting (``queue="latest"``)."""
         return {r.index: r.reused for r in self.runners}
 
-    # ---- feeding batches -------------------------------------------------------------------
+    def message(self, inputs: Any, target: Any = None) -> Message:
+        """The message stage 0 receives for one training batch, built as :meth:`step` builds it, without feeding it.
+
+        It is numbered as the next batch and counts in :attr:`batches`. A hook for measuring single stages:
+        pass it to ``trainer.runners[0].train_step`` (or ``forward_loss``) and the message each returns on.
+        """
+        return self._message(inputs, target, TRAIN)
+
     def _message(self, inputs: Any, target: Any, kind: str) -> Message:
-        if isinstance(inputs, dict):
-            values = self.lowered.inputs.bind(**inputs)
-        elif isinstance(inputs, (tuple, list)):
-            values = self.lowered.inputs.bind(*inputs)
-        else:
-            values = self.lowered.inputs.bind(inputs)
-        batch = self._check_inputs(values)
-        if target is None and self.plan.mode == "pipebd":  # distillation needs no labels; rows travel with the batch
-            target = torch.zeros(batch, dtype=torch.int64)
-        if isinstance(target, Tensor) and target.dim() and target.shape[0] != batch:
-            raise ValueError(f"target has {target.shape[0]} rows but the inputs have batch size {batch}; "
-                             f"pass one label per example")
-        raw = next((v for v in values if isinstance(v, Tensor)), None) if self._carry_raw else None
-        msg = Message(index=self.batches, values=values, target=target, raw=raw, kind=kind)
+        msg = batch_message(self.plan, self.lowered, inputs, target, index=self.batches, kind=kind,
+                            carry_raw=self._carry_raw)
         if kind == TRAIN:
             self.batches += 1
         return msg
-
-    def _check_inputs(self, values: Sequence[Any]) -> int:
-        batch = None
-        for spec, v in zip(self.plan.inputs, values):
-            dtype = dtype_of(spec.dtype)
-            if dtype is None:
-                continue
-            if not isinstance(v, Tensor):
-                raise TypeError(f"input {spec.name!r} must be a tensor of shape {self._expected(spec)} and "
-                                f"dtype {spec.dtype}; got {type(v).__name__}")
-            if v.dtype != dtype or v.dim() != len(spec.shape) or tuple(v.shape[1:]) != spec.shape[1:]:
-                raise ValueError(f"input {spec.name!r} has shape {_shape_text(v.shape)} and dtype "
-                                 f"{str(v.dtype).removeprefix('torch.')}; the plan expects "
-                                 f"{self._expected(spec)} {spec.dtype} (N = any batch size). Compile with "
-                                 f"example inputs of the shape you train on")
-            batch = batch if batch is not None else int(v.shape[0])
-        return batch if batch is not None else 1
-
-    @staticmethod
-    def _expected(spec: TensorSpec) -> str:
-        return _shape_text(("N", *spec.shape[1:]))  # type: ignore[arg-type]
 
     def step(self, inputs: Any = None, target: Any = None) -> Losses:
         """Train on one batch; per stage, the losses of the batches it finished since the last call.
@@ -208,14 +193,7 @@ class Trainer:
     def _messages(self, loader: Iterable[Any], kind: str) -> Iterable[Message] | None:
         if not self.reads_data:
             return None
-        return (self._message(*self._pair(item), kind) for item in loader)
-
-    @staticmethod
-    def _pair(item: Any) -> tuple[Any, Any]:
-        if isinstance(item, (tuple, list)) and len(item) == 2:
-            return item[0], item[1]
-        raise ValueError(f"a loader must yield (inputs, target) pairs; got {type(item).__name__}"
-                         + (f" of length {len(item)}" if isinstance(item, (tuple, list)) else ""))
+        return (self._message(*loader_pair(item), kind) for item in loader)
 
     def fit(self, loader: Iterable[Any], epochs: int = 1, progress: bool = True) -> list[dict[str, Any]]:
         """Train ``epochs`` passes over ``loader`` (``(inputs, target)`` pairs); per epoch, losses and throughput.
@@ -281,7 +259,6 @@ class Trainer:
         return Timeline.of(events, "measured", model=self.plan.model, mode=self.plan.mode, runtime=self.runtime_name,
                            stages=self.plan.num_stages, batch_size=self.plan.batch_size)
 
-    # ---- checkpoints -------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> None:
         """Write every stage's state (block, head, optimizer, scheduler, counters) to the directory ``path``.
 
@@ -308,7 +285,6 @@ class Trainer:
         self.batches = int(trainer["batches"])
         self._runtime.barrier()
 
-    # ---- lifetime ---------------------------------------------------------------------------
     def close(self) -> None:
         """Finish pending work and release worker threads or the process group."""
         try:

@@ -1,4 +1,4 @@
-"""The one-process runtimes: ``sequential`` (stages in order, the reference) and ``threads`` (a worker per stage)."""
+"""The ``threads`` runtime: one worker thread per stage, bounded queues between them (FIFO or latest)."""
 
 from __future__ import annotations
 
@@ -7,118 +7,21 @@ import queue
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
+from ..errors import StageError
 from ..timeline import span
-from .stage import Message, Recent, Runner, StageError, add_counts
+from .base import Losses, Runtime
+from .latest import Recent
+from .messages import Message
+from .runner import Runner
 
-__all__ = ["Runtime", "SequentialRuntime", "ThreadsRuntime", "Losses", "Counts"]
-
-Losses = list[list[float]]
-"""Per stage, the losses of the batches it finished since the last call, in order."""
-Counts = list[tuple[tuple[float, ...] | None, int]]
-"""Per stage, (its evaluation tally, examples seen); a PPLL stage tallies its head's right predictions, a
-Pipe-BD stage each block's summed loss; ``None`` when not countable."""
+__all__ = ["ThreadsRuntime"]
 
 _END = object()
 _POLL = 0.05  # seconds between checks for a failed stage while waiting on a queue
-
-
-class Runtime:
-    """What a trainer drives: ``step`` one batch in, ``finish`` to drain, ``evaluate`` and an epoch loop."""
-
-    runners: list[Runner]
-    """The stages this process runs (all of them, except under ``distributed``)."""
-    num_stages: int
-    is_main_writer: bool = True
-    """Whether this process writes a checkpoint's manifest."""
-    is_main: bool = True
-    """Whether this process reports progress (under ``distributed``, the last stage's first replica)."""
-    reads_data: bool = True
-    """Whether this process feeds batches (under ``distributed`` only rank 0 does)."""
-    replica: int = 0
-    """Which replica of its stage this process runs (under ``distributed``; else 0)."""
-
-    def step(self, msg: Message | None) -> Losses:
-        raise NotImplementedError
-
-    def finish(self) -> Losses:
-        """Wait until every submitted batch went through every stage; the losses not yet returned."""
-        raise NotImplementedError
-
-    def evaluate(self, messages: Iterable[Message]) -> Counts:
-        """Eval-mode forward of every batch through every stage, with each stage's tally (see ``Counts``)."""
-        self.finish()
-        counts: list[list[Any]] = [[(), 0] for _ in self.runners]
-        for r in self.runners:
-            r.train_mode(False)
-        try:
-            for msg in messages:
-                for r, c in zip(self.runners, counts):
-                    msg_out, tally = r.eval_step(msg)
-                    c[0] = add_counts(c[0], tally)
-                    c[1] += msg.size
-                    msg = msg_out
-        finally:
-            for r in self.runners:
-                r.train_mode(True)
-        return [(c[0], c[1]) for c in counts]
-
-    def epoch(self, messages: Iterable[Message] | None, on_step: Callable[[Losses, int], None]) -> None:
-        """Train on every batch of ``messages`` and finish, calling ``on_step(losses, batch_size)`` as losses come.
-
-        ``messages`` is ``None`` in a process that does not read data (distributed ranks after the first).
-        """
-        assert messages is not None
-        for msg in messages:
-            on_step(self.step(msg), msg.size)
-        on_step(self.finish(), 0)
-
-    def states(self) -> list[dict[str, Any]]:
-        """The stage states this process writes into a checkpoint."""
-        return [r.state_dict() for r in self.runners]
-
-    def barrier(self) -> None:
-        """Wait for every process of the pipeline (nothing to wait for in one process)."""
-
-    def gather(self, obj: Any) -> list[Any]:
-        """``obj`` of every process of the pipeline, in rank order."""
-        return [obj]
-
-    def close(self) -> None:
-        """Release threads or process groups; the runtime cannot be used afterwards."""
-
-
-class SequentialRuntime(Runtime):
-    """Every stage in order on each batch, in the calling thread: local learning without pipelining."""
-
-    def __init__(self, runners: list[Runner]) -> None:
-        self.runners = runners
-        self.num_stages = len(runners)
-        self._error: StageError | None = None  # after a failure the stages disagree on what they trained on
-
-    def step(self, msg: Message | None) -> Losses:
-        assert msg is not None
-        if self._error is not None:
-            raise self._error
-        losses: Losses = []
-        for r in self.runners:
-            try:
-                msg_out, loss = r.train_step(msg)
-            except Exception as e:
-                self._error = StageError(r.index, msg.index, f"{type(e).__name__}: {e}", traceback.format_exc())
-                raise self._error from e
-            losses.append([float(loss)])
-            msg = msg_out  # type: ignore[assignment]
-        return losses
-
-    def finish(self) -> Losses:
-        if self._error is not None:
-            raise self._error
-        return [[] for _ in self.runners]
 
 
 class _Stopped(Exception):
@@ -148,7 +51,6 @@ class ThreadsRuntime(Runtime):
         self._lock = threading.Lock()
         self._losses: list[list[Any]] = [[] for _ in runners]
 
-    # ---- the caller's side ----------------------------------------------------------------
     def _start(self) -> None:
         self._caller_threads = torch.get_num_threads()  # workers set their share; restored on join
         self._queues = [queue.Queue(maxsize=self._depth) for _ in self.runners]
@@ -163,6 +65,7 @@ class ThreadsRuntime(Runtime):
             raise self._error
 
     def step(self, msg: Message | None) -> Losses:
+        """Put ``msg`` into stage 0's queue (waiting while it is full); the losses the stages finished since."""
         assert msg is not None
         self._raise_if_failed()
         if not self._workers:
@@ -182,6 +85,7 @@ class ThreadsRuntime(Runtime):
         return self._collect()
 
     def finish(self) -> Losses:
+        """Send END down the stages and join the workers; the losses not yet returned."""
         self._raise_if_failed()
         if self._workers:
             try:
@@ -216,10 +120,10 @@ class ThreadsRuntime(Runtime):
         return out
 
     def close(self) -> None:
+        """Stop and join the workers."""
         self._stop.set()
         self._join()
 
-    # ---- the workers' side ----------------------------------------------------------------
     def _put(self, q: queue.Queue, item: Any) -> None:
         while True:
             if self._stop.is_set():

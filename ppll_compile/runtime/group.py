@@ -1,0 +1,138 @@
+"""The process group of the ``distributed`` runtime: its set-up, each rank's device and place, and the stage groups."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import PPLLError
+from ..plan import Plan
+
+__all__ = ["Placement", "init_group", "rank_device", "check_world", "check_same_plan", "place", "stage_group"]
+
+_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def init_group(stages: int, timeout: float) -> bool:
+    """Initialise the default process group from torchrun's environment; whether this call did it."""
+    if not dist.is_available():
+        raise PPLLError('runtime="distributed" needs torch.distributed, which this PyTorch build lacks; use '
+                        'runtime="threads"')
+    if dist.is_initialized():
+        return False
+    missing = [k for k in _ENV if k not in os.environ]
+    if missing:
+        raise PPLLError(f'runtime="distributed" runs one process per stage, but {", ".join(missing)} '
+                        f'{"is" if len(missing) == 1 else "are"} not set: launch the script with '
+                        f'torchrun --nproc-per-node={stages} your_script.py (or call '
+                        f'torch.distributed.init_process_group yourself before building the trainer)')
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+    return True
+
+
+def rank_device(rank: int) -> torch.device:
+    """The device of ``rank``: ``cuda:LOCAL_RANK`` (made current) when CUDA is there, else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    local = int(os.environ.get("LOCAL_RANK", rank % count))
+    if local >= count:
+        raise PPLLError(f"LOCAL_RANK is {local} but this machine has {count} CUDA device(s); start at most "
+                        f"{count} processes per node (torchrun --nproc-per-node={count})")
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
+def check_world(plan: Plan, world: int, latest: bool) -> None:
+    """The plan needs ``plan.world_size`` processes, and ``queue="latest"`` one process per stage."""
+    k = plan.num_stages
+    if world != plan.world_size:
+        replicas = f" ({' + '.join(str(s.replicas) for s in plan.stages)} replicas)" \
+            if plan.world_size != k else ""
+        raise PPLLError(f"the plan has {k} stages{replicas}, so it needs {plan.world_size} processes; got "
+                        f"world size {world} (launch with torchrun --nproc-per-node={plan.world_size}, or "
+                        f"compile with gpus={world})")
+    if latest and plan.world_size != k:
+        raise PPLLError('queue="latest" needs one process per stage: the replicas of a stage must train '
+                        'on the same number of batches; compile with replicas=False or use queue="fifo"')
+
+
+def check_same_plan(plan: Plan, world: int) -> None:
+    """Every rank must run the same cuts and heads: a plan measured by time may differ from process to process."""
+    mine = {"cuts": list(plan.cuts), "heads": [s.head.config for s in plan.stages],
+            "replicas": [s.replicas for s in plan.stages], "blocks": [list(s.blocks) for s in plan.stages]}
+    plans: list[Any] = [None] * world
+    dist.all_gather_object(plans, mine)
+    differ = [r for r, p in enumerate(plans) if p != plans[0]]
+    if differ:
+        other = " (and other heads or replicas)" if plans[0]["cuts"] == plans[differ[0]]["cuts"] else ""
+        raise PPLLError(f"the processes compiled different plans: rank 0 cuts after {plans[0]['cuts']}, rank "
+                        f"{differ[0]} after {plans[differ[0]]['cuts']}{other}. Plan once (e.g. "
+                        "plan.save('plan.json') on one process) and compile with plan='plan.json' on every rank")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Placement:
+    """Where one rank sits in the pipeline: ranks go to the stages in order, ``plan.stages[j].replicas`` each."""
+
+    rank: int
+    """This process's rank."""
+    ranks: tuple[tuple[int, ...], ...]
+    """The ranks of every stage's replicas."""
+    stage: int
+    """The stage this rank runs."""
+    replica: int
+    """Which replica of its stage this rank is (0 for the first)."""
+
+    @property
+    def fed(self) -> bool:
+        """Whether this rank gets its slice of the data from rank 0 (a further replica of stage 0)."""
+        return self.stage == 0 and self.replica > 0
+
+    @property
+    def upstream(self) -> list[int]:
+        """The ranks this rank receives each batch from (a part from each), in order."""
+        if self.fed:
+            return [0]
+        return list(self.ranks[self.stage - 1]) if self.stage > 0 else []
+
+    @property
+    def feeds(self) -> list[int]:
+        """Rank 0: the other replicas of stage 0, which it sends their slices of every batch."""
+        return list(self.ranks[0][1:]) if self.rank == 0 else []
+
+    @property
+    def downstream(self) -> list[int]:
+        """The replicas of the next stage, which this rank sends a slice of each batch."""
+        return list(self.ranks[self.stage + 1]) if self.stage < len(self.ranks) - 1 else []
+
+    def stage_of(self, rank: int) -> int:
+        """The stage that ``rank`` runs."""
+        return next(j for j, ranks in enumerate(self.ranks) if rank in ranks)
+
+
+def place(plan: Plan, rank: int) -> Placement:
+    """The placement of ``rank`` for ``plan``."""
+    k = plan.num_stages
+    first = [sum(s.replicas for s in plan.stages[:j]) for j in range(k + 1)]
+    stage = max(j for j in range(k) if first[j] <= rank)
+    return Placement(rank=rank, ranks=tuple(tuple(range(first[j], first[j + 1])) for j in range(k)), stage=stage,
+                     replica=rank - first[stage])
+
+
+def stage_group(placement: Placement) -> Any:
+    """The process group of this rank's stage replicas (``None`` when unreplicated).
+
+    Every rank creates every stage's group, in the same order, as ``new_group`` requires.
+    """
+    group = None
+    for j, ranks in enumerate(placement.ranks):
+        g = dist.new_group(list(ranks)) if len(ranks) > 1 else None
+        group = g if j == placement.stage else group
+    return group

@@ -1,0 +1,53 @@
+"""What travels between stages: the per-batch ``Message``, its kinds, and the evaluation tallies stages return."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["Message", "TRAIN", "EVAL", "dtype_of", "add_counts"]
+
+TRAIN, EVAL = "train", "eval"
+
+
+@dataclass(kw_only=True)
+class Message:
+    """What travels between stages for one batch: the boundary values, the labels and, when a head needs it, the input."""
+
+    index: int
+    """Sequence number of the batch, from 0."""
+    values: tuple[Any, ...]
+    """The receiving stage's inputs: the model inputs for stage 0, else the previous boundary (detached)."""
+    target: Any
+    """Labels (or whatever the last stage's loss takes)."""
+    raw: Tensor | None = None
+    """The model's first input, for heads that reconstruct it (InfoPro); ``None`` when no later head needs it."""
+    kind: str = TRAIN
+    """``train`` or ``eval``."""
+    events: list[Any] = field(default_factory=list)
+    """CUDA events the receiver waits on before reading the tensors (threads runtime on GPUs)."""
+    whole: int | None = None
+    """Rows of the whole batch when this message is one replica's slice of it (distributed runtime)."""
+
+    @property
+    def size(self) -> int:
+        """Batch size: the first dimension of the target."""
+        return int(self.target.shape[0]) if isinstance(self.target, Tensor) and self.target.dim() else 1
+
+
+def dtype_of(name: str) -> torch.dtype | None:
+    """The torch dtype a TensorSpec names, or ``None`` for a Python scalar (``int``, ``float``, ``bool``)."""
+    if name in ("int", "float", "bool"):  # getattr(torch, "int") would be torch.int32
+        return None
+    dtype = getattr(torch, name, None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def add_counts(total: Any, more: Any) -> Any:
+    """Sum of two evaluation tallies (tuples of numbers, elementwise); ``None`` when either is ``None``."""
+    if total is None or more is None:
+        return None
+    return more if total == () else tuple(a + b for a, b in zip(total, more))

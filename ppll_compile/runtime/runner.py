@@ -1,0 +1,192 @@
+"""``Runner``: what every kind of stage shares (device, optimizers, schedulers, autocast, messages, counters)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ..errors import PPLLError
+from ..lowered import move
+from ..plan import StagePlan
+from ..timeline import Recorder, span
+from .config import TrainConfig
+from .messages import Message, dtype_of
+
+__all__ = ["Runner"]
+
+
+def _detach(v: Any) -> Any:
+    return v.detach() if isinstance(v, Tensor) else v
+
+
+def _finite(loss: Tensor) -> bool:
+    return math.isfinite(float(loss))
+
+
+class Runner:
+    """What every kind of stage shares: its device, optimizers, schedulers, autocast, messages and counters.
+
+    A replicated stage (``plan.replicas > 1``) runs under DDP in its replica ``group``; each replica
+    trains on a slice of the batch, its loss scaled so that the all-reduced gradient is the whole batch's.
+    Subclasses set ``index`` and ``plan``, call :meth:`_setup`, and define :meth:`modules`, :meth:`_forward`,
+    ``eval_step``, :meth:`_state` and :meth:`_load`.
+    """
+
+    index: int
+    plan: StagePlan
+    carry_raw: bool = False
+    """Whether the message sent on keeps the raw input (a later head needs it)."""
+    recorder: Recorder | None = None
+    """Where the stage's spans go when the trainer traces (``trace=True``)."""
+
+    def _setup(self, *, device: torch.device, config: TrainConfig, groups: list[list[nn.Parameter]],
+               trainable: nn.Module, group: Any) -> None:
+        self.device = device
+        self.config = config
+        self.params = [p for g in groups for p in g]
+        if not self.params:
+            raise PPLLError(f"stage {self.index} has no parameters to train; compile with fewer stages "
+                            f"or other split points")
+        self._groups = groups
+        self.optimizers = [config.optimizer(g) for g in groups]
+        """One optimizer per independently trained part (a PPLL stage: one; a Pipe-BD stage: one per block)."""
+        self.schedulers = [config.scheduler(o) for o in self.optimizers] if config.scheduler is not None else []
+        self.steps = 0
+        """Optimizer steps taken (batches trained on, reused inputs included)."""
+        self.reused = 0
+        """Inputs trained on again because no new one had arrived (``queue="latest"``)."""
+        dtype = config.autocast[self.index] if config.autocast else None
+        self._autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype is not None \
+            else contextlib.nullcontext
+        self._out_dtypes = tuple(dtype_of(t.dtype) for t in self.plan.boundary)
+        self._net: nn.Module = trainable
+        if group is not None:
+            self._net = DistributedDataParallel(trainable, process_group=group,
+                                                device_ids=[device] if device.type == "cuda" else None)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The first (for a PPLL stage the only) optimizer."""
+        return self.optimizers[0]
+
+    @property
+    def scheduler(self) -> Any:
+        """The first scheduler, or ``None`` when the trainer has none."""
+        return self.schedulers[0] if self.schedulers else None
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this is the pipeline's last stage (it sends nothing on)."""
+        return self.plan.is_last
+
+    def modules(self) -> list[nn.Module]:
+        """The modules this stage trains (their train/eval mode follows the trainer's)."""
+        raise NotImplementedError
+
+    def train_mode(self, mode: bool) -> None:
+        """Put this stage's trained modules in training (``True``) or eval mode."""
+        for m in self.modules():
+            m.train(mode)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The autocast context this stage's forward runs under (a no-op unless the trainer has ``autocast=``)."""
+        return self._autocast()
+
+    def _receive(self, msg: Message) -> tuple[tuple[Any, ...], Any, Tensor | None]:
+        if msg.events:  # produced on another stage's CUDA stream (threads runtime)
+            stream = torch.cuda.current_stream(self.device)
+            tensors = [v for v in (*msg.values, msg.target, msg.raw) if isinstance(v, Tensor) and v.is_cuda]
+            if all(t.device == self.device for t in tensors):
+                for e in msg.events:
+                    stream.wait_event(e)
+                for t in tensors:
+                    t.record_stream(stream)  # the producer's allocator must not reuse them before we are done
+            else:  # a copy from another GPU: wait until the producer's stream has written them
+                for e in msg.events:
+                    e.synchronize()
+        return move(msg.values, self.device), move(msg.target, self.device), move(msg.raw, self.device)
+
+    def _send(self, msg: Message, out: tuple[Any, ...], raw: Tensor | None) -> Message:
+        # the plan fixes the boundary dtypes (and so the receive buffers); autocast may have changed them
+        values = tuple(v.detach().to(d) if isinstance(v, Tensor) and d is not None and v.dtype != d else _detach(v)
+                       for v, d in zip(out, self._out_dtypes))
+        events = []
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            events.append(event)
+        return Message(index=msg.index, values=values, target=msg.target, kind=msg.kind, events=events,
+                       raw=msg.raw if self.carry_raw else None, whole=msg.whole)
+
+    def _forward(self, values: tuple[Any, ...], target: Any, raw: Tensor | None) -> tuple[Any, Tensor]:
+        """The stage's output (what travels on) and its loss, a mean over the batch."""
+        raise NotImplementedError
+
+    def forward_loss(self, msg: Message) -> tuple[Any, Tensor]:
+        """The output and local loss of one batch, as :meth:`train_step` computes them, without backward or step.
+
+        Autograd records the forward (its saved activations stay alive while the loss does), so it serves to
+        measure what a training step holds; the parameters and counters do not change.
+        """
+        values, target, raw = self._receive(msg)
+        with self.autocast():
+            return self._forward(values, target, raw)
+
+    def train_step(self, msg: Message) -> tuple[Message | None, Tensor]:
+        """Forward, local loss, backward and optimizer steps on one batch; the message sent on and the loss."""
+        values, target, raw = self._receive(msg)
+        with span(self.recorder, "forward", msg.index), self.autocast():
+            out, loss = self._forward(values, target, raw)
+        # a replica's slice: scaled so that DDP's mean over replicas is the whole batch's gradient
+        self.update(loss, msg.size * self.plan.replicas / msg.whole if msg.whole else 1.0, batch=msg.index)
+        self.steps += 1
+        return (None if self.is_last else self._send(msg, out, raw)), loss.detach()
+
+    def update(self, loss: Tensor, scale: float = 1.0, parts: Sequence[int] | None = None, *,
+               batch: int = -1) -> None:
+        """Backward ``loss`` times ``scale``, then clip and step the optimizers (and schedulers) of ``parts``.
+
+        ``parts`` indexes :attr:`optimizers` (default: all of them); ``batch`` names the spans when tracing.
+        """
+        if self.config.nan_check and not _finite(loss):
+            raise FloatingPointError(f"loss is {float(loss)} (nan_check=True); lower the learning rate, clip "
+                                     f"gradients (clip_grad_norm=...) or check the data")
+        parts = range(len(self.optimizers)) if parts is None else parts
+        for i in parts:
+            self.optimizers[i].zero_grad(set_to_none=True)
+        with span(self.recorder, "backward", batch):
+            (loss * scale if scale != 1.0 else loss).backward()
+        with span(self.recorder, "step", batch):
+            for i in parts:
+                if self.config.clip_grad_norm is not None:
+                    nn.utils.clip_grad_norm_(self._groups[i], self.config.clip_grad_norm)
+                self.optimizers[i].step()
+                if self.schedulers:
+                    self.schedulers[i].step()
+
+    def _state(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _load(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """This stage's modules, optimizers, schedulers and counters, for a checkpoint."""
+        return {"stage": self.index, **self._state(), "optimizers": [o.state_dict() for o in self.optimizers],
+                "schedulers": [s.state_dict() for s in self.schedulers], "steps": self.steps, "reused": self.reused}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self._load(state)
+        for o, sd in zip(self.optimizers, state["optimizers"]):
+            o.load_state_dict(sd)
+        for sch, sd in zip(self.schedulers, state["schedulers"]):
+            sch.load_state_dict(sd)
+        self.steps = int(state["steps"])
+        self.reused = int(state["reused"])
