@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from .errors import PlanError
 
 __all__ = [
     "PLAN_VERSION",
+    "FrozenDict",
     "TensorSpec",
     "HeadSpec",
     "StagePlan",
@@ -30,6 +32,59 @@ __all__ = [
 PLAN_VERSION = 1
 MODES = ("ppll", "pipebd")
 """Plan kinds: local learning with aux heads, and blockwise distillation from a teacher."""
+
+
+class FrozenDict(Mapping[str, Any]):
+    """A read-only, hashable mapping: a head or loss config inside a frozen plan (nested mappings frozen too)."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: Mapping[str, Any] | Iterable[tuple[str, Any]] = (), /) -> None:
+        self._data = {k: _frozen(v) for k, v in dict(data).items()}
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._data.items()))
+
+    def __repr__(self) -> str:
+        return repr(self._data)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return FrozenDict, (self.to_dict(),)
+
+    def __copy__(self) -> FrozenDict:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> FrozenDict:
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain, mutable copy (nested values too), e.g. for JSON or YAML."""
+        return {k: _thawed(v) for k, v in self._data.items()}
+
+
+def _frozen(v: Any) -> Any:
+    if isinstance(v, Mapping):
+        return FrozenDict(v)
+    if isinstance(v, (list, tuple)):
+        return tuple(_frozen(x) for x in v)
+    return v
+
+
+def _thawed(v: Any) -> Any:
+    if isinstance(v, FrozenDict):
+        return v.to_dict()
+    if isinstance(v, tuple):
+        return [_thawed(x) for x in v]
+    return v
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,8 +117,8 @@ class HeadSpec:
     """Name of the policy the head came from (``model`` for the model's own head)."""
     kind: str
     """Boundary tensor kind: ``feature_map``, ``sequence``, ``vector`` or ``model``."""
-    config: dict[str, Any]
-    """Head architecture and loss: ``type`` plus its options, exactly as the policy file spells them."""
+    config: Mapping[str, Any]
+    """Head architecture and loss: ``type`` plus its options, exactly as the policy file spells them (read-only)."""
     param_count: int = 0
     """Number of parameters of the synthesised head."""
     flops_fwd: int = 0
@@ -73,8 +128,11 @@ class HeadSpec:
     memory_bytes: int = 0
     """Parameters + gradients + optimizer state + saved activations of the head, in bytes."""
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "config", FrozenDict(self.config))
+
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "config": self.config.to_dict()}  # type: ignore[attr-defined]
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> HeadSpec:
@@ -184,15 +242,19 @@ class BlockPlan:
     """Teacher parameters + student parameters, gradients, optimizer state and saved activations, in bytes."""
     grad_bytes: int
     """Bytes of the student block's gradients (what a replicated stage all-reduces)."""
-    loss: dict[str, Any]
-    """The block's distillation loss, e.g. ``{"type": "mse"}`` or ``{"type": "kl", "temperature": 4.0}``."""
+    loss: Mapping[str, Any]
+    """The block's distillation loss, e.g. ``{"type": "mse"}`` or ``{"type": "kl", "temperature": 4.0}`` (read-only)."""
     cost: float
     """Teacher forward + student forward, backward and step time of the block in seconds, at the full batch."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "loss", FrozenDict(self.loss))
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["teacher_nodes"], d["student_nodes"] = list(self.teacher_nodes), list(self.student_nodes)
         d["output"] = self.output.to_dict()
+        d["loss"] = self.loss.to_dict()  # type: ignore[attr-defined]
         return d
 
     @classmethod
@@ -200,7 +262,6 @@ class BlockPlan:
         kw = {f.name: d[f.name] for f in dataclasses.fields(cls)}
         kw["teacher_nodes"], kw["student_nodes"] = tuple(d["teacher_nodes"]), tuple(d["student_nodes"])
         kw["output"] = TensorSpec.from_dict(d["output"])
-        kw["loss"] = dict(d["loss"])
         return cls(**kw)
 
 

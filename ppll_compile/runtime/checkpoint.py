@@ -30,7 +30,7 @@ def identity(compiled: Any) -> dict[str, Any]:
         "model": plan.model,
         "stages": plan.num_stages,
         "cuts": list(plan.cuts),
-        "heads": [s.head.config for s in plan.stages],
+        "heads": [s.head.to_dict()["config"] for s in plan.stages],
         "parameters": [[list(p.shape) for p in compiled.stage_parameters(i)] for i in range(plan.num_stages)],
     }
 
