@@ -8,29 +8,24 @@ Example::
     ppll-plan examples/resnet32.py --gpus 4 --simulate --plot cost.png --graph graph.svg --gantt gantt.png
     ppll-plan --gantt measured.png --trace trace.json               # a timeline recorded with trace=True
 
-MODEL.py defines ``build_model()`` (returning the ``nn.Module``) and ``example_inputs()`` (a tuple of
-tensors, or one tensor); module-level ``model`` and ``example_inputs`` attributes work too. For
-``--mode pipebd`` it also defines ``build_teacher()`` (or ``teacher``); ``build_model()`` is the student.
+MODEL.py defines ``build_model()`` and ``example_inputs()``, and for ``--mode pipebd`` also ``build_teacher()``;
+:mod:`ppll_compile.model_file` loads it.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import itertools
 import re
 import sys
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from types import ModuleType
 from typing import Any, TextIO
-
-from torch import Tensor, nn
 
 from .api import compile, plan
 from .cost import OPTIMIZER_STATES
 from .errors import PPLLError
+from .model_file import load_model
 from .options import PROFILES, PlanOptions
 from .plan import Plan
 
@@ -59,15 +54,13 @@ _SIZE_UNITS = {
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)(?:e(\d+))?\s*([a-z]*)\s*$", re.IGNORECASE)
-_SIZE_FORMS = "bytes (1000000), KiB/MiB/GiB/TiB or K/M/G/T (binary, e.g. 16GiB, 1.5G) or KB/MB/GB/TB (decimal, e.g. 16GB)"
-_module_ids = itertools.count()
+_SIZE_FORMS = ("bytes (1000000), KiB/MiB/GiB/TiB or K/M/G/T (binary, e.g. 16GiB, 1.5G) "
+               "or KB/MB/GB/TB (decimal, e.g. 16GB)")
 
 
 class _UsageError(Exception):
-    """A problem with the command line or the model file, reported as ``ppll-plan: error: ...``."""
+    """A problem with the command line, reported as ``ppll-plan: error: ...``."""
 
-
-# ---- flag values -------------------------------------------------------------------------
 
 def _parse_size(text: str) -> int:
     """Bytes from ``16GiB``, ``16GB``, ``512MiB``, ``1.5G`` or ``1000000``; KB/MB/GB/TB are decimal, the rest binary."""
@@ -194,87 +187,6 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     return {name: getattr(args, name) for name in _OPTION_FLAGS if getattr(args, name) is not None}
 
 
-# ---- the model file ----------------------------------------------------------------------
-
-def _load_file(path: Path) -> ModuleType:
-    """Import ``path`` under a fresh module name, with its directory on ``sys.path`` while it runs."""
-    if not path.exists():
-        raise _UsageError(f"model file {str(path)!r} does not exist; pass the path of a Python file that "
-                          "defines build_model() and example_inputs()")
-    if not path.is_file():
-        raise _UsageError(f"model file {str(path)!r} is not a file; pass the path of a Python file that "
-                          "defines build_model() and example_inputs()")
-    name = f"_ppll_model_{next(_module_ids)}_{re.sub(r'[^0-9a-zA-Z_]', '_', path.stem)}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise _UsageError(f"cannot import {str(path)!r} as Python; expected a .py file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    directory = str(path.resolve().parent)
-    sys.path.insert(0, directory)
-    try:
-        spec.loader.exec_module(module)
-    except (Exception, SystemExit) as e:
-        del sys.modules[name]
-        raise _UsageError(f"loading {path} raised {type(e).__name__}: {e}; fix the file "
-                          f"(`python {path}` shows the traceback)") from None
-    finally:
-        if directory in sys.path:
-            sys.path.remove(directory)
-    return module
-
-
-def _call(path: Path, what: str, fn: Callable[[], Any]) -> Any:
-    try:
-        return fn()
-    except Exception as e:
-        raise _UsageError(f"{what} in {path} raised {type(e).__name__}: {e}") from None
-
-
-def _module_of(path: Path, module: ModuleType, name: str, what: str) -> nn.Module:
-    """The nn.Module a MODEL.py makes with ``build_<name>()`` or holds as ``<name>``."""
-    if callable(getattr(module, f"build_{name}", None)):
-        model = _call(path, f"build_{name}()", getattr(module, f"build_{name}"))
-    elif hasattr(module, name):
-        model = getattr(module, name)
-    else:
-        raise _UsageError(f"{path} defines neither build_{name}() nor {name}; define build_{name}() returning "
-                          f"the {what}")
-    if not isinstance(model, nn.Module):
-        raise _UsageError(f"{path}: the {name} is a {type(model).__name__}, expected an nn.Module; make "
-                          f"build_{name}() return the {what}")
-    return model
-
-
-def _load_model(path: Path, teacher: bool = False) -> tuple[nn.Module, tuple[Any, ...] | None,
-                                                           dict[str, Any] | None, nn.Module | None]:
-    """The model, example inputs (None: let ``plan()`` infer them), example kwargs and teacher a MODEL.py defines."""
-    module = _load_file(path)
-    model = _module_of(path, module, "model", "nn.Module to plan")
-    frozen = _module_of(path, module, "teacher", "frozen teacher nn.Module to distil from") if teacher else None
-
-    inputs = getattr(module, "example_inputs", None)
-    if callable(inputs):
-        inputs = _call(path, "example_inputs()", inputs)
-    if isinstance(inputs, Tensor):
-        inputs = (inputs,)
-    elif isinstance(inputs, list):
-        inputs = tuple(inputs)
-    if inputs is not None and not isinstance(inputs, tuple):
-        raise _UsageError(f"{path}: example_inputs is a {type(inputs).__name__}, expected a tuple of tensors "
-                          "(or one tensor); return e.g. (torch.randn(8, 3, 32, 32),)")
-
-    kwargs = getattr(module, "example_kwargs", None)
-    if callable(kwargs):
-        kwargs = _call(path, "example_kwargs()", kwargs)
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise _UsageError(f"{path}: example_kwargs is a {type(kwargs).__name__}, expected a dict of "
-                          "keyword arguments for forward()")
-    return model, inputs, kwargs, frozen
-
-
-# ---- main --------------------------------------------------------------------------------
-
 def _write(path: str, text: str) -> None:
     try:
         Path(path).write_text(text if text.endswith("\n") else text + "\n")
@@ -340,7 +252,7 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
     distill = args.mode == "pipebd"
     if args.blocks is not None and not distill:
         raise _UsageError("--blocks aligns a teacher with a student; add --mode pipebd")
-    model, inputs, kwargs, teacher = _load_model(path, teacher=distill)
+    model, inputs, kwargs, teacher = load_model(path, teacher=distill)
     extra = {"teacher": teacher, "blocks": args.blocks} if distill else {}
     with warnings.catch_warnings(record=True) as caught:
         build = compile if args.graph is not None else plan  # the graph drawing needs the traced graph

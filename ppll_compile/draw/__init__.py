@@ -1,0 +1,20 @@
+"""Pictures of plans: per-stage cost bars, the traced graph coloured by stage with its cuts, and Gantt charts.
+
+Every public function writes one file, its format chosen by the suffix (``.png``, ``.svg`` or ``.pdf``), and
+returns a small frozen description of what it drew. matplotlib and graphviz are imported only when drawing.
+
+- :mod:`~ppll_compile.draw.figure`: the output path check, the figure and its saving, shared by all pictures.
+- :mod:`~ppll_compile.draw.costs`: stacked cost bars per stage (:func:`plot_costs`).
+- :mod:`~ppll_compile.draw.graph`: the traced graph by stage (:func:`describe_graph`, :func:`draw_graph`).
+- :mod:`~ppll_compile.draw.gantt`: a timeline as one lane per stage replica (:func:`draw_gantt`).
+"""
+
+from __future__ import annotations
+
+from .costs import CostBars, cost_bars, plot_costs
+from .figure import SUFFIXES
+from .gantt import Gantt, draw_gantt
+from .graph import ENGINES, GraphDescription, GraphEdge, GraphNode, GraphPicture, describe_graph, draw_graph
+
+__all__ = ["SUFFIXES", "ENGINES", "CostBars", "GraphNode", "GraphEdge", "GraphDescription", "GraphPicture", "Gantt",
+           "cost_bars", "describe_graph", "plot_costs", "draw_graph", "draw_gantt"]
