@@ -316,7 +316,6 @@ class Plan:
     notes: tuple[str, ...] = field(default=())
     """Human-readable remarks gathered while planning (e.g. CPU fallback, multi-tensor boundaries)."""
 
-    # ---- derived totals -------------------------------------------------------------------
     @property
     def num_stages(self) -> int:
         return len(self.stages)
@@ -375,7 +374,6 @@ class Plan:
             "sequential_cost": self.sequential_cost,
         }
 
-    # ---- serialisation --------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {}
         for f in dataclasses.fields(self):
@@ -456,7 +454,6 @@ class Plan:
         except (ValueError, yaml.YAMLError) as e:
             raise PlanError(f"{path}: not a readable plan ({e})") from None
 
-    # ---- checks ---------------------------------------------------------------------------
     def validate(self) -> None:
         """Check internal consistency; raise :class:`PlanError` naming the first problem."""
         if not self.stages:
@@ -505,7 +502,6 @@ class Plan:
             if over:
                 raise PlanError(f"stage(s) {over} exceed the memory limit of {format_bytes(self.memory_limit)}")
 
-    # ---- display --------------------------------------------------------------------------
     def table(self) -> str:
         """The stage table and totals as plain aligned text."""
         header = ["stage", "device", "first", "last", "nodes", "params", "fwd", "bwd",
