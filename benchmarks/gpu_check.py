@@ -13,6 +13,8 @@ import torchvision
 
 import ppll_compile
 
+from .runtime import stage_messages
+
 __all__ = ["main"]
 
 
@@ -32,10 +34,62 @@ def _train_throughput(fn, batch: int, device: str, steps: int = 10) -> float:
     return batch * steps / (time.perf_counter() - t0)
 
 
+def _model(name: str, size: int) -> torch.nn.Module:
+    return getattr(torchvision.models, name)(**({"image_size": size} if name.startswith("vit") else {}))
+
+
+def _sgd(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+
+
+def _runtime_rates(name: str, size: int, device: str, plan: ppll_compile.Plan, x: torch.Tensor,
+                   y: torch.Tensor) -> tuple[dict[str, float], float]:
+    """Samples/s of the sequential and threads runtimes (a worker and CUDA stream per stage, events between), and
+    the largest difference of their trained parameters."""
+    rates, params = {}, {}
+    for runtime in ("sequential", "threads"):
+        torch.manual_seed(0)
+        fresh = _model(name, size)
+        pipe = ppll_compile.compile(fresh.to(device), plan=plan, example_inputs=(x,))
+        trainer = pipe.trainer(optimizer=_sgd, runtime=runtime)
+        for _ in range(3):
+            trainer.step(x, y)
+        trainer.finish()
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(10):
+            trainer.step(x, y)
+        trainer.finish()
+        _sync(device)
+        rates[runtime] = x.shape[0] * 10 / (time.perf_counter() - t0)
+        params[runtime] = [p.detach().float() for p in fresh.parameters()]
+    drift = max((a - b).abs().max().item() for a, b in zip(params["sequential"], params["threads"]))
+    return rates, drift
+
+
+def _stage_peaks(compiled: ppll_compile.CompiledPipeline, x: torch.Tensor, y: torch.Tensor) -> list[dict]:
+    """Each stage's peak CUDA memory during a (second) training step, against the plan's figure."""
+    trainer = compiled.trainer(optimizer=_sgd)
+    msgs = stage_messages(trainer, x, y)  # running the stages also creates gradients and momentum buffers
+    trainer.runners[-1].train_step(msgs[-1])
+    peak = []
+    for runner, msg, sp in zip(trainer.runners, msgs, compiled.plan.stages):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        runner.train_step(msg)
+        state = [v for st in runner.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+        own = sum(t.numel() * t.element_size() for t in [*runner.params, *state])
+        peak.append({"stage": runner.index, "peak_bytes": torch.cuda.max_memory_allocated() - base + own,
+                     "planned_bytes": sp.memory_bytes})
+    return peak
+
+
 def check(name: str, batch: int, stages: int, device: str, size: int) -> dict:
     torch.manual_seed(0)
-    model = getattr(torchvision.models, name)(**({"image_size": size} if name.startswith("vit") else {})).to(device)
+    model = _model(name, size).to(device)
     x = torch.randn(batch, 3, size, size, device=device)
+    y = torch.randint(0, 1000, (batch,), device=device)
     t0 = time.perf_counter()
     flops_plan = ppll_compile.plan(model, stages, example_inputs=(x,), devices=[device] * stages)
     plan_s = time.perf_counter() - t0
@@ -51,54 +105,18 @@ def check(name: str, batch: int, stages: int, device: str, size: int) -> dict:
     def step_model() -> None:
         model(x).sum().backward()
 
-    y = torch.randint(0, 1000, (batch,), device=device)
-    sgd = lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9)  # noqa: E731
-    rates, params = {}, {}
-    for runtime in ("sequential", "threads"):  # threads: one worker and CUDA stream per stage, events between
-        torch.manual_seed(0)
-        fresh = getattr(torchvision.models, name)(**({"image_size": size} if name.startswith("vit") else {}))
-        pipe = ppll_compile.compile(fresh.to(device), plan=flops_plan, example_inputs=(x,))
-        trainer = pipe.trainer(optimizer=sgd, runtime=runtime)
-        for _ in range(3):
-            trainer.step(x, y)
-        trainer.finish()
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(10):
-            trainer.step(x, y)
-        trainer.finish()
-        _sync(device)
-        rates[runtime] = batch * 10 / (time.perf_counter() - t0)
-        params[runtime] = [p.detach().float() for p in fresh.parameters()]
-    drift = max((a - b).abs().max().item() for a, b in zip(params["sequential"], params["threads"]))
-    peak = []
-    if device.startswith("cuda"):  # each stage's peak during a (second) training step, vs the plan
-        trainer = compiled.trainer(optimizer=sgd)
-        msgs = [trainer.message(x, y)]
-        for runner in trainer.runners[:-1]:
-            msgs.append(runner.train_step(msgs[-1])[0])  # also creates gradients and momentum buffers
-        trainer.runners[-1].train_step(msgs[-1])
-        for runner, msg, sp in zip(trainer.runners, msgs, flops_plan.stages):
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            runner.train_step(msg)
-            state = [v for st in runner.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
-            own = sum(t.numel() * t.element_size() for t in [*runner.params, *state])
-            peak.append({"stage": runner.index, "peak_bytes": torch.cuda.max_memory_allocated() - base + own,
-                         "planned_bytes": sp.memory_bytes})
-
-    predicted = [s.cost / flops_plan.sequential_cost for s in flops_plan.stages]
-    measured = [s.cost / timed.sequential_cost for s in timed.stages]
+    rates, drift = _runtime_rates(name, size, device, flops_plan, x, y)
     return {
         "model": name, "batch": batch, "stages": stages, "max_abs_err_eval": err,
         "plan_seconds": plan_s, "time_profile_seconds": time_plan_s,
-        "predicted_stage_share": predicted, "measured_stage_share": measured,
+        "predicted_stage_share": [s.cost / flops_plan.sequential_cost for s in flops_plan.stages],
+        "measured_stage_share": [s.cost / timed.sequential_cost for s in timed.stages],
         "measured_stage_ms": [s.cost * 1e3 for s in timed.stages],
         "measured_imbalance": timed.imbalance, "flops_imbalance": flops_plan.imbalance,
         "e2e_train_samples_per_s": _train_throughput(step_model, batch, device),
         "sequential_runtime_samples_per_s": rates["sequential"], "threads_runtime_samples_per_s": rates["threads"],
-        "threads_vs_sequential_max_param_diff": drift, "stage_peak_memory": peak,
+        "threads_vs_sequential_max_param_diff": drift,
+        "stage_peak_memory": _stage_peaks(compiled, x, y) if device.startswith("cuda") else [],
         "device": torch.cuda.get_device_name() if device.startswith("cuda") else device, "torch": torch.__version__,
     }
 
