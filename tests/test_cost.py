@@ -1,9 +1,12 @@
 """Measured costs equal their closed forms."""
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
 
+import ppll_compile
 from ppll_compile.cost import META_KEY, measure_graph, measure_module
 from ppll_compile.trace import trace
 
@@ -34,6 +37,17 @@ def test_conv_flops_closed_form():
     assert costs["_1"].flops_bwd == 2 * costs["_1"].flops_fwd
 
 
+def test_conv_backward_counts_an_input_gradient_only_where_the_input_needs_one():
+    b, cin, c1, c2, h, w, k = 4, 3, 8, 6, 10, 12, 3
+    model = nn.Sequential(nn.Conv2d(cin, c1, k, padding=1), nn.Conv2d(c1, c2, k, stride=2, padding=1, groups=2))
+    costs, _ = _costs(model, torch.randn(b, cin, h, w))
+    # as torch's conv_flop_count: 2 x batch x weight elements (out x in / groups x kh x kw) x output positions
+    first = 2 * b * (c1 * cin * k * k) * (h * w)
+    second = 2 * b * (c2 * (c1 // 2) * k * k) * ((h // 2) * (w // 2))
+    assert (costs["_0"].flops_fwd, costs["_0"].flops_bwd) == (first, first)  # the model's input needs no gradient
+    assert (costs["_1"].flops_fwd, costs["_1"].flops_bwd) == (second, 2 * second)  # input and weight gradients
+
+
 def test_depthwise_conv_backward_costs_twice_its_forward():
     # the weight gradient of a grouped conv sums over as many products as its forward (torch counts it dense)
     b, c, h, w, k = 4, 16, 8, 8, 3
@@ -60,6 +74,23 @@ def test_saved_activations_of_a_conv_bn_relu_block_count_each_storage_once():
     assert saved.pop("_0") == fmap
     assert saved.pop("_1") == fmap
     assert sorted(saved.values()) == [c * 4, c * 4]
+
+
+def test_stage_activation_bytes_count_a_storage_saved_by_several_nodes_once():
+    b, cin, c, h, w, d = 2, 3, 4, 6, 6, 8
+    model = nn.Sequential(nn.Conv2d(cin, c, 3, padding=1), nn.ReLU(inplace=True), nn.Flatten(),
+                          nn.Linear(c * h * w, d), nn.ReLU(), nn.Linear(d, 5))
+    x = torch.randn(b, cin, h, w)
+    costs, _ = _costs(model, x)
+    # the conv's output, overwritten by the in-place ReLU and viewed by Flatten, is saved by the ReLU and the Linear
+    assert costs["_1"].saved.keys() == costs["_3"].saved.keys() == {"_0"}
+    # the second ReLU's output is saved by that ReLU and by the last Linear
+    assert costs["_4"].saved.keys() == costs["_5"].saved.keys() == {"_4"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = ppll_compile.plan(model, example_inputs=(x,), split_points=["_3"])
+    assert [s.nodes for s in plan.stages] == [("_0", "_1", "_2", "_3"), ("_4", "_5")]
+    assert [s.activation_bytes for s in plan.stages] == [x.numel() * 4 + b * c * h * w * 4, b * d * 4]
 
 
 def test_measuring_changes_nothing_on_the_model():

@@ -95,6 +95,20 @@ def test_infopro_loss_is_the_weighted_sum_of_reconstruction_and_cross_entropy():
         head.loss(h, y)
 
 
+@pytest.mark.parametrize("policy", ["dgl", "infopro"])
+def test_loss_weights_of_a_hand_edited_config_scale_each_term(policy):
+    torch.manual_seed(0)
+    s = spec(SHAPES["feature_map"])
+    weights = {"classification": "cross_entropy", "classification_weight": 0.3, "reconstruction_weight": 2.5}
+    head = build_head({**load_policy(policy).config_for(s), "loss": weights}, s, 10, INPUT_SHAPE)
+    h, x, y = torch.randn(SHAPES["feature_map"]), torch.randn(INPUT_SHAPE), torch.randint(0, 10, (8,))
+    expected = 0.3 * F.cross_entropy(head.net(h), y)
+    if policy == "infopro":  # only InfoPro's heads reconstruct the input
+        expected = expected + 2.5 * F.mse_loss(head.decoder(h), x)
+    torch.testing.assert_close(head_loss(head, h, y, x), expected)
+    torch.testing.assert_close(head.loss(h, y, x), expected)
+
+
 def test_infopro_needs_an_image_input_shape():
     config = load_policy("infopro").config_for(spec(SHAPES["feature_map"]))
     with pytest.raises(PolicyError) as e:

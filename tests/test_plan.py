@@ -120,9 +120,39 @@ def test_memory_cap_infeasible_names_the_smallest_cap():
     assert max(s.memory_bytes for s in capped.stages) <= smallest
 
 
-def test_device_speeds_move_work_to_the_fast_device():
-    even, skewed = _plan(gpus=2), _plan(gpus=2, device_speeds=[1.0, 0.25])
-    assert skewed.stages[1].flops_fwd <= even.stages[1].flops_fwd
+class _Chain(torch.nn.Module):
+    """Equal Linear layers back to back: a legal cut after every layer, and every boundary the same tensor shape."""
+
+    def __init__(self, depth: int = 8, width: int = 64) -> None:
+        super().__init__()
+        self.layers = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(depth)))
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def test_device_speeds_move_the_cut_to_the_fast_device():
+    n, d, depth = 16, 64, 8
+    even = _plan(_Chain(depth, d), gpus=2, example_inputs=(torch.randn(n, d),))
+    skewed = _plan(_Chain(depth, d), gpus=2, example_inputs=(torch.randn(n, d),), device_speeds=[1.0, 0.25])
+    layer = 2 * n * d * d  # a layer's forward FLOPs, and those of each of its gradients
+    head = even.stages[0].aux_flops  # every cut has the same boundary, so the same head
+    send = n * d * 4 / even.link_bandwidth
+
+    def stage_costs(k: int, speeds: tuple[float, float]) -> tuple[float, float]:
+        """Stage costs with layers [0, k) on the first device: the model's input needs no gradient."""
+        first = (layer * (3 * k - 1) + head) / even.flops_per_second / speeds[0] + send
+        return first, 3 * layer * (depth - k) / even.flops_per_second / speeds[1]
+
+    def best(speeds: tuple[float, float]) -> int:
+        ranked = sorted(range(1, depth), key=lambda k: max(stage_costs(k, speeds)))
+        assert max(stage_costs(ranked[0], speeds)) < max(stage_costs(ranked[1], speeds))  # a unique optimum
+        return ranked[0]
+
+    assert (best((1.0, 1.0)), best((1.0, 0.25))) == (1, 5)
+    assert even.cuts == ("layers_0",) and skewed.cuts == ("layers_4",)
+    assert [s.cost for s in skewed.stages] == pytest.approx(stage_costs(5, (1.0, 0.25)), rel=1e-12)
+    assert [s.cost for s in even.stages] == pytest.approx(stage_costs(1, (1.0, 1.0)), rel=1e-12)
     s = skewed.stages[1]
     assert s.compute_cost == pytest.approx((s.flops_fwd + s.flops_bwd) / skewed.flops_per_second / 0.25)
 

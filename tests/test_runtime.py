@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 
 import ppll_compile
 from ppll_compile import CheckpointError, StageError
@@ -167,7 +168,7 @@ def test_bf16_autocast_keeps_planned_boundary_dtype():
     x, y = _data(1)[0]
     full = _compiled().trainer(optimizer=_sgd).step(x, y)
     trainer = _compiled().trainer(optimizer=_sgd, autocast=torch.bfloat16)
-    msg, loss = trainer.runners[0].train_step(trainer._message(x, y, "train"))
+    msg, loss = trainer.runners[0].train_step(trainer.message(x, y))
     assert msg.values[0].dtype == torch.float32  # what the plan (and a distributed receiver) expects
     assert float(loss) == pytest.approx(full[0][0], rel=0.05) and float(loss) != full[0][0]
 
@@ -187,6 +188,41 @@ def test_latest_reuses_inputs_when_upstream_is_slow():
     assert trainer.reused[0] == 0 and 0 < trainer.reused[1] <= len(data)
     assert trainer.steps == {0: len(data), 1: len(data) + trainer.reused[1]}
     assert n_losses == [trainer.steps[0], trainer.steps[1]]
+
+
+def test_latest_never_sends_the_output_of_a_reused_input():
+    """Stage 0 sends batch b only after stage 1 trained on batch b - 1 and then, finding no new input, on it
+    again: every batch reaches stage 2 once, however often stage 1 trained on it."""
+    n = 4
+    compiled = _compiled(3)
+    first, middle = ({id(p) for p in compiled.stage_parameters(i)} for i in (0, 1))
+    steps = [0, 0]
+    progress = threading.Condition()
+
+    class Paced(torch.optim.SGD):
+        def step(self, closure=None):
+            ids = {id(p) for g in self.param_groups for p in g["params"]}
+            with progress:
+                if ids & middle:
+                    steps[1] += 1
+                    progress.notify_all()
+                elif ids & first:
+                    if not progress.wait_for(lambda: steps[1] >= 2 * steps[0], timeout=60):
+                        raise TimeoutError(f"stage 1 took {steps[1]} steps, expected {2 * steps[0]}")
+                    steps[0] += 1
+            return super().step(closure)
+
+    trainer = compiled.trainer(optimizer=lambda params: Paced(params, lr=0.01), runtime="threads", queue="latest")
+    losses = [0, 0, 0]
+    for x, y in _data(n):
+        for i, ls in enumerate(trainer.step(x, y)):
+            losses[i] += len(ls)
+    for i, ls in enumerate(trainer.finish()):
+        losses[i] += len(ls)
+    assert trainer.reused[0] == 0 and trainer.reused[1] in (n - 1, n)  # the last batch meets the end of the data
+    assert trainer.steps[0] == n and trainer.steps[1] == n + trainer.reused[1]
+    assert trainer.steps[2] - trainer.reused[2] == n  # new inputs of the last stage: each batch once
+    assert losses == [trainer.steps[i] for i in range(3)]
 
 
 # ---- faults ------------------------------------------------------------------------------------
@@ -341,6 +377,43 @@ def test_load_rejects_another_plan(tmp_path):
     text = str(info.value)
     assert "was saved for another pipeline: stages: checkpoint has 2, this pipeline has 3; cuts: checkpoint has" \
            in text and "compile(model, plan=...)" in text
+
+
+def _refused(trainer, path) -> str:
+    """The error of loading ``path`` into ``trainer``, after checking that nothing was loaded."""
+    before = _state(trainer)
+    with pytest.raises(CheckpointError) as info:
+        trainer.load(path)
+    for p, q in zip(before, _state(trainer), strict=True):
+        assert torch.equal(p, q)
+    assert trainer.batches == 0 and set(trainer.steps.values()) == {0}
+    return str(info.value)
+
+
+def test_load_rejects_a_checkpoint_saved_with_other_heads(tmp_path):
+    path = _saved(tmp_path)
+    saved = _compiled()
+    edited = yaml.safe_load(saved.plan.to_yaml())
+    edited["stages"][0]["head"]["config"]["loss"]["classification_weight"] = 0.5
+    (tmp_path / "plan.yaml").write_text(yaml.safe_dump(edited))
+    torch.manual_seed(5)
+    other = ppll_compile.compile(Residual(), plan=tmp_path / "plan.yaml")
+    assert [p.shape for p in _state(other)] == [p.shape for p in _state(saved)]  # only the head's loss differs
+    heads = [[s["head"]["config"] for s in yaml.safe_load(c.plan.to_yaml())["stages"]] for c in (saved, other)]
+    assert heads[0] != heads[1]
+    assert _refused(other.trainer(optimizer=_sgd), path) == (
+        f"checkpoint {str(path)!r} was saved for another pipeline: heads: checkpoint has {heads[0]!r}, this "
+        f"pipeline has {heads[1]!r}. Compile the same model with the plan it was trained with "
+        f"(compile(model, plan=...)) to load it.")
+
+
+def test_load_rejects_a_checkpoint_of_another_optimizer(tmp_path):
+    path = _saved(tmp_path)  # trained with SGD
+    trainer = _compiled(seed=5).trainer(optimizer=lambda params: torch.optim.Adam(params, lr=1e-3))
+    assert _refused(trainer, path) == (
+        f"checkpoint {str(path)!r} was saved for another pipeline: optimizer: checkpoint has ['SGD'], this "
+        f"pipeline has ['Adam']. Build the trainer with the optimizer class it was trained with "
+        f"(trainer(optimizer=...)) to load it.")
 
 
 def test_save_refuses_a_file_path(tmp_path):

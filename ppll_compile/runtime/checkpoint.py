@@ -6,12 +6,16 @@ import hashlib
 import io
 import json
 import os
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
+from torch.optim import Optimizer
 
 from ..errors import PPLLError
+from ..plan import Plan
 
 __all__ = ["CheckpointError", "identity", "remove_manifest", "save_stage", "write_manifest", "read", "MANIFEST"]
 
@@ -23,15 +27,17 @@ class CheckpointError(PPLLError, ValueError):
     """A checkpoint is missing, incomplete, corrupt, or was saved for another model or plan."""
 
 
-def identity(compiled: Any) -> dict[str, Any]:
-    """What a checkpoint must match to be loaded: model class, cuts, heads and every stage's parameter shapes."""
-    plan = compiled.plan
+def identity(plan: Plan, parameters: Sequence[Sequence[Tensor]], optimizers: Iterable[Optimizer]) -> dict[str, Any]:
+    """What a checkpoint must match to be loaded: model class, cuts, heads, every stage's parameter shapes, and
+    the classes of ``optimizers`` (those of the stages one process runs: one factory builds them all, so every
+    process agrees)."""
     return {
         "model": plan.model,
         "stages": plan.num_stages,
         "cuts": list(plan.cuts),
         "heads": [s.head.to_dict()["config"] for s in plan.stages],
-        "parameters": [[list(p.shape) for p in compiled.stage_parameters(i)] for i in range(plan.num_stages)],
+        "parameters": [[list(p.shape) for p in stage] for stage in parameters],
+        "optimizer": sorted({type(o).__name__ for o in optimizers}),
     }
 
 
@@ -76,16 +82,17 @@ def write_manifest(path: str | os.PathLike, ident: dict[str, Any], files: list[d
     _atomic_write(Path(path) / MANIFEST, json.dumps(manifest, indent=1).encode())
 
 
-def _differences(saved: dict[str, Any], ours: dict[str, Any]) -> list[str]:
+def _differences(saved: dict[str, Any], ours: dict[str, Any]) -> list[tuple[str, str]]:
+    """(key, what differs) for every part of the identity the checkpoint does not match."""
     out = []
     for key in ours:
         if saved.get(key) != ours[key]:
             if key == "parameters":
                 for i, (a, b) in enumerate(zip(saved.get(key, []), ours[key])):
                     if a != b:
-                        out.append(f"stage {i} parameter shapes differ ({len(a)} tensors saved, {len(b)} here)")
+                        out.append((key, f"stage {i} parameter shapes differ ({len(a)} tensors saved, {len(b)} here)"))
             else:
-                out.append(f"{key}: checkpoint has {saved.get(key)!r}, this pipeline has {ours[key]!r}")
+                out.append((key, f"{key}: checkpoint has {saved.get(key)!r}, this pipeline has {ours[key]!r}"))
     return out
 
 
@@ -105,9 +112,15 @@ def read(path: str | os.PathLike, ident: dict[str, Any], stages: list[int]) -> t
         raise CheckpointError(f"{str(man_path)!r} is corrupt ({e}); load an earlier checkpoint") from None
     diffs = _differences(saved_ident, ident)
     if diffs:
-        raise CheckpointError(f"checkpoint {str(root)!r} was saved for another pipeline: " + "; ".join(diffs)
-                              + ". Compile the same model with the plan it was trained with "
-                              "(compile(model, plan=...)) to load it")
+        ways = []
+        if any(key != "optimizer" for key, _ in diffs):
+            ways.append(" Compile the same model with the plan it was trained with (compile(model, plan=...)) "
+                        "to load it.")
+        if any(key == "optimizer" for key, _ in diffs):
+            ways.append(" Build the trainer with the optimizer class it was trained with (trainer(optimizer=...)) "
+                        "to load it.")
+        raise CheckpointError(f"checkpoint {str(root)!r} was saved for another pipeline: "
+                              + "; ".join(text for _, text in diffs) + "." + "".join(ways))
     states = {}
     for i in stages:
         entry = files.get(i)

@@ -273,13 +273,17 @@ class Trainer:
         files = [checkpoint.save_stage(path, state) for state in rt.states()]
         files = [f for part in rt.gather(files) for f in part]
         if rt.is_main_writer:
-            checkpoint.write_manifest(path, checkpoint.identity(self), files, {"batches": self.batches})
+            checkpoint.write_manifest(path, self._identity(), files, {"batches": self.batches})
         rt.barrier()
+
+    def _identity(self) -> dict[str, Any]:
+        return checkpoint.identity(self.plan, [self.stage_parameters(i) for i in range(self.plan.num_stages)],
+                                   [o for r in self.runners for o in r.optimizers])
 
     def load(self, path: str | os.PathLike) -> None:
         """Restore a checkpoint written by :meth:`save` (under any runtime) for the same model and plan."""
         self.finish()
-        trainer, states = checkpoint.read(path, checkpoint.identity(self), list(self.stages))
+        trainer, states = checkpoint.read(path, self._identity(), list(self.stages))
         for r in self._runtime.runners:
             r.load_state_dict(states[r.index])
         self.batches = int(trainer["batches"])
