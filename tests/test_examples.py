@@ -29,10 +29,9 @@ def test_train_digits_quick(tmp_path: Path) -> None:
         line = f"{r['method']:<6} {r['K']:>2} {r['policy'] or '-':<8} {r['accuracy']:>8.3f}"
         assert line in proc.stdout, f"no table row {line!r} in:\n{proc.stdout}"
         assert len(r["stage_accuracy"]) == r["K"] - 1
-    by_config = {(r["method"], r["K"], r["policy"]): r["accuracy"] for r in rows}
-    assert by_config[("e2e", 1, None)] > 5 * CHANCE
-    assert by_config[("ppll", 2, "dgl")] > 5 * CHANCE
-    assert by_config[("ppll", 2, "infopro")] > 5 * CHANCE
+    # every configuration learns: the weakest (K=4 infopro) reaches 0.74 with the example's seed
+    low = {config: r["accuracy"] for config, r in zip(configs, rows) if not r["accuracy"] > 5 * CHANCE}
+    assert not low, f"configurations at or below {5 * CHANCE:.2f} test accuracy: {low}\n{proc.stdout}"
 
 
 def test_pipebd_mobilenet_quick() -> None:

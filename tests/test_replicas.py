@@ -166,17 +166,20 @@ def test_no_replication_is_plain_min_max_partition(seed: int) -> None:
 def test_brute_force_enumerates_every_layout() -> None:
     # 3 segments on 3 devices: one stage on 1, 2 or 3 replicas (3 layouts), two stages at either of 2 split
     # points on (1, 1), (1, 2) or (2, 1) (6 layouts), three stages on (1, 1, 1) (1 layout): 10 in all.
-    from math import comb
-
     from partitioners.replicas import _assignments
 
     assert [list(_assignments(k, 3 - k, 3)) for k in (1, 2, 3)] == \
         [[(1,), (2,), (3,)], [(1, 1), (1, 2), (2, 1)], [(1, 1, 1)]]
-    assert sum(comb(2, k - 1) * len(list(_assignments(k, 3 - k, 3))) for k in (1, 2, 3)) == 10
+    layouts = [(cuts, r) for k in (1, 2, 3) for cuts in itertools.combinations((1, 2), k - 1)
+               for r in itertools.product((1, 2, 3), repeat=k) if sum(r) <= 3]
+    assert len(layouts) == 10
+    for k, spare, cap in [(1, 2, 3), (2, 1, 3), (3, 0, 3), (4, 6, 2), (3, 2, 2), (2, 5, 4)]:
+        every = [r for r in itertools.product(range(1, cap + 1), repeat=k) if sum(r) <= k + spare]
+        assert list(_assignments(k, spare, cap)) == every, (k, spare, cap)
     assert len(list(_assignments(4, 6, 2))) == 2**4  # the replica cap binds before the device count
 
 
-def test_midsize_problem_solves_within_its_bounds() -> None:
+def test_midsize_layout_fits_its_cap_and_breaks_ties_as_documented() -> None:
     rng = random.Random(0)
     n = 48
     problem = ReplicaProblem(
@@ -184,13 +187,23 @@ def test_midsize_problem_solves_within_its_bounds() -> None:
         head=[rng.uniform(0, 0.2) for _ in range(n)],
         grad_bytes=[rng.uniform(0, 1e9) for _ in range(n)],
         memory=[rng.uniform(0, 1e9) for _ in range(n)],
-        memory_limit=8e9,
+        memory_limit=2.5e9,
         devices=64,
     )
     layout = solve_replicated(problem)
-    assert layout.devices <= 64 and layout.bottleneck <= sum(problem.compute) + max(problem.head)
-    fixed = solve_replicated(dataclasses.replace(problem, stages=8))
-    assert len(fixed.ends) == 8 and fixed.bottleneck >= layout.bottleneck
+    _check_valid(problem, layout)
+    free = solve_replicated(dataclasses.replace(problem, memory_limit=None))
+    assert max(_stage_memory(problem, free)) > problem.memory_limit  # the cap binds ...
+    assert free.bottleneck < layout.bottleneck  # ... and costs speed
+    # no better cuts for the chosen replicas; one device fewer is slower; one stage fewer is slower or uses more
+    assert solve_fixed_replicas(problem, layout.replicas).bottleneck == layout.bottleneck
+    assert solve_replicated(dataclasses.replace(problem, devices=layout.devices - 1)).bottleneck > layout.bottleneck
+    fewer = solve_replicated(dataclasses.replace(problem, stages=len(layout.ends) - 1))
+    assert (fewer.bottleneck, fewer.devices) > (layout.bottleneck, layout.devices)
+    more = dataclasses.replace(problem, stages=16)
+    fixed = solve_replicated(more)
+    _check_valid(more, fixed)
+    assert (fixed.bottleneck, fixed.devices) >= (layout.bottleneck, layout.devices)
 
 
 def test_infeasible_memory_reports_smallest_limit() -> None:

@@ -8,7 +8,7 @@ import torch
 
 import ppll_compile
 from ppll_compile import PPLLError
-from ppll_compile.timeline import Event, Timeline
+from ppll_compile.timeline import Event, Recorder, Timeline
 from tests.models import Residual, conv_student, conv_teacher
 
 BATCH = 8
@@ -74,12 +74,27 @@ def test_timeline_needs_trace_true():
         compiled.trainer(optimizer=_sgd, trace="yes")
 
 
-def test_untraced_trainer_records_nothing():
+def test_untraced_trainer_records_nothing(monkeypatch):
+    recorded: list[tuple[int, str, int]] = []
+    add = Recorder.add
+
+    def counted(self, kind, batch, start, end):
+        recorded.append((self.stage, kind, batch))
+        add(self, kind, batch, start, end)
+
+    monkeypatch.setattr(Recorder, "add", counted)
     compiled = ppll_compile.compile(Residual(), 2, example_inputs=(torch.randn(BATCH, 3, 8, 8),))
-    with compiled.trainer(optimizer=_sgd, runtime="threads") as trainer:
-        for x, y in _data(2):
-            trainer.step(x, y)
-        assert all(r.recorder is None for r in trainer.runners)
+    for trace in (False, True):
+        with compiled.trainer(optimizer=_sgd, runtime="threads", trace=trace) as trainer:
+            for x, y in _data(2):
+                trainer.step(x, y)
+            trainer.finish()
+            if trace:  # the counting sees what a traced trainer records
+                assert len(recorded) == len(trainer.timeline().events) > 0
+            else:
+                assert recorded == []
+                with pytest.raises(PPLLError, match=r"^this trainer records no timeline"):
+                    trainer.timeline()
 
 
 def test_pipebd_and_dna_trace_each_block_update():
