@@ -11,7 +11,7 @@ from torch import nn
 from .analysis import Analysis, analyse
 from .assemble import assemble_ppll
 from .errors import PolicyError
-from .heads import Policy, head_spec, load_policy
+from .heads import head_spec
 from .lower import lower_ppll
 from .options import SavedPlan, check_no_blocks, read_saved_plan, resolve_mode, resolve_options
 from .options import PlanOptions
@@ -19,6 +19,7 @@ from .partition import StageRequest, ppll_layout, segment_costs, stage_request
 from .pipebd.build import compile_pipebd, plan_pipebd
 from .pipeline import CompiledPipeline
 from .plan import HeadSpec, Plan
+from .policy import Policy, load_policy
 
 __all__ = ["plan", "compile"]
 

@@ -15,9 +15,10 @@ from torch.fx.passes.split_module import split_module
 from .analysis import Analysis
 from .cuts import Cut
 from .errors import PlanError
-from .heads import Policy, head_for
+from .heads import head_for
 from .lowered import SOURCE_NAME, Inputs, Lowered, Stage
 from .plan import Plan
+from .policy import Policy
 
 __all__ = ["split_stages", "model_inputs", "lower_ppll"]
 

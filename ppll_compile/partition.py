@@ -11,10 +11,10 @@ from partitioners.replicas import Layout, ReplicaProblem, layout_costs, solve_fi
 
 from .analysis import Analysis
 from .errors import CutError, PartitionError
-from .heads import Policy
 from .options import PlanOptions, SavedPlan
 from .phases import phase
 from .plan import HeadSpec
+from .policy import Policy
 from .profile import first_device, time_segments
 
 __all__ = ["Costs", "StageRequest", "StageLayout", "segment_costs", "stage_request", "ppll_layout", "block_layout"]

@@ -13,10 +13,11 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from .analysis import Analysis
-from .heads import Policy, head_for, head_loss
+from .heads import head_for, head_loss
 from .lower import split_stages
 from .lowered import Stage, move
 from .plan import HeadSpec
+from .policy import Policy
 from .trace import train_mode
 
 __all__ = ["first_device", "time_callable", "time_segments", "time_blocks"]

@@ -11,10 +11,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import policies
 from ppll_compile.errors import PolicyError
-from ppll_compile.heads import (
-    AuxHead, InfoProHead, Policy, build_head, head_loss, load_policy, make_head, tensor_kind, validate_policy,
-)
+from ppll_compile.heads import AuxHead, InfoProHead, build_head, head_loss, make_head
 from ppll_compile.plan import TensorSpec
+from ppll_compile.policy import Policy, load_policy, tensor_kind, validate_policy
 
 SHAPES = {"feature_map": (8, 64, 16, 16), "sequence": (8, 17, 96), "vector": (8, 256)}
 INPUT_SHAPE = (8, 3, 32, 32)
