@@ -2,7 +2,9 @@
 
 import dataclasses
 import itertools
+import pickle
 import re
+import time
 import warnings
 
 import pytest
@@ -70,6 +72,39 @@ def test_json_and_yaml_round_trip(tmp_path):
     assert Plan.from_yaml(p.to_yaml()) == p
     assert Plan.load(p.save(tmp_path / "p.json")) == p
     assert Plan.load(p.save(tmp_path / "p.yaml")) == p
+
+
+def test_a_plan_cannot_be_changed_in_place_and_hashes_by_value():
+    p = _plan()
+    config = p.stages[0].head.config
+    for change in (lambda: config.__setitem__("width", 1), lambda: config["loss"].__setitem__("classification", "x"),
+                   lambda: setattr(p.stages[0], "cost", 0.0), lambda: config.pop("type")):
+        with pytest.raises((TypeError, AttributeError, dataclasses.FrozenInstanceError)):
+            change()
+    assert p.stages[0].head.config["width"] == config["width"] and "type" in config
+    copy = Plan.from_json(p.to_json())
+    assert hash(copy) == hash(p) and copy == p
+    assert len({p, copy, _plan(gpus=2)}) == 2
+    assert pickle.loads(pickle.dumps(p)) == p
+    edited = p.to_dict()
+    edited["stages"][0]["head"]["config"]["width"] = 1  # to_dict gives plain data to edit and save
+    assert Plan.from_dict(edited).stages[0].head.config["width"] == 1 and p.stages[0].head.config["width"] != 1
+
+
+def test_planning_reports_the_seconds_of_each_phase():
+    from ppll_compile.phases import PHASES, record_phases
+
+    start = time.perf_counter()
+    with record_phases() as outer:
+        with record_phases() as inner:
+            _plan(partitioner="exact")
+    total = time.perf_counter() - start
+    assert set(inner) == set(PHASES) and inner == outer
+    assert all(inner[name] > 0 for name in PHASES), inner
+    assert sum(inner.values()) <= total
+    with record_phases() as later:
+        pass
+    assert later == dict.fromkeys(PHASES, 0.0)
 
 
 def test_multi_tensor_boundaries_are_reported_and_run():

@@ -164,6 +164,22 @@ def test_clip_grad_norm_bounds_each_stage():
     assert len(seen) == 4 and max(seen) <= 1e-3 * (1 + 1e-4)
 
 
+def test_a_stage_measured_alone_computes_what_training_it_does():
+    x, y = _data(1)[0]
+    compiled = _compiled()
+    trainer = compiled.trainer(optimizer=_sgd)
+    msg = trainer.message(x, y)
+    assert (msg.index, trainer.batches) == (0, 1) and torch.equal(msg.target, y)
+    first = trainer.runners[0]
+    before = _state(trainer)
+    out, loss = first.forward_loss(msg)
+    assert all(torch.equal(p, q) for p, q in zip(before, _state(trainer))) and first.steps == 0
+    sent, trained = first.train_step(msg)
+    assert float(trained) == float(loss)
+    assert torch.equal(sent.values[0], out[0].detach())
+    assert not all(torch.equal(p, q) for p, q in zip(before, _state(trainer)))
+
+
 def test_bf16_autocast_keeps_planned_boundary_dtype():
     x, y = _data(1)[0]
     full = _compiled().trainer(optimizer=_sgd).step(x, y)
