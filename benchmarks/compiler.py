@@ -4,9 +4,10 @@
 and ViTs (224x224 inputs) and deep MLPs (``nn.Sequential`` of ``Linear(64, 64)`` + ``ReLU``). Each phase is the time
 ``ppll_compile.phases.record_phases`` reports for that call: ``trace`` (torch.fx), ``cost`` (FLOPs and memory of
 every node on fake tensors), ``cuts`` (the legal cuts), ``heads`` (the heads' measurement) and ``partition`` (the
-partitioner's solve); the total is the whole call. Medians over 7 rounds that plan every model once in turn, after warm-up plans of two
-small models. Then the exact partitioner alone on 10,000 random segments into 64 stages (heads, links, device speeds
-and a binding memory cap). ``--quick``: resnet18, resnet50, vit_b_16 and MLPs of 100 and 1,000 layers, 3 rounds.
+partitioner's solve); the total is the whole call. Medians over 7 rounds that plan every model once in turn, after
+warm-up plans of two small models. Then the exact partitioner alone on 10,000 random segments into 64 stages (heads,
+links, device speeds and a binding memory cap). ``--quick``: resnet18, resnet50, vit_b_16 and MLPs of 100 and 1,000
+layers, 3 rounds.
 """
 
 from __future__ import annotations

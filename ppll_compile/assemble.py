@@ -110,6 +110,8 @@ def assemble_ppll(model: str, a: Analysis, heads: Mapping[int, HeadSpec], costs:
     devices = stage_devices(sum(layout.replicas), opts.devices, notes)
     multi = tuple(c.node for c in a.cuts if len(c.boundary) > 1)
     last_stage = len(layout.ends) - 1
+    head_time, head_grad = costs.head, costs.head_grad_bytes
+    assert head_time is not None and head_grad is not None, "ppll costs price a head at every cut"
 
     def parts(j: int, start: int, end: int, r: int) -> StageParts:
         nodes = [n for n in a.segment_nodes(start, end - 1) if n.op not in ("placeholder", "get_attr")] \
@@ -118,10 +120,8 @@ def assemble_ppll(model: str, a: Analysis, heads: Mapping[int, HeadSpec], costs:
         last = j == last_stage
         cut = None if last else a.cuts[end - 1]
         head = model_head() if last else heads[end - 1]
-        sync = allreduce_seconds(s.grad_bytes + (0 if last else costs.head_grad_bytes[end - 1]), r,  # type: ignore
-                                 opts.link_bandwidth)
-        compute = (sum(costs.compute[start:end]) + (0.0 if last else costs.head[end - 1])) \
-            / layout.speeds[j] / r + sync  # type: ignore[index]
+        sync = allreduce_seconds(s.grad_bytes + (0 if last else head_grad[end - 1]), r, opts.link_bandwidth)
+        compute = (sum(costs.compute[start:end]) + (0.0 if last else head_time[end - 1])) / layout.speeds[j] / r + sync
         send = 0.0 if last else costs.comm[end - 1] / r
         if cut is not None and cut.node in multi:
             notes.append(f"stage {j} sends {len(cut.boundary)} values ({', '.join(cut.boundary)}); its aux head "
@@ -130,6 +130,6 @@ def assemble_ppll(model: str, a: Analysis, heads: Mapping[int, HeadSpec], costs:
                           aux_flops=head.flops_fwd + head.flops_bwd, memory_bytes=s.memory + head.memory_bytes,
                           compute_cost=compute, comm_cost=send, cost=compute + send)
 
-    sequential = sum(costs.compute) + sum(costs.head[e - 1] for e in layout.ends[:-1])  # type: ignore[index]
+    sequential = sum(costs.compute) + sum(head_time[e - 1] for e in layout.ends[:-1])
     return assemble(layout, devices, parts, analysis=a, opts=opts, model=model, policy=policy,
                     sequential=sequential, notes=notes, multi_tensor_cuts=multi)

@@ -127,7 +127,8 @@ def stage_request(a: Analysis, opts: PlanOptions, saved: SavedPlan | None) -> St
                        f"got gpus={n_stages} (pass split_points=... or fewer gpus)")
     if opts.gpus is not None and opts.devices is not None and len(opts.devices) != opts.gpus and fixed is None:
         raise ValueError(f"devices lists {len(opts.devices)} device(s) but gpus={opts.gpus}")
-    return StageRequest(manual=manual, stages=n_stages, speeds=None if opts.replicas_chosen else _speeds(opts, n_stages))
+    speeds = None if opts.replicas_chosen else _speeds(opts, n_stages)
+    return StageRequest(manual=manual, stages=n_stages, speeds=speeds)
 
 
 def _stage_count(opts: PlanOptions, manual: list[int] | None, fixed: tuple[int, ...] | None) -> int:

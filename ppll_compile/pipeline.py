@@ -71,7 +71,8 @@ class CompiledPipeline:
         return self.lowered(*args, **kwargs)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({type(self.model).__name__}, {len(self.plan.stages)} stages)\n{self.plan.table()}"
+        name = f"{type(self).__name__}({type(self.model).__name__}, {len(self.plan.stages)} stages)"
+        return f"{name}\n{self.plan.table()}"
 
 
 class DistillPipeline(CompiledPipeline):

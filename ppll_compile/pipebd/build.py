@@ -72,19 +72,20 @@ def _most_replicas(opts: PlanOptions, gpus: int | None) -> int:
     return min(gpus or 1, int(r)) if opts.replicas_chosen and r is not True else gpus or 1
 
 
-def _block_costs(b: Blocks, summaries: list[tuple[Summary, Summary]], built: tuple[list[Stage], list[Stage], list],
-                 opts: PlanOptions, gpus: int | None, notes: list[str]) -> Costs:
+def _block_costs(b: Blocks, summaries: list[tuple[Summary, Summary]], teacher: list[Stage], student: list[Stage],
+                 losses: list[Callable], opts: PlanOptions, gpus: int | None, notes: list[str]) -> Costs:
     """Per block: teacher forward plus student forward and backward (counted, or timed at every replica share)."""
     split: list[list[float]] = []
     if opts.profile == "time":
         device = first_device(opts.devices)
         most = _most_replicas(opts, gpus)
-        compute, *split = time_blocks(*built, b.teacher.real_inputs, device, most)
+        compute, *split = time_blocks(teacher, student, losses, b.teacher.real_inputs, device, most)
         notes.append(f"costs measured as median teacher forward + student forward/backward time on {device}"
                      + (f", also at 1/2 .. 1/{most} of the batch (replicas)" if most > 1 else ""))
     else:
         compute = [(ts.flops_fwd + ss.flops_fwd + ss.flops_bwd) / opts.flops_per_second for ts, ss in summaries]
-    return Costs(compute=compute, comm=[b.teacher.boundary(c)[0].bytes / opts.link_bandwidth for c in b.cuts(0)] + [0.0],
+    comm = [b.teacher.boundary(c)[0].bytes / opts.link_bandwidth for c in b.cuts(0)] + [0.0]
+    return Costs(compute=compute, comm=comm,
                  memory=[ts.param_bytes + ss.memory for ts, ss in summaries],
                  grad_bytes=[ss.grad_bytes for _, ss in summaries], split=split or None)
 
@@ -145,7 +146,7 @@ def plan_pipebd(student: nn.Module, teacher: nn.Module, example_inputs: Sequence
     summaries = [(t.summary(tn, opts.optimizer), s.summary(sn, opts.optimizer))
                  for tn, sn in map(b.nodes, range(len(b.ends) + 1))]
     gpus = opts.gpus or (len(opts.devices) if opts.devices else None)
-    costs = _block_costs(b, summaries, (tb, sb, losses), opts, gpus, notes)
+    costs = _block_costs(b, summaries, tb, sb, losses, opts, gpus, notes)
     manual = stage_ends(b, opts.split_points) if opts.split_points is not None else None
     layout = block_layout(costs, manual, opts, gpus)
     devices = stage_devices(sum(layout.replicas), opts.devices[:sum(layout.replicas)] if opts.devices else None,
@@ -181,5 +182,6 @@ def compile_pipebd(student: nn.Module, teacher: nn.Module, example_inputs: Seque
         s.to(d)
     s = p.blocks.student
     lowered = Lowered(modules=tuple(p.student), heads=(None,) * len(p.student), devices=devices,
-                      teacher=tuple(p.teacher), losses=tuple(p.losses), inputs=model_inputs(student, s.gm, s.fixed_args))
+                      teacher=tuple(p.teacher), losses=tuple(p.losses),
+                      inputs=model_inputs(student, s.gm, s.fixed_args))
     return DistillPipeline(model=student, teacher=teacher, plan=p.plan, graph_module=s.gm, lowered=lowered)

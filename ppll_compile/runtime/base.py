@@ -1,4 +1,4 @@
-"""``Runtime``: what a trainer drives (step, finish, evaluate, an epoch loop), and the loss and tally types it returns."""
+"""``Runtime``: what a trainer drives (step, finish, evaluate, an epoch loop), and the losses and tallies it returns."""
 
 from __future__ import annotations
 

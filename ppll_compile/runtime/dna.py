@@ -1,4 +1,4 @@
-"""The DNA baseline of blockwise distillation: every block re-runs the teacher from the input, data-parallel over processes."""
+"""The DNA baseline of blockwise distillation: each block re-runs the teacher from the input, data-parallel."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A user's batch as the message stage 0 receives: the model's inputs bound and checked against the plan, and the labels."""
+"""A user's batch as the message stage 0 receives: the inputs bound and checked against the plan, and the labels."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ TRAIN, EVAL = "train", "eval"
 
 @dataclass(kw_only=True)
 class Message:
-    """What travels between stages for one batch: the boundary values, the labels and, when a head needs it, the input."""
+    """What travels between stages for one batch: the boundary values, the labels and (for InfoPro heads) the input."""
 
     index: int
     """Sequence number of the batch, from 0."""

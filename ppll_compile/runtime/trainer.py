@@ -101,7 +101,8 @@ class Trainer:
     spans (receive, forward, backward, step, send); :meth:`timeline` returns them.
     """
 
-    def __init__(self, plan: Plan, lowered: Lowered, *, optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    def __init__(self, plan: Plan, lowered: Lowered, *,
+                 optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
                  runtime: str = "sequential", loss: Callable[[Any, Tensor], Tensor] | None = None,
                  scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
                  clip_grad_norm: float | None = None, autocast: Any = None, queue_depth: int = 2,

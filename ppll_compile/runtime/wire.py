@@ -1,4 +1,4 @@
-"""The wire format of the ``distributed`` runtime: one batch as an int64 header and its tensors, cut by rows for replicas.
+"""The ``distributed`` runtime's wire format: a batch as an int64 header and its tensors, cut by rows for replicas.
 
 Every batch travels as a fixed-length int64 header followed by its tensors::
 
@@ -130,7 +130,7 @@ class Wire:
         return [header.to(self.comm), blob.to(self.comm)]
 
     def pack(self, msg: Message, kind: str, specs: tuple[TensorSpec, ...]) -> list[Tensor]:
-        """The header and tensors of ``msg`` (a ``kind`` batch), checked against the plan's ``specs`` of what it carries."""
+        """The header and tensors of ``msg`` (a ``kind`` batch), checked against the plan's ``specs`` of its values."""
         if len(msg.values) != len(specs):
             raise PPLLError(f"stage {self.stage} produced {len(msg.values)} boundary value(s); the plan has "
                             f"{len(specs)}")
@@ -182,7 +182,7 @@ class Wire:
         return v
 
     def receive(self, upstream: list[int]) -> Message | Stop | object:
-        """One batch from the ``upstream`` ranks, a part from each, joined by rows; or :data:`END`, or a :class:`Stop`."""
+        """One batch from the ``upstream`` ranks (a part from each, joined by rows), :data:`END` or a :class:`Stop`."""
         parts = []
         for src in upstream:
             self.receiving_from = src
