@@ -10,17 +10,13 @@ from torch import Tensor
 
 from ..lowered import Lowered
 from ..plan import Plan, TensorSpec
-from .messages import Message, dtype_of
+from .messages import Message, dtype_of, shape_text
 
 __all__ = ["batch_message", "check_inputs", "loader_pair"]
 
 
-def _shape_text(shape: Sequence[Any]) -> str:
-    return "(" + ", ".join(str(s) for s in shape) + ")"
-
-
 def _expected(spec: TensorSpec) -> str:
-    return _shape_text(("N", *spec.shape[1:]))
+    return shape_text(("N", *spec.shape[1:]))
 
 
 def check_inputs(specs: Sequence[TensorSpec], values: Sequence[Any]) -> int:
@@ -34,7 +30,7 @@ def check_inputs(specs: Sequence[TensorSpec], values: Sequence[Any]) -> int:
             raise TypeError(f"input {spec.name!r} must be a tensor of shape {_expected(spec)} and "
                             f"dtype {spec.dtype}; got {type(v).__name__}")
         if v.dtype != dtype or v.dim() != len(spec.shape) or tuple(v.shape[1:]) != spec.shape[1:]:
-            raise ValueError(f"input {spec.name!r} has shape {_shape_text(v.shape)} and dtype "
+            raise ValueError(f"input {spec.name!r} has shape {shape_text(v.shape)} and dtype "
                              f"{str(v.dtype).removeprefix('torch.')}; the plan expects "
                              f"{_expected(spec)} {spec.dtype} (N = any batch size). Compile with "
                              f"example inputs of the shape you train on")

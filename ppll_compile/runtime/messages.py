@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["Message", "TRAIN", "EVAL", "dtype_of", "add_counts"]
+__all__ = ["Message", "TRAIN", "EVAL", "dtype_of", "add_counts", "shape_text"]
 
 TRAIN, EVAL = "train", "eval"
 
@@ -51,3 +52,8 @@ def add_counts(total: Any, more: Any) -> Any:
     if total is None or more is None:
         return None
     return more if total == () else tuple(a + b for a, b in zip(total, more))
+
+
+def shape_text(shape: Iterable[Any]) -> str:
+    """A shape as error messages write it, e.g. ``(N, 3, 32, 32)``."""
+    return "(" + ", ".join(str(s) for s in shape) + ")"

@@ -15,7 +15,7 @@ header is followed by a uint8 tensor holding a failing stage's report (JSON, its
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,7 +24,7 @@ from torch import Tensor
 
 from ..errors import PPLLError
 from ..plan import Plan, TensorSpec
-from .messages import EVAL, TRAIN, Message, dtype_of
+from .messages import EVAL, TRAIN, Message, dtype_of, shape_text
 
 __all__ = ["END", "Stop", "Wire", "split", "join", "check_splittable"]
 
@@ -54,10 +54,6 @@ def _expected(spec: TensorSpec, planned: int, batch: int) -> tuple[int, ...]:
     if spec.shape and spec.shape[0] == planned:
         return (batch, *spec.shape[1:])
     return tuple(spec.shape)
-
-
-def _text(shape: Iterable[int]) -> str:
-    return "(" + ", ".join(str(s) for s in shape) + ")"
 
 
 def _rows(v: Any, spec: TensorSpec | None, planned: int) -> bool:
@@ -164,7 +160,7 @@ class Wire:
             raise PPLLError(f"the distributed runtime sends the labels between processes as one tensor; got "
                             f"{type(target).__name__}. Pass the target as a tensor (or use runtime=\"threads\")")
         if target.dim() > _MAX_DIMS or target.dtype not in _DTYPES:
-            raise PPLLError(f"the target has shape {_text(target.shape)} and dtype {target.dtype}; the "
+            raise PPLLError(f"the target has shape {shape_text(target.shape)} and dtype {target.dtype}; the "
                             f"distributed runtime sends targets of at most {_MAX_DIMS} dimensions and dtypes "
                             f"{', '.join(str(d).removeprefix('torch.') for d in _DTYPES)}; convert it first")
         return target
@@ -173,9 +169,9 @@ class Wire:
         want = _expected(spec, self.planned, batch)
         dtype = dtype_of(spec.dtype)
         if not isinstance(v, Tensor) or tuple(v.shape) != want or v.dtype != dtype:
-            found = f"shape {_text(v.shape)} {str(v.dtype).removeprefix('torch.')}" if isinstance(v, Tensor) \
+            found = f"shape {shape_text(v.shape)} {str(v.dtype).removeprefix('torch.')}" if isinstance(v, Tensor) \
                 else type(v).__name__
-            raise PPLLError(f"stage {self.stage} sends {what} with {found}; the plan fixes {_text(want)} "
+            raise PPLLError(f"stage {self.stage} sends {what} with {found}; the plan fixes {shape_text(want)} "
                             f"{spec.dtype} for a batch of {batch}. The distributed runtime sizes its receive "
                             f"buffers from the plan, where only a dimension 0 equal to the planned batch size "
                             f"({self.planned}) may vary: compile with example inputs shaped like your batches")
