@@ -16,7 +16,11 @@ from .phases import phase
 from .plan import HeadSpec, TensorSpec
 from .policy import Policy, check_head_config, tensor_kind
 
-__all__ = ["AuxHead", "InfoProHead", "head_loss", "build_head", "make_head", "head_for", "head_spec", "model_head"]
+__all__ = ["AuxHead", "InfoProHead", "head_loss", "model_loss", "logits_of", "build_head", "make_head", "head_for",
+           "head_spec", "model_head", "IGNORE_INDEX"]
+
+IGNORE_INDEX = -100
+"""Label of a position no loss is taken on (padding, a prompt, the last token of a causal LM), as in torch."""
 
 
 class AuxHead(nn.Module):
@@ -35,7 +39,7 @@ class AuxHead(nn.Module):
 
     def loss(self, h: Tensor, target: Tensor, input: Tensor | None = None) -> Tensor:
         """The weighted local loss of boundary tensor ``h`` for class labels ``target``."""
-        return self.classification_weight * F.cross_entropy(self(h), target)
+        return self.classification_weight * _cross_entropy(self(h), target)
 
 
 class InfoProHead(AuxHead):
@@ -55,11 +59,38 @@ class InfoProHead(AuxHead):
         return self.reconstruction_weight * F.mse_loss(self.decoder(h), input) + super().loss(h, target)
 
 
+def logits_of(output: Any) -> Any:
+    """The class scores in a model's output: the tensor itself, an output object's or dict's ``logits``, or the
+    first tensor of a tuple or list (e.g. a Hugging Face ``ModelOutput`` or ``return_dict=False`` tuple)."""
+    if isinstance(output, Tensor):
+        return output
+    logits = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)
+    if isinstance(logits, Tensor):
+        return logits
+    if isinstance(output, (tuple, list)):
+        return next((v for v in output if isinstance(v, Tensor)), output)
+    return output
+
+
+def _cross_entropy(logits: Tensor, target: Tensor) -> Tensor:
+    """Cross-entropy of N x C scores for N labels, or of N x L x C scores for N x L labels (per token);
+    positions labelled :data:`IGNORE_INDEX` count for nothing."""
+    if logits.dim() == 3 and target.dim() == 2:
+        return F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=IGNORE_INDEX)
+    return F.cross_entropy(logits, target, ignore_index=IGNORE_INDEX)
+
+
+def model_loss(output: Any, target: Tensor) -> Tensor:
+    """The default loss of the last stage: cross-entropy of the model's class scores (:func:`logits_of`),
+    per example or per token."""
+    return _cross_entropy(logits_of(output), target)
+
+
 def head_loss(head: nn.Module, h: Tensor, target: Tensor, input: Tensor | None = None) -> Tensor:
-    """The local loss of any head: :meth:`AuxHead.loss`, or cross-entropy of the logits of a user's module."""
+    """The local loss of any head: :meth:`AuxHead.loss`, or cross-entropy of the scores of a user's module."""
     if isinstance(head, AuxHead):
         return head.loss(h, target, input)
-    return F.cross_entropy(head(h), target)
+    return _cross_entropy(head(h), target)
 
 
 class _Pool(nn.Module):

@@ -99,14 +99,18 @@ class TensorSpec:
     """torch dtype name without the ``torch.`` prefix, e.g. ``float32``; ``int`` for a Python scalar."""
     bytes: int
     """Size in bytes (0 for a Python scalar)."""
+    layout: str = ""
+    """How the dimensions are laid out where the rank does not say it: ``channels_last`` for an
+    ``N x H x W x C`` map (found from the graph); ``""`` for the rank's usual meaning."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "bytes": self.bytes}
+        d = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "bytes": self.bytes}
+        return {**d, "layout": self.layout} if self.layout else d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TensorSpec:
         return cls(name=str(d["name"]), shape=tuple(int(s) for s in d["shape"]),
-                   dtype=str(d["dtype"]), bytes=int(d["bytes"]))
+                   dtype=str(d["dtype"]), bytes=int(d["bytes"]), layout=str(d.get("layout", "")))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,7 +21,7 @@ class TrainConfig:
     scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
     """``fn(optimizer) -> LRScheduler`` per stage, stepped after every optimizer step of that stage."""
     loss: Callable[[Any, Tensor], Tensor] | None = None
-    """Loss of the last stage, ``fn(model_output, target)``; default cross-entropy."""
+    """Loss of the last stage, ``fn(model_output, target)``; default :func:`~ppll_compile.heads.model_loss`."""
     clip_grad_norm: float | None = None
     """Clip each stage's gradient norm (block and head together) to this value."""
     autocast: tuple[torch.dtype | None, ...] = ()

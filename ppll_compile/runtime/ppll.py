@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..heads import head_loss
+from ..heads import head_loss, model_loss
 from ..lowered import Stage
 from ..plan import StagePlan
 from .config import TrainConfig
@@ -54,7 +54,7 @@ class StageRunner(Runner):
         self.carry_raw = carry_raw
         params = list(self.stage.parameters()) + (list(self.head.parameters()) if self.head else [])
         self._setup(device=device, config=config, groups=[params], group=group,
-                    trainable=_Trainable(self.stage, self.head, config.loss or nn.functional.cross_entropy))
+                    trainable=_Trainable(self.stage, self.head, config.loss or model_loss))
 
     def modules(self) -> list[nn.Module]:
         """The block and, except on the last stage, its auxiliary head."""
