@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,13 +13,14 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
+from .capture import capture
 from .cost import META_KEY, OPTIMIZER_STATES, measure_graph
 from .cuts import Cut, legal_cuts
 from .errors import CutError
 from .options import PlanOptions
 from .phases import phase
 from .plan import TensorSpec
-from .trace import module_path, trace
+from .trace import module_path
 
 __all__ = ["Analysis", "Summary", "analyse", "INFERRED_BATCH"]
 
@@ -72,13 +72,17 @@ class Analysis:
     real_inputs: tuple[Any, ...]
     """The example values of those inputs."""
     fixed_args: dict[str, Any]
-    """Arguments of ``forward`` traced at their default value."""
+    """Arguments of ``forward`` captured as constants (their default, or a given Python value)."""
     num_classes: int
     """Classes the auxiliary heads predict."""
     param_bytes: dict[str, int] = field(default_factory=dict)
     """Bytes of every parameter by qualified name."""
     trainable: set[str] = field(default_factory=set)
     """Names of the parameters that require gradients."""
+    tracer: str = "fx"
+    """The front end that captured the graph: ``fx`` or ``export``."""
+    notes: list[str] = field(default_factory=list)
+    """What the plan should tell the user about the capture and the cuts."""
 
     def segment_nodes(self, first: int, last: int) -> list[fx.Node]:
         """Nodes of atomic segments ``first..last`` (inclusive), excluding the output node."""
@@ -118,8 +122,11 @@ class Analysis:
         return tuple(dataclasses.replace(self.by_name[name].meta[META_KEY].value, name=name) for name in cut.boundary)
 
     def output_spec(self) -> TensorSpec | None:
-        """The model's output when it is one tensor, else ``None``."""
+        """The model's output when it is one tensor (or, captured by ``torch.export``, its first tensor: the
+        logits of a Hugging Face output), else ``None``."""
         arg = self.nodes[-1].args[0]
+        if self.tracer == "export" and isinstance(arg, (tuple, list)) and arg:
+            arg = arg[0]
         if isinstance(arg, fx.Node):
             value = arg.meta[META_KEY].value
             return value if isinstance(value, TensorSpec) else None
@@ -221,11 +228,9 @@ def analyse(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwar
     """
     args, kwargs = _example(model, example_inputs, example_kwargs, opts.batch_size, planned_inputs)
     with phase("trace"):
-        gm = trace(model, example_inputs=args, example_kwargs=kwargs, leaf_modules=opts.leaf_modules,
-                   split_points=opts.split_points)
-    params = inspect.signature(model.forward).parameters
-    by_name = dict(zip(params, args)) | kwargs
-    real_inputs = tuple(by_name[n.target] for n in gm.graph.nodes if n.op == "placeholder")
+        captured = capture(model, args, kwargs, tracer=opts.tracer, leaf_modules=opts.leaf_modules,
+                           split_points=opts.split_points, bake_train_mode=opts.bake_train_mode)
+    gm, real_inputs = captured.gm, captured.inputs
     with phase("cost"):
         measure_graph(gm, real_inputs)
     with phase("cuts"):
@@ -235,8 +240,8 @@ def analyse(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwar
         gm=gm, nodes=nodes, cuts=cuts,
         inputs=tuple(dataclasses.replace(n.meta[META_KEY].value, name=n.name) for n in nodes
                      if n.op == "placeholder"),
-        real_inputs=real_inputs, fixed_args={p.name: p.default for p in params.values() if p.name not in by_name},
-        num_classes=0,
+        real_inputs=real_inputs, fixed_args=captured.fixed, num_classes=0, tracer=captured.tracer,
+        notes=list(captured.notes),
         param_bytes={k: p.numel() * p.element_size() for k, p in gm.named_parameters(remove_duplicate=False)},
         trainable={k for k, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad},
     )

@@ -70,8 +70,8 @@ def compile(model: nn.Module, gpus: int | None = None, *, teacher: nn.Module | N
 def _plan_ppll(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwargs: dict[str, Any] | None,
                opts: PlanOptions, saved: SavedPlan | None) -> tuple[Plan, Analysis, Policy]:
     """The ``ppll`` steps: analyse, choose heads, cost the segments, lay out the stages, assemble the plan."""
-    notes: list[str] = []
     a = analyse(model, example_inputs, example_kwargs, opts, saved.inputs if saved is not None else None)
+    notes = list(a.notes)
     policy = load_policy(opts.policy)
     request = stage_request(a, opts, saved)
     heads = _heads(a, request, saved, policy, opts.optimizer)

@@ -15,10 +15,12 @@ from torch.fx.passes.split_module import split_module
 from .analysis import Analysis
 from .cuts import Cut
 from .errors import PlanError
+from .export import OUTPUT_SPEC
 from .heads import head_for
 from .lowered import SOURCE_NAME, Inputs, Lowered, Stage
 from .plan import Plan
 from .policy import Policy
+from .trace import quiet
 
 __all__ = ["split_stages", "model_inputs", "lower_ppll"]
 
@@ -38,17 +40,19 @@ def split_stages(gm: fx.GraphModule, cuts: Sequence[Cut]) -> list[Stage]:
             node = min(node.users, key=lambda u: order[u.name])
         return bisect.bisect_left(positions, order[node.name])  # cuts strictly before the node
 
-    top = split_module(gm, gm, partition, keep_original_order=True)
+    with quiet():  # fx's notes on attributes it resolves later are not the user's concern
+        top = split_module(gm, gm, partition, keep_original_order=True)
+        calls = {n.target: n for n in top.graph.nodes if n.op == "call_module"}
+        subs = [_own_parameters(getattr(top, f"submod_{i}"), calls[f"submod_{i}"], gm) for i in range(len(cuts) + 1)]
     output = nodes[-1]
     placeholders = tuple(n.name for n in nodes if n.op == "placeholder")
-    calls = {n.target: n for n in top.graph.nodes if n.op == "call_module"}
     stages = []
-    for i in range(len(cuts) + 1):
-        sub = _own_parameters(getattr(top, f"submod_{i}"), calls[f"submod_{i}"], gm)
+    for i, sub in enumerate(subs):
         ins = placeholders if i == 0 else cuts[i - 1].boundary
         last = i == len(cuts)
         stages.append(Stage(sub, index=i, inputs=ins, outputs=() if last else cuts[i].boundary,
-                            result=output.args[0] if last else None))
+                            result=output.args[0] if last else None,
+                            result_spec=gm.meta.get(OUTPUT_SPEC) if last else None))
     return stages
 
 

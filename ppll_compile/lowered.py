@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import Tensor, nn
+from torch.utils import _pytree as pytree
 
 from .plan import StagePlan
 
@@ -47,8 +48,9 @@ class Stage(nn.Module):
     """
 
     def __init__(self, module: fx.GraphModule, *, index: int, inputs: Sequence[str], outputs: Sequence[str],
-                 result: Any = None):
+                 result: Any = None, result_spec: pytree.TreeSpec | None = None):
         super().__init__()
+        self._result_spec = result_spec  # rebuilds the model's output object from flat values (torch.export)
         self.module = module
         self.index = index
         self.inputs = tuple(inputs)
@@ -74,7 +76,8 @@ class Stage(nn.Module):
         out = self.module(*(env[n] for n in self._sub_inputs))
         env.update(zip(self._sub_outputs, (out,) if self._single else out))
         if self._result is not None:
-            return fx.node.map_aggregate(self._result, lambda v: env[v.name] if isinstance(v, _Ref) else v)
+            result = fx.node.map_aggregate(self._result, lambda v: env[v.name] if isinstance(v, _Ref) else v)
+            return result if self._result_spec is None else pytree.tree_unflatten(list(result), self._result_spec)
         return tuple(env[n] for n in self.outputs)
 
 

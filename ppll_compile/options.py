@@ -17,13 +17,16 @@ from .errors import PartitionError, PlanError
 from .plan import MODES, PLAN_VERSION, Plan, TensorSpec
 
 __all__ = ["PlanOptions", "SavedPlan", "read_saved_plan", "resolve_options", "resolve_mode", "check_no_blocks",
-           "PROFILES", "DEFAULT_FLOPS_PER_SECOND", "DEFAULT_LINK_BANDWIDTH"]
+           "PROFILES", "TIED", "TRACERS", "DEFAULT_FLOPS_PER_SECOND", "DEFAULT_LINK_BANDWIDTH"]
 
 DEFAULT_FLOPS_PER_SECOND = 1e13
 """Sustained training throughput assumed per device when costs are counted in FLOPs (10 TFLOP/s)."""
 DEFAULT_LINK_BANDWIDTH = 25e9
 """Bytes per second assumed between neighbouring stages (about PCIe 4.0 x16)."""
 PROFILES = ("flops", "time")
+TIED = ("error", "untie")
+TRACERS = ("auto", "fx", "export")
+"""``fx``: symbolic tracing; ``export``: ``torch.export``; ``auto``: symbolic tracing, else ``torch.export``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,7 +56,15 @@ class PlanOptions:
     flops_per_second: float = DEFAULT_FLOPS_PER_SECOND
     """Device throughput that turns FLOPs into seconds (profile ``flops``)."""
     leaf_modules: tuple[Any, ...] = ()
-    """Extra module names or types to keep opaque while tracing."""
+    """Extra module names or types to keep opaque while tracing (``tracer='fx'``)."""
+    tracer: str = "auto"
+    """How the model is captured: ``fx`` (symbolic tracing), ``export`` (``torch.export``) or ``auto``
+    (symbolic tracing, else ``torch.export``)."""
+    tied: str = "error"
+    """A parameter that stages on both sides of a chosen cut use: ``error`` (refuse, naming it and the ways
+    out) or ``untie`` (each stage trains its own copy; the model keeps the owner's)."""
+    bake_train_mode: bool = False
+    """Accept a model whose own ``forward`` branches on ``self.training``: the train branch is kept in eval too."""
     split_points: tuple[str, ...] | None = None
     """Cut by hand after these modules (or nodes), instead of running the partitioner."""
     num_classes: int | None = None
@@ -67,6 +78,10 @@ class PlanOptions:
     def __post_init__(self) -> None:
         if self.gpus is not None and (not isinstance(self.gpus, int) or self.gpus < 1):
             raise ValueError(f"gpus must be a positive integer, got {self.gpus!r}")
+        if self.tracer not in TRACERS:
+            raise ValueError(f"tracer must be one of {', '.join(TRACERS)}, got {self.tracer!r}")
+        if self.tied not in TIED:
+            raise ValueError(f"tied must be one of {', '.join(TIED)}, got {self.tied!r}")
         if self.profile not in PROFILES:
             raise ValueError(f"profile must be one of {', '.join(PROFILES)}, got {self.profile!r}")
         if self.optimizer not in OPTIMIZER_STATES:

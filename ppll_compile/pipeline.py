@@ -45,10 +45,15 @@ class CompiledPipeline:
         return tuple(torch.device(d) for d in self.plan.devices)
 
     def train(self, mode: bool = True) -> CompiledPipeline:
+        """Set the mode of every stage and head, and of the model: switch modes here rather than on the model
+        alone, as operations captured inside the model's ``forward`` (functional dropout, attention dropout)
+        follow their stage's mode."""
+        self.model.train(mode)
         self.lowered.train(mode)
         return self
 
     def eval(self) -> CompiledPipeline:
+        """Eval mode for every stage and head, and for the model."""
         return self.train(False)
 
     def stage_parameters(self, index: int) -> list[nn.Parameter]:

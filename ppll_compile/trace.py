@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
-import functools
 import inspect
-import re
+import operator
 import traceback
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
@@ -18,43 +18,77 @@ import torch.fx as fx
 from torch import nn
 
 from .errors import TraceError
+from .modes import merge_modes
 
-__all__ = ["trace", "depends_on_training", "module_path", "train_mode"]
-
-_TRAINING = re.compile(r"\bself\.training\b")
+__all__ = ["trace", "module_path", "train_mode", "in_mode", "fixed_arguments", "quiet", "check_leaf_names"]
 _TORCH_DIR = str(Path(torch.__file__).parent)
 _THIS_FILE = __file__
 
 
-@functools.lru_cache(maxsize=None)
-def depends_on_training(cls: type) -> bool:
-    """True when a module class (outside ``torch.nn``) reads ``self.training`` anywhere in its source.
-
-    Such a module behaves differently in train and eval mode (stochastic depth, dropout through a functional
-    call, ...). A naive trace would freeze the train-mode branch into the graph, so the tracer keeps it opaque.
-    """
-    for klass in cls.__mro__:
-        if klass is nn.Module or klass.__module__.startswith("torch.nn"):
-            break
-        try:
-            source = inspect.getsource(klass)
-        except (OSError, TypeError):
-            continue
-        if _TRAINING.search(source):
-            return True
-    return False
-
-
 @contextmanager
-def train_mode(module: nn.Module) -> Iterator[nn.Module]:
-    """Put ``module`` in train mode for the block, then restore every submodule's own mode."""
+def in_mode(module: nn.Module, training: bool) -> Iterator[nn.Module]:
+    """Put ``module`` in train (or eval) mode for the block, then restore every submodule's own mode."""
     was_training = {m: m.training for m in module.modules()}
-    module.train()
+    module.train(training)
     try:
         yield module
     finally:
         for m, t in was_training.items():
             m.training = t
+
+
+def train_mode(module: nn.Module) -> contextlib.AbstractContextManager[nn.Module]:
+    """Put ``module`` in train mode for the block, then restore every submodule's own mode."""
+    return in_mode(module, True)
+
+
+@contextmanager
+def quiet() -> Iterator[list[warnings.WarningMessage]]:
+    """Hold back the warnings a capture emits (tracer and model chatter); the list is kept to explain a refusal."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield caught
+
+
+def fixed_arguments(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dict[str, Any],
+                    *, allow_var: bool) -> tuple[list[str], dict[str, Any]]:
+    """The ``forward`` arguments the graph takes (given tensors, in signature order) and those it fixes.
+
+    An argument not given is fixed to its default; one given as a non-tensor Python value (``flag=True``,
+    ``temperature=0.5``) is fixed to that value: both become constants of the graph. ``*args``/``**kwargs``
+    (allowed for ``torch.export`` only) are fixed empty.
+    """
+    name = type(model).__name__
+    params = list(inspect.signature(model.forward).parameters.values())
+    var = [p for p in params if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if var and not allow_var:
+        raise TraceError(f"{name}.forward takes *args or **kwargs, which torch.fx cannot trace; use "
+                         "tracer='export' (or 'auto'), or wrap the model in a module whose forward names its inputs")
+    named = [p for p in params if p not in var]
+    if len(example_inputs) > len(named):
+        raise TraceError(f"{name}.forward takes {len(named)} named argument(s) {[p.name for p in named]}, "
+                         f"but {len(example_inputs)} example inputs were given")
+    given = dict(zip((p.name for p in named), example_inputs)) | dict(example_kwargs)
+    unknown = sorted(set(example_kwargs) - {p.name for p in named})
+    if unknown:
+        raise TraceError(f"example_kwargs names {unknown}, which {name}.forward does not take "
+                         f"(its arguments: {[p.name for p in named]})")
+    inputs, fixed = [], {}
+    for p in params:
+        if p.kind == p.VAR_POSITIONAL:
+            fixed[p.name] = ()
+        elif p.kind == p.VAR_KEYWORD:
+            fixed[p.name] = {}
+        elif p.name in given and isinstance(given[p.name], torch.Tensor):
+            inputs.append(p.name)
+        elif p.name in given:
+            fixed[p.name] = given[p.name]
+        elif p.default is p.empty:
+            raise TraceError(f"{name}.forward needs argument {p.name!r}, but the example inputs "
+                             "do not give it; pass it in example_inputs=(...) or example_kwargs={...}")
+        else:
+            fixed[p.name] = p.default
+    return inputs, fixed
 
 
 class _Tracer(fx.Tracer):
@@ -76,7 +110,7 @@ class _Tracer(fx.Tracer):
             return True
         if self._keep is not None and qualname not in self._keep:
             return True
-        return super().is_leaf_module(m, qualname) or depends_on_training(type(m))
+        return super().is_leaf_module(m, qualname)
 
     def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
         try:
@@ -113,7 +147,8 @@ def _split_point_ancestors(model: nn.Module, split_points: Sequence[str]) -> set
     return keep
 
 
-def _check_leaf_names(model: nn.Module, names: Iterable[str]) -> None:
+def check_leaf_names(model: nn.Module, names: Iterable[str]) -> None:
+    """Every name in ``leaf_modules`` must be a submodule of ``model``; the error suggests close names."""
     known = [n for n, _ in model.named_modules() if n]
     for name in names:
         if name not in known:
@@ -131,66 +166,77 @@ def _user_frame(tb: Any) -> traceback.FrameSummary | None:
 
 
 def trace(model: nn.Module, *, example_inputs: Sequence[Any] = (), example_kwargs: dict[str, Any] | None = None,
-          leaf_modules: Iterable[str | type] = (), split_points: Sequence[str] | None = None) -> fx.GraphModule:
-    """Trace ``model`` into a GraphModule that shares its submodules and parameters.
+          leaf_modules: Iterable[str | type] = (), split_points: Sequence[str] | None = None,
+          bake_train_mode: bool = False) -> fx.GraphModule:
+    """Trace ``model`` into a GraphModule that shares its submodules and parameters, in both modes.
 
-    ``example_inputs``/``example_kwargs`` say which forward arguments are given; other arguments are fixed
-    to their defaults. Modules whose behaviour depends on ``self.training`` stay opaque, as do
-    ``leaf_modules`` (names or types). With ``split_points`` that are all module names, every module that
-    does not contain a split point is kept opaque, which also lets models with untraceable parts be planned.
+    ``example_inputs``/``example_kwargs`` say which forward arguments are given; the tensors among them
+    become the graph's inputs, every other argument a constant (:func:`fixed_arguments`). The model is
+    traced in train and in eval mode and the two graphs merged (:func:`~ppll_compile.modes.merge_modes`):
+    operations whose arguments the mode changes follow ``train()``/``eval()``; a module whose computation
+    the mode changes is traced again as an opaque leaf. ``leaf_modules`` (names or types) stay opaque too.
+    With ``split_points`` that are all module names, every module that does not contain a split point is
+    kept opaque, which also lets models with untraceable parts be planned. When the model's own ``forward``
+    branches on ``self.training``, that is an error unless ``bake_train_mode`` keeps the train branch.
     """
     leaf_names = {m for m in leaf_modules if isinstance(m, str)}
     leaf_types = tuple(m for m in leaf_modules if isinstance(m, type))
-    _check_leaf_names(model, leaf_names)
+    check_leaf_names(model, leaf_names)
     keep = _split_point_ancestors(model, split_points) if split_points else None
+    _, concrete = fixed_arguments(model, tuple(example_inputs), dict(example_kwargs or {}), allow_var=False)
+    while True:
+        train, eval = (_trace_in(model, mode, concrete, leaf_names, leaf_types, keep) for mode in (True, False))
+        merge = merge_modes(train, eval)
+        if not merge.structural:
+            return train
+        paths = {module_path(n) for n in merge.structural}
+        if "" in paths and not bake_train_mode:
+            raise TraceError(_root_branches(model, merge.structural))
+        new = {p for p in paths if p} - leaf_names
+        if not new:
+            return train  # bake_train_mode: the root's own train branch stays
+        leaf_names |= new
 
-    sig = inspect.signature(model.forward)
-    params = list(sig.parameters.values())
-    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
-        raise TraceError(f"{type(model).__name__}.forward takes *args or **kwargs, which torch.fx cannot trace; "
-                         "wrap the model in a module whose forward names its inputs")
-    given = set(p.name for p in params[:len(example_inputs)]) | set(example_kwargs or {})
-    unknown = sorted(set(example_kwargs or {}) - {p.name for p in params})
-    if unknown:
-        raise TraceError(f"example_kwargs names {unknown}, which {type(model).__name__}.forward does not take "
-                         f"(its arguments: {[p.name for p in params]})")
-    concrete: dict[str, Any] = {}
-    for p in params:
-        if p.name in given:
-            continue
-        if p.default is p.empty:
-            raise TraceError(f"{type(model).__name__}.forward needs argument {p.name!r}, but the example inputs "
-                             "do not give it; pass it in example_inputs=(...) or example_kwargs={...}")
-        concrete[p.name] = p.default
 
+def _trace_in(model: nn.Module, training: bool, concrete: dict[str, Any], leaf_names: set[str],
+              leaf_types: tuple[type, ...], keep: set[str] | None) -> fx.GraphModule:
+    """One symbolic trace of ``model`` in the given mode, with the fixed arguments' guards removed."""
     tracer = _Tracer(model, leaf_names, leaf_types, keep)
-    with train_mode(model):
+    with in_mode(model, training), quiet():
         try:
             graph = tracer.trace(model, concrete_args=concrete or None)
         except Exception as e:
             raise TraceError(_explain(model, tracer.failed_module, e)) from e
-    if keep is None and depends_on_training(type(model)):
-        warnings.warn(f"{type(model).__name__}.forward reads self.training; it was traced in train mode, so the "
-                      "compiled stages always take the train-mode branch of that code", stacklevel=3)
     gm = fx.GraphModule(model, graph, class_name=type(model).__name__)
-    _drop_fixed_placeholders(gm, params, concrete)
+    _drop_fixed_placeholders(gm, set(concrete))
     return gm
 
 
-def _drop_fixed_placeholders(gm: fx.GraphModule, params: list[inspect.Parameter], concrete: dict[str, Any]) -> None:
-    """Remove the placeholders (and None-checks) fx keeps for arguments fixed to their defaults."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+def _root_branches(model: nn.Module, nodes: Sequence[fx.Node]) -> str:
+    where = ", ".join(repr(n.name) for n in nodes[:4]) + (" ..." if len(nodes) > 4 else "")
+    return (f"{type(model).__name__}.forward computes differently in train and in eval mode (it branches on "
+            f"self.training around {where}), so one captured graph cannot behave like the model in both. Ways "
+            f"out: move that branch into a submodule (it then stays opaque and switches with the mode), or pass "
+            f"bake_train_mode=True to keep the train-mode branch in train and eval alike")
+
+
+_GUARDS = {fx._symbolic_trace._assert_is_none, torch._assert, operator.eq}
+
+
+def _drop_fixed_placeholders(gm: fx.GraphModule, fixed: set[str]) -> None:
+    """Remove the placeholders fx keeps for arguments fixed to constants, with the guards that check them."""
     changed = False
-    for node, param in zip(placeholders, params):
-        if param.name not in concrete:
+    for node in [n for n in gm.graph.nodes if n.op == "placeholder"]:
+        if node.target.removesuffix("_1") not in fixed and node.target not in fixed:
             continue
-        for user in list(node.users):
-            if user.target is fx._symbolic_trace._assert_is_none:
-                gm.graph.erase_node(user)
-                changed = True
-        if not node.users:
-            gm.graph.erase_node(node)
-            changed = True
+        guards = list(node.users)
+        guards += [u for g in guards for u in g.users]
+        if any(g.target not in _GUARDS for g in guards):
+            continue
+        for g in reversed(guards):
+            gm.graph.erase_node(g)
+        gm.graph.erase_node(node)
+        changed = True
     if changed:
         gm.recompile()
 

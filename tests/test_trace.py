@@ -6,19 +6,20 @@ import pytest
 import torch
 
 from ppll_compile.errors import TraceError
-from ppll_compile.trace import depends_on_training, trace
+from ppll_compile.modes import TrainEval
+from ppll_compile.trace import trace
 
 from models import DataDependent, DictOut, Noisy, Residual, WithNoisy
 
 
-def test_training_dependent_module_stays_a_leaf():
+def test_functional_dropout_follows_the_mode():
     model = WithNoisy()
     gm = trace(model, example_inputs=(torch.randn(2, 4),))
-    targets = [n.target for n in gm.graph.nodes if n.op == "call_module"]
-    assert targets == ["l1", "noise", "l2"]
-    assert depends_on_training(Noisy) and not depends_on_training(Residual)
+    calls = [n for n in gm.graph.nodes if n.op == "call_module"]
+    assert [n.target for n in calls][::2] == ["l1", "l2"]
+    assert isinstance(gm.get_submodule(calls[1].target), TrainEval) and calls[1].name == "dropout"
     x = torch.randn(3, 4)
-    gm.eval()
+    gm.eval(), model.eval()
     torch.testing.assert_close(gm(x), model(x))  # eval: dropout off in both
     gm.train()
     torch.manual_seed(0)

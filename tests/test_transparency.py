@@ -30,7 +30,7 @@ def test_zoo_transparency(name, kwargs, size, stages):
         warnings.simplefilter("ignore")
         compiled = ppll_compile.compile(model, gpus=stages, example_inputs=(x,))
     assert len(compiled.stages) == stages == compiled.plan.num_stages
-    model.eval()
+    compiled.eval()  # the model and every stage
     with torch.no_grad():
         expected = model(x)
         got = compiled(x)

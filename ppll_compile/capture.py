@@ -1,0 +1,78 @@
+"""Capture a model as an fx graph: symbolic tracing, or ``torch.export`` where tracing cannot (``tracer=``)."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.fx as fx
+from torch import Tensor, nn
+
+from .errors import TraceError
+from .export import export
+from .options import TRACERS
+from .trace import check_leaf_names, fixed_arguments, trace
+
+__all__ = ["Capture", "capture"]
+
+
+@dataclass
+class Capture:
+    """A model captured as an fx graph over its own parameters, with how its ``forward`` arguments map onto it."""
+
+    gm: fx.GraphModule
+    """The graph; in train mode it computes what the model computes in train mode, in eval mode the same
+    for eval (see :mod:`ppll_compile.modes`)."""
+    inputs: tuple[Any, ...]
+    """The example value of every graph input, in order."""
+    fixed: dict[str, Any]
+    """The ``forward`` arguments captured as constants: name -> value."""
+    tracer: str
+    """The front end that captured the graph: ``fx`` or ``export``."""
+    notes: list[str] = field(default_factory=list)
+    """What the user should know about the capture (e.g. why ``torch.export`` was used)."""
+
+
+def capture(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dict[str, Any], *, tracer: str = "auto",
+            leaf_modules: Iterable[str | type] = (), split_points: Sequence[str] | None = None,
+            bake_train_mode: bool = False) -> Capture:
+    """Capture ``model`` on its example call with the chosen front end (:data:`TRACERS`).
+
+    ``leaf_modules`` and ``split_points`` steer symbolic tracing; ``torch.export`` has no opaque modules, so
+    ``leaf_modules`` with ``tracer='export'`` is an error. A forward argument ``use_cache`` that is not given is
+    captured as ``False`` under ``torch.export`` (a pipeline stage cannot hand a key/value cache back).
+    """
+    if tracer not in TRACERS:
+        raise ValueError(f"tracer must be one of {', '.join(TRACERS)}, got {tracer!r}")
+    leaf_modules = tuple(leaf_modules)
+    check_leaf_names(model, [m for m in leaf_modules if isinstance(m, str)])
+    names, fixed = fixed_arguments(model, example_inputs, example_kwargs, allow_var=tracer != "fx")
+    given = dict(zip(inspect.signature(model.forward).parameters, example_inputs)) | dict(example_kwargs)
+    values = {n: given[n] for n in names}
+    fx_error: TraceError | None = None
+    if tracer != "export":
+        try:
+            gm = trace(model, example_inputs=example_inputs, example_kwargs=example_kwargs,
+                       leaf_modules=leaf_modules, split_points=split_points, bake_train_mode=bake_train_mode)
+            return Capture(gm=gm, inputs=tuple(values.values()), fixed=fixed, tracer="fx")
+        except TraceError as e:
+            if tracer == "fx":
+                raise
+            fx_error = e
+    if tracer == "export" and leaf_modules:
+        raise TraceError("leaf_modules keeps modules opaque to torch.fx symbolic tracing; torch.export captures "
+                         "every module. Drop leaf_modules, or use tracer='fx'")
+    if "use_cache" in inspect.signature(model.forward).parameters and "use_cache" not in given:
+        fixed["use_cache"] = False
+    try:
+        gm, notes = export(model, {k: v for k, v in values.items() if isinstance(v, Tensor)}, fixed,
+                           bake_train_mode=bake_train_mode)
+    except TraceError as e:
+        if fx_error is None:
+            raise
+        raise TraceError(f"{fx_error}\nThe other front end, torch.export, cannot capture it either: {e}") from e
+    reason = f" (symbolic tracing failed: {str(fx_error).splitlines()[0]})" if fx_error is not None else ""
+    return Capture(gm=gm, inputs=tuple(values.values()), fixed=fixed, tracer="export",
+                   notes=[f"captured with torch.export{reason}", *notes])

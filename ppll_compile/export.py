@@ -1,0 +1,100 @@
+"""The second front end: capture a model with ``torch.export`` where symbolic tracing cannot (Hugging Face models,
+``**kwargs`` forwards, Python that reads shapes), as an fx graph over the model's own parameters."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from .errors import TraceError
+from .modes import merge_modes
+from .trace import in_mode, module_path, quiet
+
+__all__ = ["export", "OUTPUT_SPEC"]
+
+OUTPUT_SPEC = "ppll_output_spec"
+"""``GraphModule.meta`` key of the pytree spec that rebuilds the model's output (a ``ModelOutput``, a tuple, a
+dict) from the exported graph's flat outputs."""
+
+
+def _export_once(model: nn.Module, kwargs: dict[str, Any], dynamic: Any,
+                 training: bool) -> torch.export.ExportedProgram:
+    with in_mode(model, training), quiet():
+        return torch.export.export(model, (), kwargs, dynamic_shapes=dynamic, strict=False)
+
+
+def _attr(model: nn.Module, unlifted: nn.Module, target: str) -> Any:
+    """An attribute the exported graph reads: the model's own object (a parameter, a buffer), else the export's
+    (a lifted constant)."""
+    for root in (model, unlifted):
+        obj: Any = root
+        try:
+            for part in target.split("."):
+                obj = getattr(obj, part)
+            return obj
+        except AttributeError:
+            continue
+    raise TraceError(f"the exported graph reads {target!r}, which neither the model nor the export holds")
+
+
+def _graph_module(model: nn.Module, ep: torch.export.ExportedProgram, names: Sequence[str]) -> fx.GraphModule:
+    """The exported program as a plain GraphModule over the model's own parameters and buffers: flat inputs
+    named like ``forward``'s arguments, flat outputs, no input guards (batches of other sizes are welcome)."""
+    unlifted = ep.module()
+    graph = unlifted.graph
+    for n in [n for n in graph.nodes if n.op == "call_module" and not n.users]:
+        graph.erase_node(n)  # the shape guards torch.export adds on the inputs
+    for n in [n for n in graph.nodes if n.op == "placeholder" and n.target not in names and not n.users]:
+        graph.erase_node(n)  # a Python value passed as an argument: a constant of the graph
+    graph._codegen = fx.graph.CodeGen()
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if [n.target for n in placeholders] != list(names):
+        raise TraceError(f"torch.export took inputs {[n.target for n in placeholders]}, expected {list(names)}: "
+                         "pass the model's tensor inputs as top-level arguments, not inside lists or dicts")
+    attrs = {n.target: _attr(model, unlifted, n.target) for n in graph.nodes if n.op == "get_attr"}
+    gm = fx.GraphModule(attrs, graph, class_name=type(model).__name__)
+    gm.meta[OUTPUT_SPEC] = unlifted._out_spec
+    return gm
+
+
+def export(model: nn.Module, inputs: dict[str, torch.Tensor], fixed: dict[str, Any], *,
+           bake_train_mode: bool = False) -> tuple[fx.GraphModule, list[str]]:
+    """Capture ``model`` called with tensor ``inputs`` (by argument name) and the non-default ``fixed`` values,
+    in train and in eval mode, merged so that the graph follows ``train()``/``eval()``; and notes on the capture.
+
+    The batch dimension is captured as dynamic where the model allows it, so the stages take any batch size;
+    where it does not, the notes say that batches must have the example's size.
+    """
+    signature = inspect.signature(model.forward).parameters
+    passed = {k: v for k, v in fixed.items()
+              if k in signature and signature[k].kind not in (inspect.Parameter.VAR_POSITIONAL,
+                                                              inspect.Parameter.VAR_KEYWORD)
+              and v is not signature[k].default}
+    kwargs = {**inputs, **passed}
+    dynamic = {k: ({0: torch.export.Dim.AUTO} if k in inputs and inputs[k].dim() > 0 else None) for k in kwargs}
+    notes: list[str] = []
+    try:
+        programs = [_export_once(model, kwargs, dynamic, mode) for mode in (True, False)]
+    except Exception:  # noqa: BLE001 - a batch size the model cannot leave free: capture the example's
+        try:
+            programs = [_export_once(model, kwargs, None, mode) for mode in (True, False)]
+        except Exception as e:
+            raise TraceError(f"torch.export cannot capture {type(model).__name__}: {type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''}") from e
+        batch = next(iter(inputs.values())).shape[0]
+        notes.append(f"torch.export fixed the batch size: the stages take batches of exactly {batch}")
+    train, eval = (_graph_module(model, ep, list(inputs)) for ep in programs)
+    merge = merge_modes(train, eval)
+    if merge.structural and not bake_train_mode:
+        paths = sorted({module_path(n) or type(model).__name__ + ".forward" for n in merge.structural})
+        raise TraceError(f"{type(model).__name__} computes differently in train and in eval mode in {paths} "
+                         f"(a branch on self.training), which one exported graph cannot follow. Ways out: "
+                         f"tracer='fx' with leaf_modules={[p for p in paths if '.forward' not in p]} (those "
+                         f"modules then stay opaque and switch with the mode), or bake_train_mode=True to keep "
+                         f"the train-mode computation in eval as well")
+    return train, notes

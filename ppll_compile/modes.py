@@ -1,0 +1,175 @@
+"""Keep train/eval behaviour switchable: merge a model's train-mode and eval-mode captures into one graph.
+
+A capture (symbolic tracing or ``torch.export``) runs the model's Python once, so every ``self.training``
+it reads is frozen into the graph. Capturing in both modes and lining the two graphs up node by node shows
+exactly what the mode changes. Where only constant arguments differ (``dropout(x, p, training=True)`` vs
+``False``, ``batch_norm(..., training)``, ``dropout_p=0.1`` vs ``0.0``), the node becomes a
+:class:`TrainEval` module call that takes the train or eval arguments by its own ``training`` flag, which
+``model.train()`` / ``model.eval()`` set on every stage. Nodes that only one mode runs and whose result
+nothing uses (BatchNorm's batch counter) run in that mode only. Anything else is a *structural*
+difference (a branch on ``self.training`` that changes the computation); it is reported to the caller.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch.fx as fx
+from torch import nn
+
+__all__ = ["TrainEval", "Merge", "merge_modes"]
+
+_SKIP = None
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Stands for the ``index``-th input value of a :class:`TrainEval` call in an argument template."""
+
+    index: int
+
+
+def _fill(template: Any, values: Sequence[Any]) -> Any:
+    if isinstance(template, _Slot):
+        return values[template.index]
+    if isinstance(template, (tuple, list)):
+        filled = [_fill(t, values) for t in template]
+        return tuple(filled) if isinstance(template, tuple) else filled
+    if isinstance(template, dict):
+        return {k: _fill(v, values) for k, v in template.items()}
+    return template
+
+
+class TrainEval(nn.Module):
+    """One captured operation whose constant arguments depend on the mode: it follows ``self.training``.
+
+    ``train`` and ``eval`` are ``(args, kwargs)`` templates whose input values are :class:`_Slot` markers,
+    or ``None`` where that mode does not run the operation at all (the call then returns ``None``).
+    """
+
+    def __init__(self, op: str, target: Any, train: tuple[Any, Any] | None, eval: tuple[Any, Any] | None) -> None:
+        super().__init__()
+        self.op, self.target = op, target
+        self.calls = {True: train, False: eval}
+
+    def forward(self, *values: Any) -> Any:
+        call = self.calls[self.training]
+        if call is _SKIP:
+            return None
+        args, kwargs = _fill(call[0], values), _fill(call[1], values)
+        if self.op == "call_method":
+            return getattr(args[0], self.target)(*args[1:], **kwargs)
+        return self.target(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        name = getattr(self.target, "__name__", str(self.target))
+        return f"{name}: train {self.calls[True]}, eval {self.calls[False]}"
+
+
+@dataclass
+class Merge:
+    """What :func:`merge_modes` did: the nodes now switched by mode, and the structural differences left."""
+
+    switched: list[str]
+    """Names of the nodes that became :class:`TrainEval` calls."""
+    structural: list[fx.Node]
+    """Nodes of the train graph (or, for eval-only computation, of the eval graph) where the two modes
+    compute differently; empty when the merged graph behaves like the model in both modes."""
+
+
+def _key(n: fx.Node) -> tuple[str, str]:
+    return n.op, str(n.target)
+
+
+def _template(train_args: Any, eval_args: Any, pair: dict[fx.Node, fx.Node], slots: dict[fx.Node, int]
+              ) -> tuple[Any, Any, bool] | None:
+    """Templates of a train and an eval argument structure, and whether a constant differs; ``None`` when the
+    two structures differ in which values they read."""
+    if isinstance(train_args, fx.Node) or isinstance(eval_args, fx.Node):
+        if not (isinstance(train_args, fx.Node) and isinstance(eval_args, fx.Node)) \
+                or pair.get(eval_args) is not train_args:
+            return None
+        slot = _Slot(slots.setdefault(train_args, len(slots)))
+        return slot, slot, False
+    if isinstance(train_args, (tuple, list)) and isinstance(eval_args, (tuple, list)):
+        if len(train_args) != len(eval_args):
+            return None
+        parts = [_template(a, b, pair, slots) for a, b in zip(train_args, eval_args)]
+        if any(p is None for p in parts):
+            return None
+        kind = tuple if isinstance(train_args, tuple) else list
+        return (kind(p[0] for p in parts), kind(p[1] for p in parts),  # type: ignore[index]
+                any(p[2] for p in parts))  # type: ignore[index]
+    if isinstance(train_args, dict) and isinstance(eval_args, dict):
+        if train_args.keys() != eval_args.keys():
+            return None
+        parts = {k: _template(train_args[k], eval_args[k], pair, slots) for k in train_args}
+        if any(p is None for p in parts.values()):
+            return None
+        return ({k: p[0] for k, p in parts.items()}, {k: p[1] for k, p in parts.items()},  # type: ignore[index]
+                any(p[2] for p in parts.values()))  # type: ignore[index]
+    differs = type(train_args) is not type(eval_args) or train_args != eval_args
+    return train_args, eval_args, bool(differs)
+
+
+def _unused(block: Sequence[fx.Node]) -> bool:
+    """Whether nothing outside ``block`` uses its results (side effects such as a buffer update)."""
+    inside = set(block)
+    return all(u in inside for n in block for u in n.users) and all(n.op in ("call_function", "call_method")
+                                                                     for n in block)
+
+
+def _switch(gm: fx.GraphModule, node: fx.Node, train: tuple[Any, Any] | None, eval: tuple[Any, Any] | None,
+            inputs: Sequence[fx.Node], index: int) -> None:
+    """Turn ``node`` in place into a call of a new :class:`TrainEval` module (its name and meta are kept)."""
+    name = f"ppll_mode_{index}"
+    gm.add_submodule(name, TrainEval(node.op, node.target, train, eval))
+    node.op, node.target = "call_module", name
+    node.args, node.kwargs = tuple(inputs), {}
+
+
+def merge_modes(train: fx.GraphModule, eval: fx.GraphModule) -> Merge:
+    """Make ``train`` (a train-mode capture) follow the mode wherever ``eval`` (the same model captured in eval
+    mode) differs only in constants or in unused side effects; report the other differences.
+
+    The graphs are lined up by each node's operation and target (a longest-matching-blocks alignment), so
+    nodes that only one mode runs do not shift the match of the rest. ``train`` is changed in place.
+    """
+    tn, en = list(train.graph.nodes), list(eval.graph.nodes)
+    matcher = difflib.SequenceMatcher(None, [_key(n) for n in tn], [_key(n) for n in en], autojunk=False)
+    pair: dict[fx.Node, fx.Node] = {}  # eval node -> train node
+    changes: list[tuple[fx.Node, tuple[Any, Any] | None, tuple[Any, Any] | None, list[fx.Node]]] = []
+    structural: list[fx.Node] = []
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            for a, b in zip(tn[i1:i2], en[j1:j2]):
+                pair[b] = a
+                slots: dict[fx.Node, int] = {}
+                t = _template((a.args, a.kwargs), (b.args, b.kwargs), pair, slots)
+                if t is None:
+                    structural.append(a)
+                elif t[2]:
+                    if a.op not in ("call_function", "call_method"):
+                        structural.append(a)
+                        continue
+                    changes.append((a, t[0], t[1], list(slots)))
+        elif tag == "delete" and _unused(tn[i1:i2]):
+            changes += [(a, (a.args, a.kwargs), _SKIP, []) for a in tn[i1:i2]]
+        else:
+            structural += tn[i1:i2] or en[j1:j2]
+    if structural:
+        return Merge(switched=[], structural=structural)
+    for i, (node, t, e, inputs) in enumerate(changes):
+        if e is _SKIP:  # a train-only node: its template reads its own input nodes directly
+            slots = {}
+            t = _template((node.args, node.kwargs), (node.args, node.kwargs), {n: n for n in node.all_input_nodes},
+                          slots)[0]  # type: ignore[index]
+            inputs = list(slots)
+        _switch(train, node, t, e, inputs, i)
+    if changes:
+        train.graph.lint()
+        train.recompile()
+    return Merge(switched=[c[0].name for c in changes], structural=[])
