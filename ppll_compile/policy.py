@@ -21,9 +21,11 @@ from .plan import TensorSpec
 
 __all__ = ["KINDS", "HEAD_TYPES", "tensor_kind", "Policy", "load_policy", "validate_policy", "check_head_config"]
 
-KINDS = ("feature_map", "sequence", "vector")
+KINDS = ("feature_map", "channels_last", "sequence", "vector")
 _KIND_OF_RANK = {4: "feature_map", 3: "sequence", 2: "vector"}
-_LAYOUT = {"feature_map": "N x C x H x W", "sequence": "N x L x D", "vector": "N x D"}
+_LAYOUT = {"feature_map": "N x C x H x W", "channels_last": "N x H x W x C", "sequence": "N x L x D",
+           "vector": "N x D"}
+_PER_TOKEN_KIND = "sequence"  # the one kind per-token heads read
 
 
 @dataclass(frozen=True)
@@ -61,11 +63,15 @@ class _HeadType(NamedTuple):
     """The boundary tensor kinds the head can read."""
     options: dict[str, _Opt]
     """Option name -> default and check."""
+    per_token: bool = False
+    """Whether the head gives N x L x C scores for per-token labels (else N x C, one label per example)."""
+    fixed: Mapping[str, Mapping[str, Any]] = {}
+    """Kind -> options that have one possible value on that kind (the default there, any other an error)."""
 
 
 # The one table that drives validation and defaults of every head config.
 _HEADS: dict[str, _HeadType] = {
-    "conv": _HeadType(("feature_map",), {
+    "conv": _HeadType(("feature_map", "channels_last"), {  # channels_last: permuted to N x C x H x W first
         "width": _int(128),          # channels of each conv3x3 layer; 0 = the input's channels
         "max_width": _int(0),        # cap on those channels; 0 = no cap
         "depth": _int(1),            # conv3x3-BN-ReLU layers
@@ -82,9 +88,12 @@ _HEADS: dict[str, _HeadType] = {
         "hidden": _int(256, 1),      # width of each hidden layer
         "depth": _int(1),            # hidden Linear-ReLU layers
     }),
-    "token": _HeadType(("sequence",), {
+    "token": _HeadType(("sequence", "channels_last"), {
         "pool": _choice("cls", "cls", "mean"),  # CLS token (index 0) or the mean over tokens
-    }),
+    }, fixed={"channels_last": {"pool": "mean"}}),  # a map has no CLS token: LayerNorm(C), mean over H x W
+    "lm": _HeadType(("sequence",), {
+        "rank": _int(64),            # 0: LayerNorm, Linear(D, C); r > 0: LayerNorm, Linear(D, r), Linear(r, C)
+    }, per_token=True),
 }
 HEAD_TYPES = tuple(sorted(_HEADS))
 _TYPE = _choice(None, *HEAD_TYPES)
@@ -94,7 +103,7 @@ _LOSS = {
     "reconstruction_weight": _weight(0.0),  # InfoPro's lambda1; used by infopro heads only
 }
 _META = {"name": _text(""), "description": _text("")}
-_TOP = (*_META, "heads", "loss")
+_TOP = (*_META, "heads", "per_token", "loss")
 
 
 def _join(at: str, key: str) -> str:
@@ -131,27 +140,53 @@ def _check_loss(loss: Any, source: str, at: str) -> dict[str, Any]:
     return _fill(loss, _LOSS, source, at)
 
 
-def _check_head(config: Any, source: str, at: str, kind: str, tensors: str, extra: tuple[str, ...] = ()) -> dict:
-    """Validate one head config for ``kind`` tensors (described as ``tensors``); return it with defaults."""
+def _labels(per_token: bool) -> str:
+    return "labels of one class per token (N x L)" if per_token else "labels of one class per example (N)"
+
+
+def _check_head(config: Any, source: str, at: str, kind: str, tensors: str, per_token: bool = False,
+                extra: tuple[str, ...] = (), hint: str = "") -> dict:
+    """Validate one head config for ``kind`` tensors (described as ``tensors``) and per-example or per-token
+    labels; return it with defaults filled in. ``hint`` ends the error of a head that gives the other scores."""
     config = _mapping(config, source, at or "a head config")
     head_type = _fill(config, {"type": _TYPE}, source, at)["type"]
     spec = _HEADS[head_type]
+    fitting = " or ".join(t for t in HEAD_TYPES if kind in _HEADS[t].kinds and _HEADS[t].per_token == per_token)
     if kind not in spec.kinds:
-        fitting = [t for t in HEAD_TYPES if kind in _HEADS[t].kinds]
         raise PolicyError(f"{source}: {_join(at, 'type')} {head_type!r} cannot read {tensors} "
-                          f"(it reads {', '.join(spec.kinds)}); use type {' or '.join(fitting)}")
+                          f"(it reads {', '.join(spec.kinds)}); use type {fitting}")
+    if spec.per_token != per_token:
+        scores = "per-token scores (N x L x C)" if spec.per_token else "one score vector per example (N x C)"
+        raise PolicyError(f"{source}: {_join(at, 'type')} {head_type!r} gives {scores}, but {at or tensors} serves "
+                          f"{_labels(per_token)}; use type {fitting}{hint}")
     _check_keys(config, ("type", *spec.options, *extra), source, at)
-    return {"type": head_type, **_fill(config, spec.options, source, at)}
+    fixed = spec.fixed.get(kind, {})
+    options = {**spec.options, **{k: _Opt(v, f"{v!r} on {tensors}", lambda x, v=v: x == v) for k, v in fixed.items()}}
+    return {"type": head_type, **_fill(config, options, source, at)}
 
 
-def tensor_kind(shape: Sequence[int]) -> str:
-    """The kind of a boundary tensor from its rank: ``feature_map`` (4-D), ``sequence`` (3-D) or ``vector`` (2-D)."""
-    kind = _KIND_OF_RANK.get(len(shape))
+def _rank_kind(spec: TensorSpec) -> str | None:
+    """The kind of ``spec`` (see :func:`tensor_kind`), or None where no policy head reads it."""
+    try:
+        rank = len(spec.shape)
+    except TypeError:
+        return None
+    if spec.layout == "channels_last":
+        return "channels_last" if rank == 4 else None
+    return _KIND_OF_RANK.get(rank) if not spec.layout else None
+
+
+def tensor_kind(spec: TensorSpec) -> str:
+    """The kind of a boundary tensor from its rank and layout: ``feature_map`` (4-D N x C x H x W),
+    ``channels_last`` (4-D N x H x W x C, layout ``channels_last``), ``sequence`` (3-D) or ``vector`` (2-D)."""
+    kind = _rank_kind(spec)
     if kind is None:
-        raise PolicyError(f"a boundary tensor of shape {tuple(shape)} is {len(shape)}-D, but policy heads read "
-                          f"4-D feature maps (N x C x H x W), 3-D sequences (N x L x D) or 2-D vectors (N x D); "
-                          f"pass a policy callable fn(spec, num_classes) -> nn.Module that builds a head for it, "
-                          f"or cut elsewhere")
+        shape = tuple(spec.shape)
+        layout = f" with layout {spec.layout!r}" if spec.layout else ""
+        raise PolicyError(f"boundary {spec.name!r}: a tensor of shape {shape}{layout} is {len(shape)}-D, but policy "
+                          f"heads read 4-D feature maps (N x C x H x W, or N x H x W x C with layout "
+                          f"'channels_last'), 3-D sequences (N x L x D) or 2-D vectors (N x D); pass a policy "
+                          f"callable fn(spec, num_classes) -> nn.Module that builds a head for it, or cut elsewhere")
     return kind
 
 
@@ -168,19 +203,46 @@ class Policy:
     source: str
     """File the policy was read from (``""`` for callables)."""
     builder: Callable[[TensorSpec, int], nn.Module] | None = None
-    """For a callable policy: ``fn(spec, num_classes) -> nn.Module`` mapping the boundary to logits."""
+    """For a callable policy: ``fn(spec, num_classes) -> nn.Module`` mapping the boundary to class scores,
+    N x C for per-example labels, N x L x C for per-token labels (the same call serves both)."""
     description: str = ""
     """One line saying what the policy does."""
+    per_token: Mapping[str, Any] | None = None
+    """Validated head config (type ``lm``) for every sequence boundary when the labels are per token; None if none."""
 
-    def config_for(self, spec: TensorSpec) -> dict[str, Any]:
-        """The head config for the boundary ``spec``: type, options and the loss section under ``loss``."""
+    def fits(self, spec: TensorSpec, per_token: bool = False) -> bool:
+        """Whether the policy has a head for the boundary ``spec`` (exactly when :meth:`config_for` accepts it);
+        never raises, whatever the rank (a callable policy fits every boundary)."""
+        if self.builder is not None:
+            return True
+        kind = _rank_kind(spec)
+        if per_token:
+            return kind == _PER_TOKEN_KIND and self.per_token is not None
+        return kind in self.heads
+
+    def config_for(self, spec: TensorSpec, per_token: bool = False) -> dict[str, Any]:
+        """The head config for the boundary ``spec``: type, options and the loss section under ``loss``;
+        with ``per_token``, the ``per_token:`` head, for labels of one class per token."""
         if self.builder is not None:
             return {"type": "callable", "name": self.name}
-        kind = tensor_kind(spec.shape)
+        kind = tensor_kind(spec)
+        where = f"boundary {spec.name!r} of shape {tuple(spec.shape)}"
+        if per_token:
+            if kind != _PER_TOKEN_KIND:
+                raise PolicyError(
+                    f"{where} is a {kind} tensor ({_LAYOUT[kind]}), but the labels are per token (N x L) and "
+                    f"per-token heads read sequences (N x L x D); cut where the boundary is a sequence, or pass a "
+                    f"policy callable fn(spec, num_classes) -> nn.Module giving N x L x C scores")
+            if self.per_token is None:
+                raise PolicyError(
+                    f"policy {self.name!r} has no per-token head, needed for {where}, a sequence (N x L x D) whose "
+                    f"labels are per token (N x L); use policy='lm', or add a 'per_token:' entry (type lm) to "
+                    f"{self.source or 'the policy file'}")
+            return {**self.per_token, "loss": dict(self.loss)}
         if kind not in self.heads:
             raise PolicyError(
-                f"policy {self.name!r} has no head for {kind} tensors ({_LAYOUT[kind]}), needed for boundary "
-                f"{spec.name!r} of shape {tuple(spec.shape)}; it has heads for: {', '.join(self.heads)}. "
+                f"policy {self.name!r} has no head for {kind} tensors ({_LAYOUT[kind]}), needed for {where}; "
+                f"it has heads for: {', '.join(self.heads)}. "
                 f"Use policy='auto', or add a '{kind}:' entry under 'heads:' in {self.source or 'the policy file'}")
         return {**self.heads[kind], "loss": dict(self.loss)}
 
@@ -197,13 +259,18 @@ def validate_policy(data: Any, source: str) -> Policy:
     if not heads:
         raise PolicyError(f"{source}: heads is empty; give a head config for at least one of {', '.join(KINDS)}")
     _check_keys(heads, KINDS, source, "heads")
+    per_token = data.get("per_token")
     return Policy(
         name=meta["name"] or source,
-        heads={kind: _check_head(cfg, source, f"heads.{kind}", kind, f"{kind} tensors ({_LAYOUT[kind]})")
+        heads={kind: _check_head(cfg, source, f"heads.{kind}", kind, f"{kind} tensors ({_LAYOUT[kind]})",
+                                 hint=" (a per-token head goes under per_token:)")
                for kind, cfg in heads.items()},
         loss=_check_loss(data.get("loss", {}), source, "loss"),
         source=source,
         description=meta["description"],
+        per_token=None if per_token is None else _check_head(
+            per_token, source, "per_token", _PER_TOKEN_KIND, f"{_PER_TOKEN_KIND} tensors ({_LAYOUT['sequence']})",
+            per_token=True),
     )
 
 
@@ -222,7 +289,8 @@ def _read_policy(path: Path, name: str) -> Policy:
 
 
 def load_policy(policy: str | os.PathLike | Policy | Callable[[TensorSpec, int], nn.Module]) -> Policy:
-    """A :class:`Policy` from a shipped name, a policy YAML file, an existing policy, or a head-building callable."""
+    """A :class:`Policy` from a shipped name, a policy YAML file, an existing policy, or a head-building callable
+    ``fn(spec, num_classes) -> nn.Module`` (giving N x C scores, or N x L x C where the labels are per token)."""
     if isinstance(policy, Policy):
         return policy
     if isinstance(policy, (str, os.PathLike)):
@@ -233,18 +301,24 @@ def load_policy(policy: str | os.PathLike | Policy | Callable[[TensorSpec, int],
         raise PolicyError(f"unknown policy {os.fspath(policy)!r}: not a shipped policy "
                           f"({', '.join(_policies.names())}) nor a file; pass a shipped name, the path to a "
                           f"policy YAML file, or a callable fn(spec, num_classes) -> nn.Module")
-    if callable(policy):
+    if callable(policy):  # called as fn(spec, num_classes) for per-example and per-token labels alike
         return Policy(name=getattr(policy, "__qualname__", type(policy).__qualname__), heads={},
                       loss={k: o.default for k, o in _LOSS.items()}, source="", builder=policy)
     raise PolicyError(f"a policy must be a shipped name, a policy file path, a Policy or a callable "
                       f"fn(spec, num_classes) -> nn.Module, got {reprlib.repr(policy)}")
 
 
-def check_head_config(config: Mapping[str, Any], spec: TensorSpec) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A head config (from :meth:`Policy.config_for` or a hand-edited plan) checked against the boundary ``spec``:
-    its type and options, and its loss section, each with defaults filled in."""
-    kind = tensor_kind(spec.shape)
+def check_head_config(config: Mapping[str, Any], spec: TensorSpec,
+                      per_token: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A head config (from :meth:`Policy.config_for` or a hand-edited plan) checked against the boundary ``spec``
+    and the labels (one class per example, or per token): its type and options, and its loss section, each with
+    defaults filled in."""
+    kind = tensor_kind(spec)
     source = "head config"
-    options = _check_head(config, source, "", kind,
-                          f"the {kind} boundary {spec.name!r} of shape {tuple(spec.shape)}", extra=("loss",))
+    if per_token and kind != _PER_TOKEN_KIND:
+        raise PolicyError(f"{source}: the {kind} boundary {spec.name!r} of shape {tuple(spec.shape)} "
+                          f"({_LAYOUT[kind]}) cannot serve labels per token (N x L): per-token heads read sequences "
+                          f"(N x L x D); cut where the boundary is a sequence, or pass a policy callable")
+    options = _check_head(config, source, "", kind, f"the {kind} boundary {spec.name!r} of shape {tuple(spec.shape)}",
+                          per_token=per_token, extra=("loss",))
     return options, _check_loss(config.get("loss", {}), source, "loss")

@@ -13,15 +13,20 @@ import policies
 from ppll_compile.errors import PolicyError
 from ppll_compile.heads import AuxHead, InfoProHead, build_head, head_loss, make_head
 from ppll_compile.plan import TensorSpec
-from ppll_compile.policy import Policy, load_policy, tensor_kind, validate_policy
+from ppll_compile.policy import KINDS, Policy, load_policy, tensor_kind, validate_policy
 
-SHAPES = {"feature_map": (8, 64, 16, 16), "sequence": (8, 17, 96), "vector": (8, 256)}
+SHAPES = {"feature_map": (8, 64, 16, 16), "channels_last": (8, 16, 16, 64), "sequence": (8, 17, 96), "vector": (8, 256)}
 INPUT_SHAPE = (8, 3, 32, 32)
-SHIPPED = ["auto", "dgl", "infopro", "mlp", "vit"]
+SHIPPED = ["auto", "dgl", "infopro", "lm", "mlp", "vit"]
 
 
-def spec(shape, name="h"):
-    return TensorSpec(name=name, shape=tuple(shape), dtype="float32", bytes=4 * math.prod(shape))
+def spec(shape, name="h", layout=""):
+    return TensorSpec(name=name, shape=tuple(shape), dtype="float32", bytes=4 * math.prod(shape), layout=layout)
+
+
+def kind_spec(kind):
+    """The spec of the test boundary of tensor kind ``kind`` (a channels-last map carries its layout)."""
+    return spec(SHAPES[kind], layout="channels_last" if kind == "channels_last" else "")
 
 
 def write(tmp_path, data, name="p.yaml"):
@@ -44,25 +49,28 @@ def test_names_lists_every_shipped_policy_and_each_validates():
         policy = load_policy(name)
         assert policy.name == name and policy.source == str(path) and policy.description
         assert yaml.safe_load(path.read_text())["name"] == name
-        assert set(policy.heads) <= {"feature_map", "sequence", "vector"} and policy.heads
+        assert set(policy.heads) <= set(KINDS) and policy.heads
         for config in policy.heads.values():
             assert "type" in config
 
 
 def test_shipped_policies_cover_the_kinds_they_promise():
     kinds = {name: {k: c["type"] for k, c in load_policy(name).heads.items()} for name in SHIPPED}
-    assert kinds["dgl"] == {"feature_map": "conv", "sequence": "mlp", "vector": "mlp"}
-    assert kinds["infopro"] == {"feature_map": "infopro", "vector": "mlp"}
-    assert kinds["mlp"] == {"feature_map": "mlp", "sequence": "mlp", "vector": "mlp"}
-    assert kinds["vit"] == {"feature_map": "mlp", "sequence": "token", "vector": "mlp"}
-    assert kinds["auto"] == {"feature_map": "conv", "sequence": "token", "vector": "mlp"}
+    assert kinds["dgl"] == {"feature_map": "conv", "channels_last": "conv", "sequence": "mlp", "vector": "mlp"}
+    assert kinds["infopro"] == {"feature_map": "infopro", "channels_last": "mlp", "vector": "mlp"}
+    assert kinds["mlp"] == {"feature_map": "mlp", "channels_last": "mlp", "sequence": "mlp", "vector": "mlp"}
+    assert kinds["vit"] == {"feature_map": "mlp", "channels_last": "token", "sequence": "token", "vector": "mlp"}
+    assert kinds["auto"] == {"feature_map": "conv", "channels_last": "token", "sequence": "token", "vector": "mlp"}
+    assert kinds["lm"] == {"sequence": "token", "vector": "mlp"}
+    assert {n: (p.per_token or {}).get("type") for n, p in map(lambda n: (n, load_policy(n)), SHIPPED)} == {
+        "auto": "lm", "dgl": None, "infopro": None, "lm": "lm", "mlp": None, "vit": None}
     assert load_policy("infopro").loss["reconstruction_weight"] > 0
 
 
 @pytest.mark.parametrize("name,kind", [(n, k) for n in SHIPPED for k in SHAPES if k in load_policy(n).heads])
 def test_every_shipped_head_gives_logits_and_a_loss_that_trains_it(name, kind):
     torch.manual_seed(0)
-    head, config = make_head(load_policy(name), spec(SHAPES[kind]), 10, INPUT_SHAPE)
+    head, config = make_head(load_policy(name), kind_spec(kind), 10, INPUT_SHAPE)
     assert isinstance(head, AuxHead) and config["type"] == load_policy(name).heads[kind]["type"]
     h = torch.randn(SHAPES[kind])
     assert head(h).shape == (8, 10)
@@ -150,14 +158,15 @@ def test_validate_policy_takes_parsed_data_and_names_its_source():
     with pytest.raises(PolicyError) as e:
         validate_policy({"heads": {}}, "inline")
     assert str(e.value) == ("inline: heads is empty; give a head config for at least one of "
-                            "feature_map, sequence, vector")
+                            "feature_map, channels_last, sequence, vector")
 
 
 def test_unknown_key_names_the_place_and_the_allowed_keys(tmp_path):
     msg, path = error(tmp_path, {"heads": {"feature_map": {"type": "conv", "widht": 64}}})
-    assert msg == f"{path}: unknown key 'widht' at heads.feature_map (allowed: depth, hidden, max_width, pool, type, width)"
+    assert msg == (f"{path}: unknown key 'widht' at heads.feature_map "
+                   f"(allowed: depth, hidden, max_width, pool, type, width)")
     msg, path = error(tmp_path, {"heads": {"vector": {"type": "mlp"}}, "los": {}})
-    assert msg == f"{path}: unknown key 'los' (allowed: description, heads, loss, name)"
+    assert msg == f"{path}: unknown key 'los' (allowed: description, heads, loss, name, per_token)"
     msg, path = error(tmp_path, {"heads": {"vector": {"type": "mlp"}}, "loss": {"recon_weight": 1}})
     assert msg == (f"{path}: unknown key 'recon_weight' at loss "
                    f"(allowed: classification, classification_weight, reconstruction_weight)")
@@ -178,22 +187,22 @@ def test_wrong_option_values_say_what_was_expected(tmp_path):
 
 def test_unknown_or_misplaced_head_type(tmp_path):
     msg, path = error(tmp_path, {"heads": {"feature_map": {"type": "foo"}}})
-    assert msg == f"{path}: heads.feature_map.type must be one of conv, infopro, mlp, token, got 'foo'"
+    assert msg == f"{path}: heads.feature_map.type must be one of conv, infopro, lm, mlp, token, got 'foo'"
     msg, path = error(tmp_path, {"heads": {"feature_map": {"width": 3}}})
-    assert msg == f"{path}: heads.feature_map.type must be one of conv, infopro, mlp, token, got None"
+    assert msg == f"{path}: heads.feature_map.type must be one of conv, infopro, lm, mlp, token, got None"
     msg, path = error(tmp_path, {"heads": {"sequence": {"type": "conv"}}})
     assert msg == (f"{path}: heads.sequence.type 'conv' cannot read sequence tensors (N x L x D) "
-                   f"(it reads feature_map); use type mlp or token")
+                   f"(it reads feature_map, channels_last); use type mlp or token")
     msg, path = error(tmp_path, {"heads": {"feature_map": {"type": "infopro", "output": "tanh"}}})
     assert msg == f"{path}: heads.feature_map.output must be one of identity, sigmoid, got 'tanh'"
 
 
 def test_unknown_kind_and_malformed_sections(tmp_path):
     msg, path = error(tmp_path, {"heads": {"image": {"type": "conv"}}})
-    assert msg == f"{path}: unknown key 'image' at heads (allowed: feature_map, sequence, vector)"
+    assert msg == f"{path}: unknown key 'image' at heads (allowed: channels_last, feature_map, sequence, vector)"
     msg, path = error(tmp_path, {"name": "x"})
-    assert msg == (f"{path}: missing key 'heads' (a mapping from tensor kind - feature_map, sequence, vector - "
-                   f"to a head config)")
+    assert msg == (f"{path}: missing key 'heads' (a mapping from tensor kind - feature_map, channels_last, "
+                   f"sequence, vector - to a head config)")
     msg, path = error(tmp_path, "- just\n- a list\n")
     assert msg == f"{path}: a policy must be a mapping, got ['just', 'a list']"
     msg, path = error(tmp_path, {"heads": {"vector": "mlp"}})
@@ -206,8 +215,8 @@ def test_missing_kind_names_policy_kind_shape_and_the_way_out():
         policy.config_for(spec((8, 17, 96), name="encoder_layer_3"))
     assert str(e.value) == (
         f"policy 'infopro' has no head for sequence tensors (N x L x D), needed for boundary 'encoder_layer_3' "
-        f"of shape (8, 17, 96); it has heads for: feature_map, vector. Use policy='auto', or add a 'sequence:' "
-        f"entry under 'heads:' in {policies.path('infopro')}")
+        f"of shape (8, 17, 96); it has heads for: feature_map, channels_last, vector. Use policy='auto', or add a "
+        f"'sequence:' entry under 'heads:' in {policies.path('infopro')}")
 
 
 def test_bad_yaml_names_the_file(tmp_path):
@@ -219,7 +228,8 @@ def test_bad_yaml_names_the_file(tmp_path):
 def test_unknown_policy_name_lists_the_shipped_ones():
     with pytest.raises(PolicyError) as e:
         load_policy("nope")
-    assert str(e.value) == ("unknown policy 'nope': not a shipped policy (auto, dgl, infopro, mlp, vit) nor a file; "
+    assert str(e.value) == ("unknown policy 'nope': not a shipped policy (auto, dgl, infopro, lm, mlp, vit) nor a "
+                            "file; "
                             "pass a shipped name, the path to a policy YAML file, or a callable "
                             "fn(spec, num_classes) -> nn.Module")
     with pytest.raises(PolicyError, match="got 3"):
@@ -227,9 +237,9 @@ def test_unknown_policy_name_lists_the_shipped_ones():
 
 
 def test_tensor_kind():
-    assert [tensor_kind(SHAPES[k]) for k in SHAPES] == list(SHAPES)
+    assert [tensor_kind(kind_spec(k)) for k in SHAPES] == list(SHAPES)
     with pytest.raises(PolicyError, match=r"shape \(8, 3, 4, 4, 4\) is 5-D.*policy callable"):
-        tensor_kind((8, 3, 4, 4, 4))
+        tensor_kind(spec((8, 3, 4, 4, 4)))
 
 
 def test_a_user_yaml_file_works_end_to_end(tmp_path):
@@ -264,11 +274,12 @@ def test_hand_edited_configs_are_validated_by_build_head():
     config = {**load_policy("dgl").config_for(s), "widht": 3}
     with pytest.raises(PolicyError) as e:
         build_head(config, s, 10)
-    assert str(e.value) == "head config: unknown key 'widht' (allowed: depth, hidden, loss, max_width, pool, type, width)"
+    assert str(e.value) == ("head config: unknown key 'widht' "
+                            "(allowed: depth, hidden, loss, max_width, pool, type, width)")
     with pytest.raises(PolicyError) as e:
         build_head({"type": "token"}, s, 10)
     assert str(e.value) == ("head config: type 'token' cannot read the feature_map boundary 'h' of shape "
-                            "(8, 64, 16, 16) (it reads sequence); use type conv or infopro or mlp")
+                            "(8, 64, 16, 16) (it reads sequence, channels_last); use type conv or infopro or mlp")
     with pytest.raises(PolicyError) as e:
         build_head({"type": "conv", "loss": {"classification_weight": "high"}}, s, 10)
     assert str(e.value) == "head config: loss.classification_weight must be a number >= 0, got 'high'"
@@ -279,7 +290,7 @@ def test_heads_construct_on_the_meta_device(name):
     policy = load_policy(name)
     with torch.device("meta"):
         for kind in policy.heads:
-            head, _ = make_head(policy, spec(SHAPES[kind]), 10, INPUT_SHAPE)
+            head, _ = make_head(policy, kind_spec(kind), 10, INPUT_SHAPE)
             assert all(p.is_meta for p in head.parameters())
             assert head(torch.empty(SHAPES[kind])).shape == (8, 10)
 
