@@ -1,4 +1,4 @@
-"""``TrainConfig``: how every stage trains (optimizer and scheduler factories, loss, clipping, autocast, checks)."""
+"""``TrainConfig``: how every stage trains (optimizer and scheduler factories, loss, clipping, autocast, seed)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ __all__ = ["TrainConfig"]
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """How every stage trains: optimizer and scheduler factories, loss, clipping, autocast, fault checks."""
+    """How every stage trains: optimizer and scheduler factories, loss, clipping, autocast, fault checks, seed."""
 
     optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
     """``fn(params) -> Optimizer``, called once per stage with that stage's block and head parameters."""
@@ -28,3 +28,5 @@ class TrainConfig:
     """Autocast dtype per stage (``None`` = full precision); empty = none anywhere."""
     nan_check: bool = False
     """Fail the pipeline when a stage's loss is not finite."""
+    seed: int | None = 0
+    """Seed of every stage's training randomness (see :mod:`.rng`); ``None``: torch's global stream, unseeded."""

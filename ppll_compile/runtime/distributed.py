@@ -89,6 +89,7 @@ class DistributedRuntime(Runtime):
         self._sync = None if decoupled else dist.new_group(list(range(world)))
         self.device = rank_device(self.rank)
         self.runners = make_runners(plan, lowered, config, [self.stage], [self.device], [group])
+        self.runners[0].replica = self.replica  # a replica trains its own slice: its own random stream
 
     def _connect(self, plan: Plan) -> None:
         """The wire format, fault protocol and send queue between this rank and its neighbours."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -31,7 +32,8 @@ class DNARuntime(Runtime):
     block ``k`` trains on the pair (the teacher work grows with the block index, as in DNA). Under torchrun
     every process reads the same batches, trains on its slice of each, and all-reduces each block's
     gradients with DDP. Interleaving the blocks per batch gives the same parameters as training them one
-    after another over the data, because each block depends only on the frozen teacher.
+    after another over the data, because each block depends only on the frozen teacher. A stage's blocks
+    draw their randomness from one stream per batch, in block order, as the pipelined runtimes draw it.
     """
 
     def __init__(self, plan: Plan, lowered: Lowered, config: TrainConfig, *, timeout: float) -> None:
@@ -46,6 +48,8 @@ class DNARuntime(Runtime):
         self.num_stages = k
         self.is_main_writer = self.is_main = self.rank == 0
         self.runners = make_runners(plan, lowered, config, range(k), [self.device] * k)
+        for r in self.runners:
+            r.replica = self.rank  # each process trains its own slice: its own random stream
         self._teacher = [t for r in self.runners for t in r.teacher]
         self._parts = []  # per block: its stage's runner, its index there, the module the gradients go through
         for r in self.runners:
@@ -70,12 +74,16 @@ class DNARuntime(Runtime):
         msg = self._slice(msg)
         values = move(msg.values, self.device)
         losses = [0.0] * self.num_stages
-        for k, (r, i, net) in enumerate(self._parts):
-            with span(r.recorder, "forward", msg.index), r.autocast():
-                acts = teacher_pass(self._teacher[:k + 1], values)  # the teacher again from the input
-                loss = net(acts[-2:]).sum()
-            r.update(loss, msg.size * self.world / msg.whole if msg.whole else 1.0, [i], batch=msg.index)
-            losses[r.index] += float(loss.detach())
+        k = 0
+        for r, parts in itertools.groupby(self._parts, key=lambda part: part[0]):
+            with r.randomness(msg):  # one stream per stage over its blocks in order, as DistillRunner draws it
+                for _, i, net in parts:
+                    with span(r.recorder, "forward", msg.index), r.autocast():
+                        acts = teacher_pass(self._teacher[:k + 1], values)  # the teacher again from the input
+                        loss = net(acts[-2:]).sum()
+                    r.update(loss, msg.size * self.world / msg.whole if msg.whole else 1.0, [i], batch=msg.index)
+                    losses[r.index] += float(loss.detach())
+                    k += 1
         for r in self.runners:
             r.steps += 1
         return [[v] for v in losses]

@@ -32,6 +32,8 @@ class Message:
     """CUDA events the receiver waits on before reading the tensors (threads runtime on GPUs)."""
     whole: int | None = None
     """Rows of the whole batch when this message is one replica's slice of it (distributed runtime)."""
+    reused: bool = False
+    """Whether the receiving stage trained on this input before (``queue="latest"``): another random stream."""
 
     @property
     def size(self) -> int:

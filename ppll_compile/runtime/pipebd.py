@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -79,9 +80,11 @@ class DistillRunner(Runner):
         """The student blocks (the teacher stays in eval mode)."""
         return list(self.student)
 
-    def _forward(self, values: tuple[Any, ...], target: Any, raw: Tensor | None) -> tuple[Any, Tensor]:
-        acts = teacher_pass(self.teacher, values)
-        return acts[-1], self._net(acts).sum()
+    def _forward(self, values: tuple[Any, ...], target: Any, raw: Tensor | None,
+                 rng: contextlib.AbstractContextManager) -> tuple[Any, Tensor]:
+        acts = teacher_pass(self.teacher, values)  # the frozen teacher (eval mode) draws nothing: outside ``rng``
+        with rng:
+            return acts[-1], self._net(acts).sum()
 
     @torch.no_grad()
     def eval_step(self, msg: Message) -> tuple[Message | None, tuple[float, ...]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -60,8 +61,10 @@ class StageRunner(Runner):
         """The block and, except on the last stage, its auxiliary head."""
         return [self.stage] + ([self.head] if self.head is not None else [])
 
-    def _forward(self, values: tuple[Any, ...], target: Any, raw: Tensor | None) -> tuple[Any, Tensor]:
-        return self._net(values, target, raw)
+    def _forward(self, values: tuple[Any, ...], target: Any, raw: Tensor | None,
+                 rng: contextlib.AbstractContextManager) -> tuple[Any, Tensor]:
+        with rng:
+            return self._net(values, target, raw)
 
     @torch.no_grad()
     def eval_step(self, msg: Message) -> tuple[Message | None, tuple[int] | None]:

@@ -1,4 +1,4 @@
-"""``Runner``: what every kind of stage shares (device, optimizers, schedulers, autocast, messages, counters)."""
+"""``Runner``: what every kind of stage shares (device, optimizers, schedulers, autocast, randomness, counters)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from ..plan import StagePlan
 from ..timeline import Recorder, span
 from .config import TrainConfig
 from .messages import Message, dtype_of
+from .rng import StageRNG, stream_seed
 
 __all__ = ["Runner"]
 
@@ -36,6 +37,9 @@ class Runner:
     trains on a slice of the batch, its loss scaled so that the all-reduced gradient is the whole batch's.
     Subclasses set ``index`` and ``plan``, call :meth:`_setup`, and define :meth:`modules`, :meth:`_forward`,
     ``eval_step``, :meth:`_state` and :meth:`_load`.
+
+    A training forward draws its randomness (dropout, drop-path) from torch's default generators seeded by
+    :func:`~.rng.stream_seed` of (``config.seed``, stage, batch index, reuse, replica): see :meth:`randomness`.
     """
 
     index: int
@@ -44,6 +48,8 @@ class Runner:
     """Whether the message sent on keeps the raw input (a later head needs it)."""
     recorder: Recorder | None = None
     """Where the stage's spans go when the trainer traces (``trace=True``)."""
+    replica: int = 0
+    """Which replica of its stage this runner is (distributed runtime; the rank under ``dna``): seeds its stream."""
 
     def _setup(self, *, device: torch.device, config: TrainConfig, groups: list[list[nn.Parameter]],
                trainable: nn.Module, group: Any) -> None:
@@ -66,6 +72,7 @@ class Runner:
             else contextlib.nullcontext
         self._out_dtypes = tuple(dtype_of(t.dtype) for t in self.plan.boundary)
         self._net: nn.Module = trainable
+        self._rng = StageRNG(device)
         if group is not None:
             self._net = DistributedDataParallel(trainable, process_group=group,
                                                 device_ids=[device] if device.type == "cuda" else None)
@@ -93,6 +100,27 @@ class Runner:
         """Put this stage's trained modules in training (``True``) or eval mode."""
         for m in self.modules():
             m.train(mode)
+
+    @property
+    def draws_random(self) -> bool | None:
+        """Whether this stage's training forward draws random numbers (then it runs seeded, under the RNG lock).
+
+        ``None`` until its first training forward, which runs seeded and locked to find out (always
+        ``None`` with ``seed=None``).
+        """
+        return self._rng.draws_random
+
+    def randomness(self, msg: Message) -> contextlib.AbstractContextManager:
+        """The context of a training forward on ``msg``: torch's default generators seeded for this stage.
+
+        The seed is :func:`~.rng.stream_seed` of the trainer's ``seed``, the stage, the batch index
+        (``msg.index``), whether the input is a reused one, and the replica; the caller's generator states
+        are restored afterwards. A no-op with ``seed=None`` or once the stage is known to draw nothing.
+        """
+        if self.config.seed is None or self._rng.draws_random is False:
+            return contextlib.nullcontext()
+        return self._rng.seeded(stream_seed(self.config.seed, self.index, msg.index, reused=msg.reused,
+                                            replica=self.replica))
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The autocast context this stage's forward runs under (a no-op unless the trainer has ``autocast=``)."""
@@ -124,8 +152,9 @@ class Runner:
         return Message(index=msg.index, values=values, target=msg.target, kind=msg.kind, events=events,
                        raw=msg.raw if self.carry_raw else None, whole=msg.whole)
 
-    def _forward(self, values: tuple[Any, ...], target: Any, raw: Tensor | None) -> tuple[Any, Tensor]:
-        """The stage's output (what travels on) and its loss, a mean over the batch."""
+    def _forward(self, values: tuple[Any, ...], target: Any, raw: Tensor | None,
+                 rng: contextlib.AbstractContextManager) -> tuple[Any, Tensor]:
+        """The stage's output (what travels on) and its loss, a mean over the batch; trained modules run in ``rng``."""
         raise NotImplementedError
 
     def forward_loss(self, msg: Message) -> tuple[Any, Tensor]:
@@ -136,13 +165,13 @@ class Runner:
         """
         values, target, raw = self._receive(msg)
         with self.autocast():
-            return self._forward(values, target, raw)
+            return self._forward(values, target, raw, self.randomness(msg))
 
     def train_step(self, msg: Message) -> tuple[Message | None, Tensor]:
         """Forward, local loss, backward and optimizer steps on one batch; the message sent on and the loss."""
         values, target, raw = self._receive(msg)
         with span(self.recorder, "forward", msg.index), self.autocast():
-            out, loss = self._forward(values, target, raw)
+            out, loss = self._forward(values, target, raw, self.randomness(msg))
         # a replica's slice: scaled so that DDP's mean over replicas is the whole batch's gradient
         self.update(loss, msg.size * self.plan.replicas / msg.whole if msg.whole else 1.0, batch=msg.index)
         self.steps += 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -39,7 +40,7 @@ def _check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
 
 
 def _check_options(plan: Plan, *, runtime: str, queue: str, optimizer: Any, queue_depth: Any, loss: Any,
-                   decoupled: bool, trace: Any) -> None:
+                   decoupled: bool, trace: Any, seed: Any) -> None:
     """The trainer's options, each alone and together with the others and the plan's kind."""
     distill = plan.mode == "pipebd"
     _check_choice("runtime", runtime, RUNTIMES + (("dna",) if distill else ()))
@@ -60,6 +61,9 @@ def _check_options(plan: Plan, *, runtime: str, queue: str, optimizer: Any, queu
                          '"threads" and "distributed" with queue="fifo"')
     if not isinstance(trace, bool):
         raise TypeError(f"trace must be True or False, got {trace!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise TypeError(f"seed must be an int (the seed of every stage's dropout and other training randomness) "
+                        f"or None (draw from torch's global generator, unseeded); got {seed!r}")
 
 
 def _autocast(value: Any, n: int) -> tuple[torch.dtype | None, ...]:
@@ -99,6 +103,12 @@ class Trainer:
     ``decoupled=False`` (pipelined runtimes) lets a batch in only when every stage is done with the one
     before; ``runtime="dna"`` (``pipebd`` plans) is the DNA baseline. ``trace=True`` records every stage's
     spans (receive, forward, backward, step, send); :meth:`timeline` returns them.
+
+    ``seed`` (default 0): every stage's training forward draws its randomness (dropout, drop-path) from
+    torch's default generators seeded by (``seed``, stage, batch index[, replica]), so every runtime trains
+    the same computation with dropout on; the caller's generator states are restored after each forward.
+    Under ``threads`` the forwards of stages that draw random numbers hold one lock (they do not overlap);
+    stages that draw none run in parallel. ``seed=None`` leaves torch's global generator unseeded.
     """
 
     def __init__(self, plan: Plan, lowered: Lowered, *,
@@ -107,15 +117,17 @@ class Trainer:
                  scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
                  clip_grad_norm: float | None = None, autocast: Any = None, queue_depth: int = 2,
                  queue: str = "fifo", nan_check: bool = False, threads_per_stage: int | None = None,
-                 timeout: float = 300.0, decoupled: bool = True, trace: bool = False) -> None:
+                 timeout: float = 300.0, decoupled: bool = True, trace: bool = False, seed: int | None = 0) -> None:
         _check_options(plan, runtime=runtime, queue=queue, optimizer=optimizer, queue_depth=queue_depth, loss=loss,
-                       decoupled=decoupled, trace=trace)
+                       decoupled=decoupled, trace=trace, seed=seed)
         self.plan = plan
         self.lowered = lowered
         """The modules this trainer trains, shared with the compiled pipeline."""
         self.runtime_name = runtime
         config = TrainConfig(optimizer=optimizer, scheduler=scheduler, loss=loss, clip_grad_norm=clip_grad_norm,
-                             autocast=_autocast(autocast, plan.num_stages), nan_check=nan_check)
+                             autocast=_autocast(autocast, plan.num_stages), nan_check=nan_check, seed=seed)
+        self.seed = seed
+        """Seed of the stages' training randomness (``None``: unseeded); recorded in checkpoints."""
         self._carry_raw = lowered.carries_input
         lowered.train()
         self._runtime: Runtime = _make_runtime(runtime, plan, lowered, config, depth=queue_depth,
@@ -264,7 +276,7 @@ class Trainer:
         """Write every stage's state (block, head, optimizer, scheduler, counters) to the directory ``path``.
 
         Pending batches are finished first. The manifest is removed first and written last, so a save that
-        is cut short leaves nothing :meth:`load` accepts.
+        is cut short leaves nothing :meth:`load` accepts. The manifest records the trainer's ``seed``.
         """
         self.finish()
         rt = self._runtime
@@ -274,7 +286,7 @@ class Trainer:
         files = [checkpoint.save_stage(path, state) for state in rt.states()]
         files = [f for part in rt.gather(files) for f in part]
         if rt.is_main_writer:
-            checkpoint.write_manifest(path, self._identity(), files, {"batches": self.batches})
+            checkpoint.write_manifest(path, self._identity(), files, {"batches": self.batches, "seed": self.seed})
         rt.barrier()
 
     def _identity(self) -> dict[str, Any]:
@@ -282,12 +294,21 @@ class Trainer:
                                    [o for r in self.runners for o in r.optimizers])
 
     def load(self, path: str | os.PathLike) -> None:
-        """Restore a checkpoint written by :meth:`save` (under any runtime) for the same model and plan."""
+        """Restore a checkpoint written by :meth:`save` (under any runtime) for the same model and plan.
+
+        The batch count is restored too, so the stages' random streams continue where they stopped; a
+        checkpoint saved with another ``seed`` loads with a warning (training continues on other streams).
+        """
         self.finish()
         trainer, states = checkpoint.read(path, self._identity(), list(self.stages))
         for r in self._runtime.runners:
             r.load_state_dict(states[r.index])
         self.batches = int(trainer["batches"])
+        if "seed" in trainer and trainer["seed"] != self.seed:
+            warnings.warn(f"checkpoint {str(path)!r} was trained with seed={trainer['seed']!r}; this trainer has "
+                          f"seed={self.seed!r}, so dropout and other training randomness continue on other "
+                          f"streams than an uninterrupted run (build the trainer with seed={trainer['seed']!r} "
+                          f"to continue it exactly)", stacklevel=2)
         self._runtime.barrier()
 
     def close(self) -> None:
