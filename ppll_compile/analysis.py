@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +17,7 @@ from .capture import capture
 from .cost import META_KEY, OPTIMIZER_STATES, measure_graph
 from .cuts import Cut, legal_cuts
 from .errors import CutError
+from .layout import layout_of
 from .options import PlanOptions
 from .phases import phase
 from .plan import TensorSpec
@@ -83,6 +84,8 @@ class Analysis:
     """The front end that captured the graph: ``fx`` or ``export``."""
     notes: list[str] = field(default_factory=list)
     """What the plan should tell the user about the capture and the cuts."""
+    dropped: dict[str, str] = field(default_factory=dict)
+    """Legal cuts taken out of :attr:`cuts` (node name -> why), so that naming one gets the reason."""
 
     def segment_nodes(self, first: int, last: int) -> list[fx.Node]:
         """Nodes of atomic segments ``first..last`` (inclusive), excluding the output node."""
@@ -118,8 +121,35 @@ class Analysis:
         return {n.name: n for n in self.nodes}
 
     def boundary(self, cut: Cut) -> tuple[TensorSpec, ...]:
-        """The values that cross ``cut``, main tensor first."""
-        return tuple(dataclasses.replace(self.by_name[name].meta[META_KEY].value, name=name) for name in cut.boundary)
+        """The values that cross ``cut``, main tensor first; a 4-D main tensor's layout is read off the graph."""
+        specs = [dataclasses.replace(self.by_name[name].meta[META_KEY].value, name=name) for name in cut.boundary]
+        if len(specs[0].shape) == 4:
+            specs[0] = dataclasses.replace(specs[0], layout=layout_of(self.by_name[cut.node], self.gm))
+        return tuple(specs)
+
+    @property
+    def per_token(self) -> bool:
+        """Whether the labels are per token: the model's output is ``N x L x C`` scores (a language model,
+        token classification), so every head gives per-token scores."""
+        out = self.output_spec()
+        return out is not None and len(out.shape) == 3 and out.dtype not in ("int64", "int32", "bool")
+
+    def keep_cuts(self, fits: Callable[[TensorSpec], bool], why: str) -> None:
+        """Drop the cuts whose main boundary tensor ``fits`` refuses (no head reads it); a note counts them."""
+        kept, dropped = [], {}
+        for c in self.cuts:
+            spec = self.boundary(c)[0]
+            if fits(spec):
+                kept.append(c)
+            else:
+                layout = f" {spec.layout}" if spec.layout else ""
+                dropped[c.node] = f"{len(spec.shape)}-D {tuple(spec.shape)}{layout}"
+        if dropped:
+            shapes = sorted(set(dropped.values()))
+            self.notes.append(f"{len(dropped)} of {len(self.cuts)} legal cuts dropped: {why} their tensors "
+                              f"({', '.join(shapes[:4])}{' ...' if len(shapes) > 4 else ''})")
+        self.cuts = kept
+        self.dropped = {**self.dropped, **{k: f"{why} its tensor, {v}" for k, v in dropped.items()}}
 
     def output_spec(self) -> TensorSpec | None:
         """The model's output when it is one tensor (or, captured by ``torch.export``, its first tensor: the
@@ -137,6 +167,9 @@ class Analysis:
         legal = {c.node: i for i, c in enumerate(self.cuts)}
         if name in legal:
             return legal[name]
+        if name in self.dropped:
+            raise CutError(f"cannot cut after {name!r}: {self.dropped[name]}; nearest usable cuts: "
+                           f"{self._nearest_cuts(name)}")
         node = next((n for n in self.nodes if n.op == "call_module" and n.target == name), None)
         if node is None:
             inside = [n for n in self.nodes if module_path(n) == name or module_path(n).startswith(name + ".")]
@@ -207,14 +240,13 @@ def _example(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwa
 def _num_classes(model: nn.Module, out: TensorSpec | None, given: int | None, needed: bool) -> int:
     if given is not None:
         return given
-    logits = out is not None and len(out.shape) == 2
-    if logits:
-        return out.shape[1]  # type: ignore[union-attr]
+    if out is not None and len(out.shape) in (2, 3):  # N x C, or N x L x C per token
+        return out.shape[-1]
     if not needed:
         return 0
     raise ValueError(f"cannot infer the number of classes: {type(model).__name__} returns "
                      f"{'shape ' + str(list(out.shape)) if out else 'a structured output'}, "
-                     "not N x classes logits; pass num_classes=...")
+                     "not N x classes (or N x tokens x classes) scores; pass num_classes=...")
 
 
 def analyse(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwargs: dict[str, Any] | None,

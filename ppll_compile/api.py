@@ -71,8 +71,9 @@ def _plan_ppll(model: nn.Module, example_inputs: Sequence[Any] | None, example_k
                opts: PlanOptions, saved: SavedPlan | None) -> tuple[Plan, Analysis, Policy]:
     """The ``ppll`` steps: analyse, choose heads, cost the segments, lay out the stages, assemble the plan."""
     a = analyse(model, example_inputs, example_kwargs, opts, saved.inputs if saved is not None else None)
-    notes = list(a.notes)
     policy = load_policy(opts.policy)
+    a.keep_cuts(lambda spec: policy.fits(spec, a.per_token), f"no head of policy {policy.name!r} reads")
+    notes = list(a.notes)
     request = stage_request(a, opts, saved)
     heads = _heads(a, request, saved, policy, opts.optimizer)
     costs = segment_costs(a, heads, policy, opts, notes)
@@ -91,10 +92,11 @@ def _heads(a: Analysis, request: StageRequest, saved: SavedPlan | None, policy: 
     for i in candidates:
         spec = a.boundary(a.cuts[i])[0]
         config = configs.get(i)
-        key = (spec.shape, spec.dtype, repr(config))
+        key = (spec.shape, spec.dtype, spec.layout, repr(config))
         if key not in measured:
             try:
-                measured[key] = head_spec(policy, config, spec, a.num_classes, input_shape, optimizer)
+                measured[key] = head_spec(policy, config, spec, a.num_classes, input_shape, optimizer,
+                                          per_token=a.per_token)
             except PolicyError as e:
                 raise PolicyError(f"cut after {a.cuts[i].node!r}: {e}") from None
         heads[i] = measured[key]

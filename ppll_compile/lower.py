@@ -103,6 +103,7 @@ def lower_ppll(model: nn.Module, plan: Plan, a: Analysis, policy: Policy) -> Low
     for st, sp in zip(stages, plan.stages):
         st.to(sp.device)
         heads.append(None if sp.is_last else
-                     head_for(policy, sp.head.config, sp.boundary[0], a.num_classes, input_shape)[0].to(sp.device))
+                     head_for(policy, sp.head.config, sp.boundary[0], a.num_classes, input_shape,
+                              per_token=a.per_token)[0].to(sp.device))
     return Lowered(modules=tuple(stages), heads=tuple(heads), devices=tuple(torch.device(d) for d in plan.devices),
                    inputs=model_inputs(model, a.gm, a.fixed_args))

@@ -95,17 +95,38 @@ class Inputs:
     """Arguments traced at their default value (constants in the graph): a call must not change them."""
 
     def bind(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
-        """The model inputs in stage 0's order, from a call with the model's own signature."""
+        """The model inputs in stage 0's order, from a call with the model's own signature.
+
+        An argument captured as a constant may be left out (it keeps its captured value) or passed with that
+        same value; another value is an error, as the stages cannot compute it.
+        """
         try:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError as e:
             raise TypeError(f"{self.model}: {e}") from None
-        bound.apply_defaults()
-        for name, default in self.fixed.items():
-            if bound.arguments.get(name, default) is not default:
-                raise TypeError(f"{self.model} was compiled with {name}={default!r} fixed; "
-                                f"compile again with {name} in example_kwargs to pass it")
+        for name, value in bound.arguments.items():
+            if name in self.fixed and not _same(value, self.fixed[name]):
+                raise TypeError(f"{self.model} was compiled with {name}={self.fixed[name]!r}, a constant of the "
+                                f"captured graph, and is called with {name}={value!r}; compile again with "
+                                f"{name}={value!r} in example_kwargs (or a tensor there, to make it an input)")
+        missing = [n for n in self.names if n not in bound.arguments]
+        if missing:
+            raise TypeError(f"{self.model} was compiled with {', '.join(missing)} as input(s) of the graph, but "
+                            f"the call does not pass {'it' if len(missing) == 1 else 'them'}; pass "
+                            f"{', '.join(missing)}, or compile without {'it' if len(missing) == 1 else 'them'}")
         return tuple(bound.arguments[n] for n in self.names)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether a call's argument equals the constant it was captured as (tensors are never constants)."""
+    if a is b:
+        return True
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return False
+    try:
+        return bool(a == b) and type(a) is type(b)
+    except Exception:  # noqa: BLE001 - objects whose == does not give a truth value
+        return False
 
 
 @dataclass(frozen=True, eq=False)

@@ -5,8 +5,9 @@ it reads is frozen into the graph. Capturing in both modes and lining the two gr
 exactly what the mode changes. Where only constant arguments differ (``dropout(x, p, training=True)`` vs
 ``False``, ``batch_norm(..., training)``, ``dropout_p=0.1`` vs ``0.0``), the node becomes a
 :class:`TrainEval` module call that takes the train or eval arguments by its own ``training`` flag, which
-``model.train()`` / ``model.eval()`` set on every stage. Nodes that only one mode runs and whose result
-nothing uses (BatchNorm's batch counter) run in that mode only. Anything else is a *structural*
+``model.train()`` / ``model.eval()`` set on every stage. Nodes that only the train mode runs and whose result
+nothing uses (BatchNorm's batch counter) run in train mode only; train-only copies that change no value
+(a ``contiguous()``) pass their input through in eval mode. Anything else is a *structural*
 difference (a branch on ``self.training`` that changes the computation); it is reported to the caller.
 """
 
@@ -17,12 +18,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.fx as fx
 from torch import nn
 
 __all__ = ["TrainEval", "Merge", "merge_modes"]
 
 _SKIP = None
+_PASS = "pass"
+"""The eval-mode call of a train-only copy (``contiguous``, ``clone``): its input, unchanged."""
+_COPIES = ("contiguous", "clone", "alias")
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,8 @@ class _Slot:
 def _fill(template: Any, values: Sequence[Any]) -> Any:
     if isinstance(template, _Slot):
         return values[template.index]
+    if isinstance(template, slice):
+        return slice(*_fill((template.start, template.stop, template.step), values))
     if isinstance(template, (tuple, list)):
         filled = [_fill(t, values) for t in template]
         return tuple(filled) if isinstance(template, tuple) else filled
@@ -47,7 +54,8 @@ class TrainEval(nn.Module):
     """One captured operation whose constant arguments depend on the mode: it follows ``self.training``.
 
     ``train`` and ``eval`` are ``(args, kwargs)`` templates whose input values are :class:`_Slot` markers,
-    or ``None`` where that mode does not run the operation at all (the call then returns ``None``).
+    or ``None`` where that mode does not run the operation at all (the call then returns ``None``), or
+    ``"pass"`` where that mode skips a copy (the call returns its first input).
     """
 
     def __init__(self, op: str, target: Any, train: tuple[Any, Any] | None, eval: tuple[Any, Any] | None) -> None:
@@ -59,6 +67,8 @@ class TrainEval(nn.Module):
         call = self.calls[self.training]
         if call is _SKIP:
             return None
+        if call == _PASS:
+            return values[0]
         args, kwargs = _fill(call[0], values), _fill(call[1], values)
         if self.op == "call_method":
             return getattr(args[0], self.target)(*args[1:], **kwargs)
@@ -87,13 +97,18 @@ def _key(n: fx.Node) -> tuple[str, str]:
 def _template(train_args: Any, eval_args: Any, pair: dict[fx.Node, fx.Node], slots: dict[fx.Node, int]
               ) -> tuple[Any, Any, bool] | None:
     """Templates of a train and an eval argument structure, and whether a constant differs; ``None`` when the
-    two structures differ in which values they read."""
+    two structures differ in which values they read. ``pair`` maps eval nodes to the train nodes computing the
+    same value in their mode (a train-only copy stands for the node it copies)."""
     if isinstance(train_args, fx.Node) or isinstance(eval_args, fx.Node):
         if not (isinstance(train_args, fx.Node) and isinstance(eval_args, fx.Node)) \
-                or pair.get(eval_args) is not train_args:
+                or pair.get(eval_args) not in (train_args, pair.get(train_args, train_args)):
             return None
         slot = _Slot(slots.setdefault(train_args, len(slots)))
         return slot, slot, False
+    if isinstance(train_args, slice) and isinstance(eval_args, slice):
+        parts = _template((train_args.start, train_args.stop, train_args.step),
+                          (eval_args.start, eval_args.stop, eval_args.step), pair, slots)
+        return None if parts is None else (slice(*parts[0]), slice(*parts[1]), parts[2])
     if isinstance(train_args, (tuple, list)) and isinstance(eval_args, (tuple, list)):
         if len(train_args) != len(eval_args):
             return None
@@ -115,11 +130,30 @@ def _template(train_args: Any, eval_args: Any, pair: dict[fx.Node, fx.Node], slo
     return train_args, eval_args, bool(differs)
 
 
+def _call(n: fx.Node) -> tuple[Any, Any]:
+    """A node's ``(args, kwargs)``, with the positional defaults an ATen operator's schema leaves out filled
+    in (``torch.export`` omits an argument at its default, e.g. ``dropout_p=0.0`` in eval mode only)."""
+    args, kwargs = tuple(n.args), dict(n.kwargs)
+    schema = getattr(n.target, "_schema", None) if isinstance(n.target, torch._ops.OpOverload) else None
+    if schema is not None:
+        for a in schema.arguments[len(args):]:
+            if a.kwarg_only or a.name in kwargs or not a.has_default_value():
+                break
+            args += (a.default_value,)
+    return args, kwargs
+
+
 def _unused(block: Sequence[fx.Node]) -> bool:
     """Whether nothing outside ``block`` uses its results (side effects such as a buffer update)."""
     inside = set(block)
     return all(u in inside for n in block for u in n.users) and all(n.op in ("call_function", "call_method")
                                                                      for n in block)
+
+
+def _copy(n: fx.Node) -> bool:
+    """Whether ``n`` copies its one tensor input without changing a value."""
+    name = str(getattr(n.target, "__name__", n.target)).split(".")[0]
+    return n.op in ("call_function", "call_method") and name in _COPIES and len(n.all_input_nodes) == 1
 
 
 def _switch(gm: fx.GraphModule, node: fx.Node, train: tuple[Any, Any] | None, eval: tuple[Any, Any] | None,
@@ -148,7 +182,7 @@ def merge_modes(train: fx.GraphModule, eval: fx.GraphModule) -> Merge:
             for a, b in zip(tn[i1:i2], en[j1:j2]):
                 pair[b] = a
                 slots: dict[fx.Node, int] = {}
-                t = _template((a.args, a.kwargs), (b.args, b.kwargs), pair, slots)
+                t = _template(_call(a), _call(b), pair, slots)
                 if t is None:
                     structural.append(a)
                 elif t[2]:
@@ -158,12 +192,16 @@ def merge_modes(train: fx.GraphModule, eval: fx.GraphModule) -> Merge:
                     changes.append((a, t[0], t[1], list(slots)))
         elif tag == "delete" and _unused(tn[i1:i2]):
             changes += [(a, (a.args, a.kwargs), _SKIP, []) for a in tn[i1:i2]]
+        elif tag == "delete" and all(_copy(a) for a in tn[i1:i2]):
+            changes += [(a, (a.args, a.kwargs), _PASS, []) for a in tn[i1:i2]]
+            for a in tn[i1:i2]:  # an eval node reading the copied value reads the copy in train mode
+                pair[a] = a.all_input_nodes[0]
         else:
             structural += tn[i1:i2] or en[j1:j2]
     if structural:
         return Merge(switched=[], structural=structural)
     for i, (node, t, e, inputs) in enumerate(changes):
-        if e is _SKIP:  # a train-only node: its template reads its own input nodes directly
+        if e is _SKIP or e == _PASS:  # a train-only node: its template reads its own input nodes directly
             slots = {}
             t = _template((node.args, node.kwargs), (node.args, node.kwargs), {n: n for n in node.all_input_nodes},
                           slots)[0]  # type: ignore[index]

@@ -89,9 +89,10 @@ def time_segments(a: Analysis, heads: Mapping[int, HeadSpec], policy: Policy,
                     values = seg(*xs)
                 if i in heads:
                     head = head_for(policy, heads[i].config, a.boundary(a.cuts[i])[0], a.num_classes,
-                                    input_shape)[0].to(device)
+                                    input_shape, per_token=a.per_token)[0].to(device)
                     h = values[0].detach()
-                    y = torch.randint(0, a.num_classes, (h.shape[0],), device=device)
+                    labels = h.shape[:2] if a.per_token else h.shape[:1]
+                    y = torch.randint(0, a.num_classes, labels, device=device)
                     head_times[i] = time_callable(lambda: head_loss(head, h, y, first_input).backward(),
                                                   device=device)
     finally:

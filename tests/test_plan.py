@@ -249,7 +249,8 @@ def test_input_and_classes_that_cannot_be_inferred():
     with pytest.raises(ValueError, match=re.escape("cannot infer an input shape for Odd; pass example_inputs")):
         ppll_compile.plan(Odd(), gpus=2)
     with pytest.raises(ValueError, match=re.escape("cannot infer the number of classes: DictOut returns a "
-                                                   "structured output, not N x classes logits; pass num_classes")):
+                                                   "structured output, not N x classes (or N x tokens x classes) "
+                                                   "scores; pass num_classes")):
         ppll_compile.plan(DictOut(), gpus=2, example_inputs=(torch.randn(2, 4),))
 
 
@@ -316,6 +317,8 @@ def test_dict_output_and_fixed_keyword_through_the_pipeline():
     assert set(got) == {"logits", "features"}
     for k in expected:
         torch.testing.assert_close(got[k], expected[k])
-    with pytest.raises(TypeError, match=re.escape("DictOut was compiled with scale=None fixed; compile again "
-                                                  "with scale in example_kwargs to pass it")):
+    with pytest.raises(TypeError, match=re.escape("DictOut was compiled with scale=None, a constant of the captured "
+                                                  "graph, and is called with scale=2.0; compile again with "
+                                                  "scale=2.0 in example_kwargs")):
         c(x, scale=2.0)
+    torch.testing.assert_close(c(x, scale=None)["logits"], expected["logits"])  # the captured value is fine
