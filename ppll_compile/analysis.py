@@ -134,22 +134,56 @@ class Analysis:
         out = self.output_spec()
         return out is not None and len(out.shape) == 3 and out.dtype not in ("int64", "int32", "bool")
 
-    def keep_cuts(self, fits: Callable[[TensorSpec], bool], why: str) -> None:
-        """Drop the cuts whose main boundary tensor ``fits`` refuses (no head reads it); a note counts them."""
+    def keep_cuts(self, reason: Callable[[Cut], str | None], summary: str) -> None:
+        """Drop the cuts for which ``reason`` gives a reason (``None`` keeps the cut); a note counts them."""
         kept, dropped = [], {}
         for c in self.cuts:
-            spec = self.boundary(c)[0]
-            if fits(spec):
+            why = reason(c)
+            if why is None:
                 kept.append(c)
             else:
-                layout = f" {spec.layout}" if spec.layout else ""
-                dropped[c.node] = f"{len(spec.shape)}-D {tuple(spec.shape)}{layout}"
+                dropped[c.node] = why
         if dropped:
-            shapes = sorted(set(dropped.values()))
-            self.notes.append(f"{len(dropped)} of {len(self.cuts)} legal cuts dropped: {why} their tensors "
-                              f"({', '.join(shapes[:4])}{' ...' if len(shapes) > 4 else ''})")
+            whys = sorted(set(dropped.values()))
+            self.notes.append(f"{len(dropped)} of {len(self.cuts)} legal cuts dropped: {summary} "
+                              f"({'; '.join(whys[:3])}{' ...' if len(whys) > 3 else ''})")
         self.cuts = kept
-        self.dropped = {**self.dropped, **{k: f"{why} its tensor, {v}" for k, v in dropped.items()}}
+        self.dropped = {**self.dropped, **dropped}
+
+    def shared_parameters(self) -> list[tuple[int, int, tuple[str, ...]]]:
+        """Parameters that nodes at different places use (a module called at two depths, tied weights): per
+        tensor, its first and last use in graph order and every name it goes by."""
+        ident = {name: id(p) for name, p in self.gm.named_parameters(remove_duplicate=False)}
+        order = {n: i for i, n in enumerate(self.nodes)}
+        uses: dict[Any, list[int]] = {}
+        names: dict[Any, set[str]] = {}
+        for i, n in enumerate(self.nodes):
+            cost = n.meta.get(META_KEY)
+            at = [order[u] for u in n.users] if n.op == "get_attr" else [i]  # a parameter read where it is used
+            for name in (cost.params if cost is not None else ()):
+                key = ident.get(name, name)
+                uses.setdefault(key, []).extend(at)
+                names.setdefault(key, set()).add(name)
+        return [(min(u), max(u), tuple(sorted(names[k]))) for k, u in uses.items() if u and min(u) != max(u)]
+
+    def drop_shared_cuts(self) -> None:
+        """Drop the cuts that would put one parameter into two stages (``tied='error'``)."""
+        spans = self.shared_parameters()
+
+        def reason(cut: Cut) -> str | None:
+            crossing = [names for lo, hi, names in spans if lo <= cut.position < hi]
+            return (f"parameter {' = '.join(crossing[0])} is used on both sides of it, so two stages would train "
+                    f"one tensor (tied='untie' gives each stage its own copy)") if crossing else None
+
+        self.keep_cuts(reason, "parameters used on both sides")
+
+    def dropped_summary(self) -> str:
+        """Why cuts were dropped, for an error that finds too few of them ('' when none were)."""
+        if not self.dropped:
+            return ""
+        whys = sorted(set(self.dropped.values()))
+        return (f"; {len(self.dropped)} candidate cut(s) were dropped ({'; '.join(whys[:3])}"
+                f"{' ...' if len(whys) > 3 else ''})")
 
     def output_spec(self) -> TensorSpec | None:
         """The model's output when it is one tensor (or, captured by ``torch.export``, its first tensor: the

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ from .options import PlanOptions
 from .partition import StageRequest, ppll_layout, segment_costs, stage_request
 from .pipebd.build import compile_pipebd, plan_pipebd
 from .pipeline import CompiledPipeline
-from .plan import HeadSpec, Plan
+from .plan import HeadSpec, Plan, TensorSpec
 from .policy import Policy, load_policy
 
 __all__ = ["plan", "compile"]
@@ -64,7 +66,8 @@ def compile(model: nn.Module, gpus: int | None = None, *, teacher: nn.Module | N
                               blocks or (saved and saved.blocks))
     check_no_blocks(blocks)
     result, a, policy = _plan_ppll(model, example_inputs, example_kwargs, opts, saved)
-    return CompiledPipeline(model=model, graph_module=a.gm, plan=result, lowered=lower_ppll(model, result, a, policy))
+    lowered = lower_ppll(model, result, a, policy, untie=opts.tied == "untie")
+    return CompiledPipeline(model=model, graph_module=a.gm, plan=result, lowered=lowered)
 
 
 def _plan_ppll(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwargs: dict[str, Any] | None,
@@ -72,13 +75,35 @@ def _plan_ppll(model: nn.Module, example_inputs: Sequence[Any] | None, example_k
     """The ``ppll`` steps: analyse, choose heads, cost the segments, lay out the stages, assemble the plan."""
     a = analyse(model, example_inputs, example_kwargs, opts, saved.inputs if saved is not None else None)
     policy = load_policy(opts.policy)
-    a.keep_cuts(lambda spec: policy.fits(spec, a.per_token), f"no head of policy {policy.name!r} reads")
+    if opts.tied == "error":
+        a.drop_shared_cuts()
+    a.keep_cuts(lambda c: None if policy.fits(a.boundary(c)[0], a.per_token) else _shape(a.boundary(c)[0]),
+                f"no head of policy {policy.name!r} reads their tensors")
     notes = list(a.notes)
     request = stage_request(a, opts, saved)
     heads = _heads(a, request, saved, policy, opts.optimizer)
     costs = segment_costs(a, heads, policy, opts, notes)
     layout = ppll_layout(costs, request, opts)
-    return assemble_ppll(type(model).__name__, a, heads, costs, layout, opts, policy.name, notes), a, policy
+    result = assemble_ppll(type(model).__name__, a, heads, costs, layout, opts, policy.name, notes)
+    untied = _untied(a, result)
+    return (dataclasses.replace(result, notes=(*result.notes, *untied)) if untied else result), a, policy
+
+
+def _shape(spec: TensorSpec) -> str:
+    return f"{len(spec.shape)}-D {tuple(spec.shape)}" + (f" {spec.layout}" if spec.layout else "")
+
+
+def _untied(a: Analysis, plan: Plan) -> list[str]:
+    """Notes on the parameters stages use on both sides of a chosen cut (``tied='untie'``)."""
+    order = {n.name: i for i, n in enumerate(a.nodes)}
+    ends = [order[c] for c in plan.cuts]
+    by_stages: dict[tuple[int, int], list[str]] = {}
+    for lo, hi, names in a.shared_parameters():
+        first, last = bisect.bisect_left(ends, lo), bisect.bisect_left(ends, hi)
+        if first != last:
+            by_stages.setdefault((first, last), []).append(" = ".join(names))
+    return [f"tied parameter(s) {', '.join(names)} used by stages {first} to {last}: untied, each stage trains its "
+            f"own copy; the model keeps stage {first}'s" for (first, last), names in sorted(by_stages.items())]
 
 
 def _heads(a: Analysis, request: StageRequest, saved: SavedPlan | None, policy: Policy,

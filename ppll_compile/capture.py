@@ -73,6 +73,6 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dic
         if fx_error is None:
             raise
         raise TraceError(f"{fx_error}\nThe other front end, torch.export, cannot capture it either: {e}") from e
-    reason = f" (symbolic tracing failed: {str(fx_error).splitlines()[0]})" if fx_error is not None else ""
+    reason = f" (symbolic tracing cannot take it: {str(fx_error).split(';')[0]})" if fx_error is not None else ""
     return Capture(gm=gm, inputs=tuple(values.values()), fixed=fixed, tracer="export",
                    notes=[f"captured with torch.export{reason}", *notes])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import copy
 import inspect
 from collections.abc import Sequence
 from typing import Any
@@ -25,8 +26,12 @@ from .trace import quiet
 __all__ = ["split_stages", "model_inputs", "lower_ppll"]
 
 
-def split_stages(gm: fx.GraphModule, cuts: Sequence[Cut]) -> list[Stage]:
-    """Split ``gm`` after each of ``cuts`` (legal cuts, in graph order) into :class:`Stage` modules."""
+def split_stages(gm: fx.GraphModule, cuts: Sequence[Cut], *, untie: bool = False) -> list[Stage]:
+    """Split ``gm`` after each of ``cuts`` (legal cuts, in graph order) into :class:`Stage` modules.
+
+    A parameter that a later stage uses too (a module called at two depths, tied weights) stays with the
+    first stage that uses it; with ``untie`` the later stage trains its own copy, else that is an error.
+    """
     nodes = list(gm.graph.nodes)
     for n in nodes:
         n.meta[SOURCE_NAME] = n.name
@@ -44,6 +49,7 @@ def split_stages(gm: fx.GraphModule, cuts: Sequence[Cut]) -> list[Stage]:
         top = split_module(gm, gm, partition, keep_original_order=True)
         calls = {n.target: n for n in top.graph.nodes if n.op == "call_module"}
         subs = [_own_parameters(getattr(top, f"submod_{i}"), calls[f"submod_{i}"], gm) for i in range(len(cuts) + 1)]
+    _untie(subs, untie)
     output = nodes[-1]
     placeholders = tuple(n.name for n in nodes if n.op == "placeholder")
     stages = []
@@ -75,6 +81,36 @@ def _own_parameters(sub: fx.GraphModule, call: fx.Node, gm: fx.GraphModule) -> f
     return fx.GraphModule(attrs, graph, class_name=type(sub).__name__)
 
 
+def _untie(subs: Sequence[fx.GraphModule], untie: bool) -> None:
+    """Give each stage its own copy of the parameters an earlier stage holds (or refuse, without ``untie``).
+
+    A shared module a later stage calls is replaced there by a deep copy; a shared parameter it reads by a
+    clone. The model keeps the objects of the first stage that uses them.
+    """
+    owner: dict[int, int] = {}
+    for i, sub in enumerate(subs):
+        for name, p in sub.named_parameters():
+            if id(p) in owner and not untie:
+                raise PlanError(f"stages {owner[id(p)]} and {i} both use parameter {name!r}: two optimizers would "
+                                f"train one tensor. Pass tied='untie' to give stage {i} its own copy, or cut "
+                                f"elsewhere")
+        for n in sub.graph.nodes:
+            if n.op not in ("call_module", "get_attr"):
+                continue
+            obj = _attr(sub, sub, str(n.target))
+            if isinstance(obj, nn.Module) and any(id(p) in owner for p in obj.parameters()):
+                _set_attr(sub, str(n.target), copy.deepcopy(obj))
+            elif isinstance(obj, nn.Parameter) and id(obj) in owner:
+                _set_attr(sub, str(n.target), nn.Parameter(obj.detach().clone(), requires_grad=obj.requires_grad))
+        owner.update((id(p), i) for p in sub.parameters() if id(p) not in owner)
+
+
+def _set_attr(sub: nn.Module, target: str, value: Any) -> None:
+    """Point ``sub``'s attribute path ``target`` at ``value`` (``sub``'s containers are its own)."""
+    parent, _, name = target.rpartition(".")
+    setattr(sub.get_submodule(parent) if parent else sub, name, value)
+
+
 def _attr(sub: nn.Module, gm: nn.Module, target: str) -> Any:
     """An attribute a stage reads: the submodule's own copy reference, else the original model's."""
     for root in (sub, gm):
@@ -94,10 +130,13 @@ def model_inputs(model: nn.Module, gm: fx.GraphModule, fixed: dict[str, Any]) ->
                   names=tuple(n.target for n in gm.graph.nodes if n.op == "placeholder"))
 
 
-def lower_ppll(model: nn.Module, plan: Plan, a: Analysis, policy: Policy) -> Lowered:
-    """The stage modules of a ``ppll`` plan and the auxiliary head of every stage but the last, on their devices."""
+def lower_ppll(model: nn.Module, plan: Plan, a: Analysis, policy: Policy, *, untie: bool = False) -> Lowered:
+    """The stage modules of a ``ppll`` plan and the auxiliary head of every stage but the last, on their devices.
+
+    ``untie``: a parameter used on both sides of a cut is copied into the later stage (``tied='untie'``).
+    """
     by_name = {c.node: c for c in a.cuts}
-    stages = split_stages(a.gm, [by_name[c] for c in plan.cuts])
+    stages = split_stages(a.gm, [by_name[c] for c in plan.cuts], untie=untie)
     input_shape = a.inputs[0].shape if a.inputs else None
     heads: list[nn.Module | None] = []
     for st, sp in zip(stages, plan.stages):
