@@ -266,7 +266,9 @@ def _example(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwa
     kwargs = dict(example_kwargs or {})
     first = next((x for x in (*example_inputs, *kwargs.values()) if isinstance(x, Tensor) and x.dim() > 0), None)
     if first is None:
-        raise ValueError("example_inputs must contain at least one tensor with a batch dimension")
+        raise ValueError("example_inputs must contain at least one tensor with a batch dimension: a pipeline "
+                         "passes batches of tensors from stage to stage, so a model whose inputs are all Python "
+                         "scalars (or 0-D tensors) cannot be split; give it a batched tensor input")
     batch = batch_size or first.shape[0]
     return tuple(_at_batch(x, batch) for x in example_inputs), {k: _at_batch(v, batch) for k, v in kwargs.items()}
 

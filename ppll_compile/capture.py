@@ -15,7 +15,25 @@ from .export import export
 from .options import TRACERS
 from .trace import check_leaf_names, fixed_arguments, trace
 
-__all__ = ["Capture", "capture"]
+__all__ = ["Capture", "capture", "BUFFER_OWNERS"]
+
+BUFFER_OWNERS = "ppll_buffer_owners"
+"""``GraphModule.meta`` key: for every buffer the graph reads by attribute, the model's module that holds it and
+its name there, so that a stage moved to a device can point the model at the moved buffer."""
+
+
+def _buffer_owners(model: nn.Module, gm: fx.GraphModule) -> dict[str, tuple[nn.Module, str]]:
+    owners = {}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            path, _, name = str(n.target).rpartition(".")
+            try:
+                owner = model.get_submodule(path)
+            except AttributeError:
+                continue
+            if name in owner._buffers:
+                owners[str(n.target)] = (owner, name)
+    return owners
 
 
 @dataclass
@@ -56,6 +74,7 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dic
         try:
             gm = trace(model, example_inputs=example_inputs, example_kwargs=example_kwargs,
                        leaf_modules=leaf_modules, split_points=split_points, bake_train_mode=bake_train_mode)
+            gm.meta[BUFFER_OWNERS] = _buffer_owners(model, gm)
             return Capture(gm=gm, inputs=tuple(values.values()), fixed=fixed, tracer="fx")
         except TraceError as e:
             if tracer == "fx":
@@ -73,6 +92,7 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dic
         if fx_error is None:
             raise
         raise TraceError(f"{fx_error}\nThe other front end, torch.export, cannot capture it either: {e}") from e
+    gm.meta[BUFFER_OWNERS] = _buffer_owners(model, gm)
     reason = f" (symbolic tracing cannot take it: {str(fx_error).split(';')[0]})" if fx_error is not None else ""
     return Capture(gm=gm, inputs=tuple(values.values()), fixed=fixed, tracer="export",
                    notes=[f"captured with torch.export{reason}", *notes])

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,7 +15,7 @@ from torch import nn
 
 from .errors import TraceError
 from .modes import merge_modes
-from .trace import in_mode, module_path, quiet
+from .trace import in_mode, module_path, quiet, warned
 
 __all__ = ["export", "OUTPUT_SPEC"]
 
@@ -24,8 +26,13 @@ dict) from the exported graph's flat outputs."""
 
 def _export_once(model: nn.Module, kwargs: dict[str, Any], dynamic: Any,
                  training: bool) -> torch.export.ExportedProgram:
-    with in_mode(model, training), quiet():
-        return torch.export.export(model, (), kwargs, dynamic_shapes=dynamic, strict=False)
+    # torch.export prints the partial graph of a failed capture to stderr; the error says what matters
+    with in_mode(model, training), quiet() as caught, contextlib.redirect_stderr(io.StringIO()):
+        try:
+            return torch.export.export(model, (), kwargs, dynamic_shapes=dynamic, strict=False)
+        except Exception as e:
+            e.add_note(warned(caught))
+            raise
 
 
 def _attr(model: nn.Module, unlifted: nn.Module, target: str) -> Any:
@@ -85,7 +92,8 @@ def export(model: nn.Module, inputs: dict[str, torch.Tensor], fixed: dict[str, A
             programs = [_export_once(model, kwargs, None, mode) for mode in (True, False)]
         except Exception as e:
             raise TraceError(f"torch.export cannot capture {type(model).__name__}: {type(e).__name__}: "
-                             f"{str(e).splitlines()[0] if str(e) else ''}") from e
+                             f"{str(e).splitlines()[0] if str(e) else ''}{''.join(getattr(e, '__notes__', []))}"
+                             ) from e
         batch = next(iter(inputs.values())).shape[0]
         notes.append(f"torch.export fixed the batch size: the stages take batches of exactly {batch}")
     train, eval = (_graph_module(model, ep, list(inputs)) for ep in programs)

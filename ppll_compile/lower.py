@@ -16,6 +16,7 @@ from torch.fx.passes.split_module import split_module
 from .analysis import Analysis
 from .cuts import Cut
 from .errors import PlanError
+from .capture import BUFFER_OWNERS
 from .export import OUTPUT_SPEC
 from .heads import head_for
 from .lowered import SOURCE_NAME, Inputs, Lowered, Stage
@@ -58,7 +59,8 @@ def split_stages(gm: fx.GraphModule, cuts: Sequence[Cut], *, untie: bool = False
         last = i == len(cuts)
         stages.append(Stage(sub, index=i, inputs=ins, outputs=() if last else cuts[i].boundary,
                             result=output.args[0] if last else None,
-                            result_spec=gm.meta.get(OUTPUT_SPEC) if last else None))
+                            result_spec=gm.meta.get(OUTPUT_SPEC) if last else None,
+                            buffers=_model_buffers(sub, gm.meta.get(BUFFER_OWNERS, {}))))
     return stages
 
 
@@ -103,6 +105,12 @@ def _untie(subs: Sequence[fx.GraphModule], untie: bool) -> None:
             elif isinstance(obj, nn.Parameter) and id(obj) in owner:
                 _set_attr(sub, str(n.target), nn.Parameter(obj.detach().clone(), requires_grad=obj.requires_grad))
         owner.update((id(p), i) for p in sub.parameters() if id(p) not in owner)
+
+
+def _model_buffers(sub: fx.GraphModule, owners: dict[str, tuple[nn.Module, str]]) -> list[tuple[str, nn.Module, str]]:
+    """The buffers ``sub`` reads by attribute that belong to the model: (path in ``sub``, owner, name)."""
+    targets = {str(n.target) for n in sub.graph.nodes if n.op == "get_attr"}
+    return [(t, *owners[t]) for t in sorted(targets) if t in owners]
 
 
 def _set_attr(sub: nn.Module, target: str, value: Any) -> None:

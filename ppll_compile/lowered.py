@@ -48,8 +48,12 @@ class Stage(nn.Module):
     """
 
     def __init__(self, module: fx.GraphModule, *, index: int, inputs: Sequence[str], outputs: Sequence[str],
-                 result: Any = None, result_spec: pytree.TreeSpec | None = None):
+                 result: Any = None, result_spec: pytree.TreeSpec | None = None,
+                 buffers: Sequence[tuple[str, nn.Module, str]] = ()):
         super().__init__()
+        # (attribute path in ``module``, the model's module holding that buffer, its name there): moving the
+        # stage replaces buffer tensors, and the model must keep seeing the ones the stage updates
+        self._model_buffers = list(buffers)
         self._result_spec = result_spec  # rebuilds the model's output object from flat values (torch.export)
         self.module = module
         self.index = index
@@ -63,6 +67,12 @@ class Stage(nn.Module):
         self._sub_outputs = tuple(a.meta[SOURCE_NAME] for a in out) if isinstance(out, (tuple, list)) \
             else (out.meta[SOURCE_NAME],)
         self._single = not isinstance(out, (tuple, list))
+
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Stage:
+        super()._apply(fn, *args, **kwargs)
+        for path, owner, name in self._model_buffers:
+            owner._buffers[name] = self.module.get_buffer(path)
+        return self
 
     @property
     def is_last(self) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import inspect
+import logging
 import operator
 import traceback
 import warnings
@@ -20,7 +21,7 @@ from torch import nn
 from .errors import TraceError
 from .modes import merge_modes
 
-__all__ = ["trace", "module_path", "train_mode", "in_mode", "fixed_arguments", "quiet", "check_leaf_names"]
+__all__ = ["trace", "module_path", "train_mode", "in_mode", "fixed_arguments", "quiet", "warned", "check_leaf_names"]
 _TORCH_DIR = str(Path(torch.__file__).parent)
 _THIS_FILE = __file__
 
@@ -44,10 +45,16 @@ def train_mode(module: nn.Module) -> contextlib.AbstractContextManager[nn.Module
 
 @contextmanager
 def quiet() -> Iterator[list[warnings.WarningMessage]]:
-    """Hold back the warnings a capture emits (tracer and model chatter); the list is kept to explain a refusal."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        yield caught
+    """Hold back the warnings and log lines a capture emits (tracer and model chatter, torch.export's graph
+    dumps); the warnings are kept to explain a refusal."""
+    disabled = logging.root.manager.disable
+    logging.disable(max(disabled, logging.WARNING))
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield caught
+    finally:
+        logging.disable(disabled)
 
 
 def fixed_arguments(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dict[str, Any],
@@ -202,11 +209,11 @@ def _trace_in(model: nn.Module, training: bool, concrete: dict[str, Any], leaf_n
               leaf_types: tuple[type, ...], keep: set[str] | None) -> fx.GraphModule:
     """One symbolic trace of ``model`` in the given mode, with the fixed arguments' guards removed."""
     tracer = _Tracer(model, leaf_names, leaf_types, keep)
-    with in_mode(model, training), quiet():
+    with in_mode(model, training), quiet() as caught:
         try:
             graph = tracer.trace(model, concrete_args=concrete or None)
         except Exception as e:
-            raise TraceError(_explain(model, tracer.failed_module, e)) from e
+            raise TraceError(_explain(model, tracer.failed_module, e) + warned(caught)) from e
     gm = fx.GraphModule(model, graph, class_name=type(model).__name__)
     _drop_fixed_placeholders(gm, set(concrete))
     return gm
@@ -239,6 +246,12 @@ def _drop_fixed_placeholders(gm: fx.GraphModule, fixed: set[str]) -> None:
         changed = True
     if changed:
         gm.recompile()
+
+
+def warned(caught: Sequence[warnings.WarningMessage]) -> str:
+    """The distinct warnings a failed capture emitted, as lines to append to its error ('' when none)."""
+    lines = list(dict.fromkeys(f"{w.category.__name__}: {w.message}" for w in caught))
+    return "".join(f"\nWarned while capturing: {line}" for line in lines[:3])
 
 
 def _explain(model: nn.Module, failed_module: str | None, e: Exception) -> str:
