@@ -94,15 +94,21 @@ class Analysis:
         return self.nodes[lo:hi]
 
     def summary(self, nodes: Sequence[fx.Node], optimizer: str) -> Summary:
-        """FLOPs and memory of a run of nodes, counting shared parameters and saved storages once."""
+        """FLOPs and memory of a run of nodes, counting shared parameters and saved storages once; a parameter read
+        by a ``get_attr`` node counts with the nodes that use it, as lowering puts it into their stage."""
         params: dict[str, int] = {}
         saved: dict[str, int] = {}
         fwd = bwd = 0
         for n in nodes:
+            if n.op == "get_attr":
+                continue  # a parameter read by attribute counts where it is used (see below)
             c = n.meta[META_KEY]
             fwd += c.flops_fwd
             bwd += c.flops_bwd
             params.update(c.params)
+            for attr in n.all_input_nodes:
+                if attr.op == "get_attr":
+                    params.update(attr.meta[META_KEY].params)
             for k, b in c.saved.items():
                 saved[k] = max(saved.get(k, 0), b)
         pbytes = sum(self.param_bytes[p] for p in params)
@@ -112,8 +118,9 @@ class Analysis:
                        activation_bytes=sum(saved.values()))
 
     def trains(self, nodes: Sequence[fx.Node]) -> bool:
-        """Whether any of ``nodes`` uses a trainable parameter."""
-        return any(p in self.trainable for n in nodes for p in n.meta[META_KEY].params)
+        """Whether any of ``nodes`` uses a trainable parameter (directly, or read by attribute)."""
+        return any(p in self.trainable for n in nodes for m in (n, *n.all_input_nodes) if m.op != "placeholder"
+                   for p in m.meta[META_KEY].params)
 
     @functools.cached_property
     def by_name(self) -> dict[str, fx.Node]:

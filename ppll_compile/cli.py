@@ -26,7 +26,7 @@ from .api import compile, plan
 from .cost import OPTIMIZER_STATES
 from .errors import PPLLError
 from .model_file import load_model
-from .options import PROFILES, PlanOptions
+from .options import PROFILES, TIED, TRACERS, PlanOptions
 from .plan import Plan
 
 __all__ = ["main"]
@@ -155,6 +155,12 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--profile", choices=PROFILES, help="count FLOPs on fake tensors (default) or time on the device")
     g.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATES), help="optimizer whose state memory counts")
     g.add_argument("--split-points", type=_names, metavar="A,B", help="cut by hand after these modules or nodes")
+    g.add_argument("--tracer", choices=TRACERS, help="capture with torch.fx symbolic tracing, torch.export, or auto "
+                   "(fx, else export; default)")
+    g.add_argument("--tied", choices=TIED, help="a parameter used on both sides of a cut: error (drop such cuts, "
+                   "default) or untie (each stage its own copy)")
+    g.add_argument("--bake-train-mode", action="store_true", default=None,
+                   help="accept a forward that branches on self.training: keep the train branch in eval too")
     g.add_argument("--plan", metavar="PLAN.yaml", help="re-apply a saved (possibly hand-edited) plan")
     g = p.add_argument_group("output (default: --show)")
     g.add_argument("--show", action="store_true", help="print the stage table")
@@ -179,7 +185,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 _OPTION_FLAGS = ("gpus", "devices", "device_speeds", "memory_limit", "link_bandwidth", "flops_per_second",
-                 "policy", "batch_size", "partitioner", "profile", "optimizer", "split_points", "replicas")
+                 "policy", "batch_size", "partitioner", "profile", "optimizer", "split_points", "replicas", "tracer",
+                 "tied", "bake_train_mode")
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:

@@ -317,7 +317,7 @@ class _Measure(fx.Interpreter):
     def _attr_params(self, n: fx.Node) -> dict[str, int]:
         if n.op != "get_attr":
             return {}
-        t = self.fetch_attr(n.target)
+        t = super().fetch_attr(n.target)  # the real attribute: its fake is no Parameter
         return {str(n.target): t.numel()} if isinstance(t, nn.Parameter) else {}
 
     def _call_params(self, n: fx.Node) -> dict[str, int]:

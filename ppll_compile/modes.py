@@ -22,7 +22,10 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-__all__ = ["TrainEval", "Merge", "merge_modes"]
+__all__ = ["TrainEval", "Merge", "merge_modes", "SWITCH_PREFIX"]
+
+SWITCH_PREFIX = "ppll_mode_"
+"""Name prefix of the :class:`TrainEval` modules a merge adds to the graph module."""
 
 _SKIP = None
 _PASS = "pass"
@@ -159,7 +162,7 @@ def _copy(n: fx.Node) -> bool:
 def _switch(gm: fx.GraphModule, node: fx.Node, train: tuple[Any, Any] | None, eval: tuple[Any, Any] | None,
             inputs: Sequence[fx.Node], index: int) -> None:
     """Turn ``node`` in place into a call of a new :class:`TrainEval` module (its name and meta are kept)."""
-    name = f"ppll_mode_{index}"
+    name = f"{SWITCH_PREFIX}{index}"
     gm.add_submodule(name, TrainEval(node.op, node.target, train, eval))
     node.op, node.target = "call_module", name
     node.args, node.kwargs = tuple(inputs), {}

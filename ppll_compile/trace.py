@@ -19,7 +19,7 @@ import torch.fx as fx
 from torch import nn
 
 from .errors import TraceError
-from .modes import merge_modes
+from .modes import SWITCH_PREFIX, merge_modes
 
 __all__ = ["trace", "module_path", "train_mode", "in_mode", "fixed_arguments", "quiet", "warned", "check_leaf_names"]
 _TORCH_DIR = str(Path(torch.__file__).parent)
@@ -128,15 +128,16 @@ class _Tracer(fx.Tracer):
             raise
 
 
+_NO_MODULE = "_empty_nn_module_stack_from_metadata_hook"  # torch.export's entry for a node outside every module
+
+
 def module_path(node: fx.Node) -> str:
-    """Dotted path of the innermost module a traced node belongs to ('' for the model's own forward)."""
-    if node.op == "call_module":
+    """Dotted path of the innermost module a captured node belongs to ('' for the model's own forward)."""
+    if node.op == "call_module" and not str(node.target).startswith(SWITCH_PREFIX):
         return str(node.target)
-    stack = node.meta.get("nn_module_stack")
-    if stack:
-        path = list(stack.values())[-1]
-        return path[0] if isinstance(path, tuple) else str(path)
-    return ""
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = [v[0] if isinstance(v, tuple) else str(v) for k, v in stack.items() if k != _NO_MODULE]
+    return paths[-1] if paths else ""
 
 
 def _split_point_ancestors(model: nn.Module, split_points: Sequence[str]) -> set[str] | None:
