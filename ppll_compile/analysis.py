@@ -217,6 +217,9 @@ class Analysis:
             node = inside[-1] if inside else None
         if node is not None and node.name in legal:
             return legal[node.name]
+        if node is not None and node.name in self.dropped:
+            raise CutError(f"cannot cut after {name!r} (node {node.name!r}): {self.dropped[node.name]}; nearest "
+                           f"usable cuts: {self._nearest_cuts(node.name)}")
         if node is None and name not in self.by_name:
             close = difflib.get_close_matches(name, [n.name for n in self.nodes] + [c.node for c in self.cuts], n=3)
             hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""

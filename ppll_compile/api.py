@@ -75,6 +75,10 @@ def _plan_ppll(model: nn.Module, example_inputs: Sequence[Any] | None, example_k
     """The ``ppll`` steps: analyse, choose heads, cost the segments, lay out the stages, assemble the plan."""
     a = analyse(model, example_inputs, example_kwargs, opts, saved.inputs if saved is not None else None)
     policy = load_policy(opts.policy)
+    if a.per_token and policy.builder is None and policy.per_token is None:
+        raise PolicyError(f"policy {policy.name!r} has no per-token head, but {type(model).__name__} gives per-token "
+                          f"scores (N x L x C), so its labels are per token (N x L); use policy='lm', or add a "
+                          f"'per_token:' entry (type lm) to {policy.source or 'the policy file'}")
     if opts.tied == "error":
         a.drop_shared_cuts()
     a.keep_cuts(lambda c: None if policy.fits(a.boundary(c)[0], a.per_token) else _shape(a.boundary(c)[0]),

@@ -99,7 +99,8 @@ def export(model: nn.Module, inputs: dict[str, torch.Tensor], fixed: dict[str, A
     train, eval = (_graph_module(model, ep, list(inputs)) for ep in programs)
     merge = merge_modes(train, eval)
     if merge.structural and not bake_train_mode:
-        paths = sorted({module_path(n) or type(model).__name__ + ".forward" for n in merge.structural})
+        paths = sorted({module_path(n) or type(model).__name__ + ".forward"
+                        for n in merge.sources or merge.structural})
         raise TraceError(f"{type(model).__name__} computes differently in train and in eval mode in {paths} "
                          f"(a branch on self.training), which one exported graph cannot follow. Ways out: "
                          f"tracer='fx' with leaf_modules={[p for p in paths if '.forward' not in p]} (those "

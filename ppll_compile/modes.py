@@ -13,6 +13,7 @@ difference (a branch on ``self.training`` that changes the computation); it is r
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -91,6 +92,9 @@ class Merge:
     structural: list[fx.Node]
     """Nodes of the train graph (or, for eval-only computation, of the eval graph) where the two modes
     compute differently; empty when the merged graph behaves like the model in both modes."""
+    sources: list[fx.Node] = dataclasses.field(default_factory=list)
+    """The structural nodes that only one mode runs: where the difference starts. The others merely read a
+    value that differs (they are fine once the source is kept opaque)."""
 
 
 def _key(n: fx.Node) -> tuple[str, str]:
@@ -180,6 +184,7 @@ def merge_modes(train: fx.GraphModule, eval: fx.GraphModule) -> Merge:
     pair: dict[fx.Node, fx.Node] = {}  # eval node -> train node
     changes: list[tuple[fx.Node, tuple[Any, Any] | None, tuple[Any, Any] | None, list[fx.Node]]] = []
     structural: list[fx.Node] = []
+    sources: list[fx.Node] = []
     for tag, i1, i2, j1, j2 in matcher.get_opcodes():
         if tag == "equal":
             for a, b in zip(tn[i1:i2], en[j1:j2]):
@@ -200,9 +205,9 @@ def merge_modes(train: fx.GraphModule, eval: fx.GraphModule) -> Merge:
             for a in tn[i1:i2]:  # an eval node reading the copied value reads the copy in train mode
                 pair[a] = a.all_input_nodes[0]
         else:
-            structural += tn[i1:i2] or en[j1:j2]
-    if structural:
-        return Merge(switched=[], structural=structural)
+            sources += tn[i1:i2] or en[j1:j2]
+    if structural or sources:
+        return Merge(switched=[], structural=sources + structural, sources=sources)
     for i, (node, t, e, inputs) in enumerate(changes):
         if e is _SKIP or e == _PASS:  # a train-only node: its template reads its own input nodes directly
             slots = {}

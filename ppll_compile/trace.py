@@ -197,9 +197,10 @@ def trace(model: nn.Module, *, example_inputs: Sequence[Any] = (), example_kwarg
         merge = merge_modes(train, eval)
         if not merge.structural:
             return train
-        paths = {module_path(n) for n in merge.structural}
+        culprits = merge.sources or merge.structural  # where the difference starts, not what reads it
+        paths = {module_path(n) for n in culprits}
         if "" in paths and not bake_train_mode:
-            raise TraceError(_root_branches(model, merge.structural))
+            raise TraceError(_root_branches(model, culprits))
         new = {p for p in paths if p} - leaf_names
         if not new:
             return train  # bake_train_mode: the root's own train branch stays
