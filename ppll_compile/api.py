@@ -81,8 +81,8 @@ def _plan_ppll(model: nn.Module, example_inputs: Sequence[Any] | None, example_k
                           f"'per_token:' entry (type lm) to {policy.source or 'the policy file'}")
     if opts.tied == "error":
         a.drop_shared_cuts()
-    a.keep_cuts(lambda c: None if policy.fits(a.boundary(c)[0], a.per_token) else _shape(a.boundary(c)[0]),
-                f"no head of policy {policy.name!r} reads their tensors")
+    a.keep_cuts(lambda c: None if _readable(a.boundary(c)[0]) and policy.fits(a.boundary(c)[0], a.per_token)
+                else _shape(a.boundary(c)[0]), f"no head of policy {policy.name!r} reads their tensors")
     notes = list(a.notes)
     request = stage_request(a, opts, saved)
     heads = _heads(a, request, saved, policy, opts.optimizer)
@@ -93,8 +93,14 @@ def _plan_ppll(model: nn.Module, example_inputs: Sequence[Any] | None, example_k
     return (dataclasses.replace(result, notes=(*result.notes, *untied)) if untied else result), a, policy
 
 
+def _readable(spec: TensorSpec) -> bool:
+    """Whether a head can learn from the tensor: floating point (not a mask, not token ids)."""
+    return "float" in spec.dtype
+
+
 def _shape(spec: TensorSpec) -> str:
-    return f"{len(spec.shape)}-D {tuple(spec.shape)}" + (f" {spec.layout}" if spec.layout else "")
+    dtype = "" if _readable(spec) else f" {spec.dtype}"
+    return f"{len(spec.shape)}-D{dtype} {tuple(spec.shape)}" + (f" {spec.layout}" if spec.layout else "")
 
 
 def _untied(a: Analysis, plan: Plan) -> list[str]:

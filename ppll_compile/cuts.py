@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -14,8 +15,10 @@ from .plan import TensorSpec
 
 __all__ = ["Cut", "legal_cuts", "MAX_SIDE_VALUES"]
 
-MAX_SIDE_VALUES = 2
-"""At most this many side tensors (e.g. an attention mask) may travel with the main tensor across a cut."""
+MAX_SIDE_VALUES = 3
+"""At most this many side tensors (an attention mask; a rotary embedding's cos and sin) may travel with the main
+tensor across a cut."""
+_GROUP_POOL = 6  # the most used candidates, tried in groups
 
 _SOURCE = "__ppll_source__"
 _COMPUTE = ("call_module", "call_function", "call_method")
@@ -40,9 +43,10 @@ def _value(node: fx.Node) -> Any:
 
 
 def _is_tensor(node: fx.Node) -> bool:
-    """The node's output is one tensor (not a Python scalar, a structure, or an unknown object)."""
+    """The node's output is one tensor (not a Python scalar, a structure, or an unknown object; a ``bool``
+    tensor such as a mask is a tensor)."""
     value = _value(node)
-    return isinstance(value, TensorSpec) and value.dtype not in _SCALARS
+    return isinstance(value, TensorSpec) and not (value.dtype in _SCALARS and value.shape == () and value.bytes == 0)
 
 
 def _live_sets(nodes: Sequence[fx.Node], positions: Sequence[int]) -> list[list[fx.Node]]:
@@ -108,9 +112,12 @@ def legal_cuts(gm: fx.GraphModule, *, max_side_values: int = MAX_SIDE_VALUES) ->
     side |= {n for n in nodes if n.op in _COMPUTE and all(a.op == "get_attr" for a in n.all_input_nodes)}
 
     def count(extra: set[fx.Node]) -> list[fx.Node]:
-        """Dominators that are computed tensors with computation on both sides of them."""
-        return [v for v in _dominator_cuts(nodes, side | extra)
-                if v.op in _COMPUTE and _is_tensor(v) and order[v] < last_compute]
+        """Dominators that are computed tensors with computation on both sides of them, across which nothing
+        but side values (and ``extra``) travels."""
+        dominators = [v for v in _dominator_cuts(nodes, side | extra)
+                      if v.op in _COMPUTE and _is_tensor(v) and order[v] < last_compute]
+        lives = _live_sets(nodes, [order[v] for v in dominators])
+        return [v for v, live in zip(dominators, lives) if all(n is v or n in side or n in extra for n in live)]
 
     best = count(set())
     candidates = [n for n in nodes if n.op != "get_attr" and n.op != "output" and n not in side
@@ -124,11 +131,17 @@ def legal_cuts(gm: fx.GraphModule, *, max_side_values: int = MAX_SIDE_VALUES) ->
         if len(trial) > len(best):
             chosen.add(c)
             best = trial
+    # computed values that only help together (a rotary embedding's cos and sin, and the mask): groups of the most
+    # used ones (the model's own inputs travel alone, so two input branches are never cut apart)
+    pool = [c for c in candidates if c.op != "placeholder"][:_GROUP_POOL]
+    for size in range(2, max_side_values + 1):
+        for group in itertools.combinations(pool, size):
+            trial = count(set(group))
+            if len(trial) > len(best):
+                chosen, best = set(group), trial
 
     cuts = []
     for v, live in zip(best, _live_sets(nodes, [order[v] for v in best])):
-        if any(n is not v and n not in side and n not in chosen for n in live):
-            continue  # defensive: something besides side values crosses; never a legal cut
         rest = sorted((n for n in live if n is not v), key=lambda n: order[n])
         cuts.append(Cut(node=v.name, position=order[v], boundary=(v.name, *(n.name for n in rest))))
     return cuts

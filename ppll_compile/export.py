@@ -69,13 +69,20 @@ def _graph_module(model: nn.Module, ep: torch.export.ExportedProgram, names: Seq
     return gm
 
 
+def _free_dims(t: torch.Tensor) -> int:
+    """How many leading dimensions to leave free: all of a token-id tensor's, the batch of others."""
+    return t.dim() if not (t.is_floating_point() or t.is_complex()) else min(t.dim(), 1)
+
+
 def export(model: nn.Module, inputs: dict[str, torch.Tensor], fixed: dict[str, Any], *,
            bake_train_mode: bool = False) -> tuple[fx.GraphModule, list[str]]:
     """Capture ``model`` called with tensor ``inputs`` (by argument name) and the non-default ``fixed`` values,
     in train and in eval mode, merged so that the graph follows ``train()``/``eval()``; and notes on the capture.
 
-    The batch dimension is captured as dynamic where the model allows it, so the stages take any batch size;
-    where it does not, the notes say that batches must have the example's size.
+    The batch dimension, and every dimension of integer inputs (a sequence's length), is captured as dynamic
+    where the model allows it, so the stages take other sizes (images keep their size: leaving it free makes
+    capture many times slower); where the model allows none, the notes say that batches must have the
+    example's shapes.
     """
     signature = inspect.signature(model.forward).parameters
     passed = {k: v for k, v in fixed.items()
@@ -83,7 +90,8 @@ def export(model: nn.Module, inputs: dict[str, torch.Tensor], fixed: dict[str, A
                                                               inspect.Parameter.VAR_KEYWORD)
               and v is not signature[k].default}
     kwargs = {**inputs, **passed}
-    dynamic = {k: ({0: torch.export.Dim.AUTO} if k in inputs and inputs[k].dim() > 0 else None) for k in kwargs}
+    dynamic = {k: ({d: torch.export.Dim.AUTO for d in range(_free_dims(inputs[k]))} if k in inputs else None)
+               for k in kwargs}
     notes: list[str] = []
     try:
         programs = [_export_once(model, kwargs, dynamic, mode) for mode in (True, False)]
@@ -95,7 +103,8 @@ def export(model: nn.Module, inputs: dict[str, torch.Tensor], fixed: dict[str, A
                              f"{str(e).splitlines()[0] if str(e) else ''}{''.join(getattr(e, '__notes__', []))}"
                              ) from e
         batch = next(iter(inputs.values())).shape[0]
-        notes.append(f"torch.export fixed the batch size: the stages take batches of exactly {batch}")
+        notes.append(f"torch.export fixed the input shapes: the stages take batches of exactly {batch} examples of "
+                     f"the example's shape")
     train, eval = (_graph_module(model, ep, list(inputs)) for ep in programs)
     merge = merge_modes(train, eval)
     if merge.structural and not bake_train_mode:

@@ -25,7 +25,7 @@ class Residual(nn.Module):
 
 
 class TwoInputs(nn.Module):
-    """Two branches joined by an add, then an MLP: the branches can never be cut."""
+    """Two branches joined by an add, then an MLP: cut apart only with the raw input b carried along."""
 
     def __init__(self, classes: int = 3):
         super().__init__()

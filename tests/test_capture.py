@@ -515,6 +515,17 @@ def test_export_front_end_shares_the_models_parameters_and_buffers():
     assert int(model.bn1.num_batches_tracked) == count + 1 == int(model.bn2.num_batches_tracked)
 
 
+def test_a_moved_stage_keeps_the_model_pointing_at_the_buffers_it_updates():
+    # moving a stage (to a GPU, or to another dtype) replaces its buffer tensors; the model must follow
+    torch.manual_seed(0)
+    model, x = ConvBNDrop(), torch.randn(4, 3, 8, 8)
+    c = _compile(model, 2, example_inputs=(x,), tracer="export", policy="dgl")
+    stage = next(s for s in c.stages if "bn1.running_mean" in dict(s.module.named_buffers()))
+    stage.double()
+    assert model.bn1.running_mean.dtype == torch.float64
+    assert model.bn1.running_mean is stage.module.get_buffer("bn1.running_mean")
+
+
 def test_export_refuses_leaf_modules_and_an_unknown_tracer_is_named():
     model, x = ConvBNDrop(), torch.randn(4, 3, 8, 8)
     with pytest.raises(TraceError, match=re.escape("leaf_modules keeps modules opaque")):
@@ -617,6 +628,20 @@ def test_layout_of_reads_the_graph():
 
 
 # ---- 7. token-level models ------------------------------------------------------------------------------
+
+def test_a_causal_lm_is_cut_between_its_decoder_layers_and_takes_other_lengths():
+    torch.manual_seed(0)
+    model, ids = _llama(), torch.randint(0, 128, (4, 16))
+    c = _compile(model, example_kwargs={"input_ids": ids}, split_points=["model.layers.1"])
+    boundary = c.plan.stages[0].boundary
+    # the hidden state, with the rotary cos and sin and the causal mask (a bool tensor, not a scalar) beside it
+    assert boundary[0].dtype == "float32" and len(boundary[0].shape) == 3
+    assert [t.dtype for t in boundary[1:]].count("bool") == 1
+    c.eval(), model.eval()
+    with torch.no_grad():
+        for x in (ids, ids[:3, :9], torch.randint(0, 128, (2, 40))):  # batch and length are free
+            assert torch.equal(c(input_ids=x).logits, model(input_ids=x).logits)
+
 
 def _llama() -> nn.Module:
     torch.manual_seed(0)

@@ -21,9 +21,10 @@ def test_residual_blocks_are_cut_only_between_blocks():
     ]
 
 
-def test_two_input_model_is_cut_only_after_the_join():
+def test_two_input_model_is_cut_between_its_branches_only_with_the_raw_input_carried():
+    # after the left branch, the right branch's raw input b travels as a side value; inside no branch
     assert _cuts(TwoInputs(), torch.randn(2, 4), torch.randn(2, 6)) == [
-        ("add", ("add",)), ("hidden", ("hidden",)), ("relu", ("relu",)),
+        ("left", ("left", "b")), ("add", ("add",)), ("hidden", ("hidden",)), ("relu", ("relu",)),
     ]
 
 
