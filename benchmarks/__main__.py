@@ -24,6 +24,7 @@ SECTIONS = {
     "throughput": "PPLL runtimes against E2E, sequential local learning and torch pipelining; simulated vs measured",
     "distill": "Pipe-BD against the DNA baseline, and each technique's share",
     "accuracy": "accuracy on scikit-learn digits: E2E against PPLL with dgl and infopro heads",
+    "zoo": "timm and Hugging Face models compiled unmodified: cuts, balance, front end, eval and threads checks",
 }
 MODULES = {"throughput": "runtime"}
 """Section name -> module of ``benchmarks`` when they differ."""

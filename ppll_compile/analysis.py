@@ -119,7 +119,8 @@ class Analysis:
 
     def trains(self, nodes: Sequence[fx.Node]) -> bool:
         """Whether any of ``nodes`` uses a trainable parameter (directly, or read by attribute)."""
-        return any(p in self.trainable for n in nodes for m in (n, *n.all_input_nodes) if m.op != "placeholder"
+        return any(p in self.trainable for n in nodes
+                   for m in (n, *(a for a in n.all_input_nodes if a.op == "get_attr"))
                    for p in m.meta[META_KEY].params)
 
     @functools.cached_property
@@ -183,6 +184,16 @@ class Analysis:
                     f"one tensor (tied='untie' gives each stage its own copy)") if crossing else None
 
         self.keep_cuts(reason, "parameters used on both sides")
+
+    def drop_untrained_cuts(self) -> None:
+        """Drop the cuts that leave the stage before or after them nothing to train (only parameter-free layers,
+        such as a final flatten)."""
+        trained = [i for i, n in enumerate(self.nodes) if n.op not in ("get_attr", "output") and self.trains([n])]
+        if not trained:
+            return
+        first, last = trained[0], trained[-1]
+        self.keep_cuts(lambda c: None if first <= c.position < last else "no parameter to train on one side",
+                       "a stage would have nothing to train")
 
     def dropped_summary(self) -> str:
         """Why cuts were dropped, for an error that finds too few of them ('' when none were)."""

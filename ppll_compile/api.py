@@ -79,6 +79,7 @@ def _plan_ppll(model: nn.Module, example_inputs: Sequence[Any] | None, example_k
         raise PolicyError(f"policy {policy.name!r} has no per-token head, but {type(model).__name__} gives per-token "
                           f"scores (N x L x C), so its labels are per token (N x L); use policy='lm', or add a "
                           f"'per_token:' entry (type lm) to {policy.source or 'the policy file'}")
+    a.drop_untrained_cuts()
     if opts.tied == "error":
         a.drop_shared_cuts()
     a.keep_cuts(lambda c: None if _readable(a.boundary(c)[0]) and policy.fits(a.boundary(c)[0], a.per_token)

@@ -64,8 +64,8 @@ class FakeState:
         if self.all or path in self.swapped:
             return
         m = self.gm.get_submodule(path)
-        tensors = {k: self.fake(t) for k, t in (*m.named_parameters(remove_duplicate=False),
-                                                  *m.named_buffers(remove_duplicate=False))}
+        tensors = self._once(m, (*m.named_parameters(remove_duplicate=False),
+                                 *m.named_buffers(remove_duplicate=False)))
         self.stack.enter_context(torch.nn.utils.stateless._reparametrize_module(m, tensors))
         self.swapped.add(path)
 
@@ -74,11 +74,24 @@ class FakeState:
         if self.all:
             return
         done = tuple(p + "." for p in self.swapped)
-        tensors = {k: self.fake(t) for k, t in (*self.gm.named_parameters(remove_duplicate=False),
-                                                  *self.gm.named_buffers(remove_duplicate=False))
-                   if not k.startswith(done)}
+        tensors = self._once(self.gm, [(k, t) for k, t in (*self.gm.named_parameters(remove_duplicate=False),
+                                                           *self.gm.named_buffers(remove_duplicate=False))
+                                       if not k.startswith(done)])
         self.stack.enter_context(torch.nn.utils.stateless._reparametrize_module(self.gm, tensors))
         self.all = True
+
+    def _once(self, root: nn.Module, named: Sequence[tuple[str, Tensor]]) -> dict[str, Tensor]:
+        """Fakes for ``named`` tensors, one name per module attribute: a module reached by several paths is
+        swapped once (a second swap would keep the first's fake as the original to restore)."""
+        seen: set[tuple[int, str]] = set()
+        tensors = {}
+        for k, t in named:
+            owner, _, attr = k.rpartition(".")
+            key = (id(root.get_submodule(owner)), attr)
+            if key not in seen:
+                seen.add(key)
+                tensors[k] = self.fake(t)
+        return tensors
 
     def needs_all(self, values: Sequence[Any]) -> bool:
         """Whether a global module hook may run, or an input shares storage with a parameter or buffer."""

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..heads import logits_of
 from ..lowered import Stage
 from ..plan import StagePlan
 from .config import TrainConfig
@@ -24,8 +25,9 @@ def _fresh(values: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def _main(out: Any) -> Any:
-    """The tensor a block's output is compared on: a stage boundary is a 1-tuple, the model output itself."""
-    return out[0] if isinstance(out, tuple) else out
+    """The tensor a block's output is compared on: a stage boundary's main tensor, or the model output's
+    scores (a Hugging Face output object's ``logits``)."""
+    return logits_of(out)
 
 
 @torch.no_grad()
