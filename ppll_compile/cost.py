@@ -10,7 +10,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import (DataDependentOutputException, FakeTensor, FakeTensorMode,
+                                           unset_fake_temporarily)
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 from torch.utils._mode_utils import no_dispatch
 
@@ -29,6 +31,8 @@ __all__ = [
     "measure_module",
     "tensor_spec",
 ]
+
+_VALUE_DEPENDENT = (DataDependentOutputException, GuardOnDataDependentSymNode)
 
 META_KEY = "ppll_cost"
 """The ``node.meta`` key under which :func:`measure_graph` stores each node's :class:`NodeCost`."""
@@ -136,11 +140,16 @@ class _Measure(fx.Interpreter):
 
         args, kwargs = pytree.tree_map(prepare, (args, kwargs))
         saved_tensors: list[Tensor] = []
-        with flop_counter() as fwd_counter, torch.autograd.graph.saved_tensors_hooks(
-                lambda t: saved_tensors.append(t) or t, lambda t: t):
-            out = getattr(self, n.op)(n.target, args, kwargs)
+        try:
+            with flop_counter() as fwd_counter, torch.autograd.graph.saved_tensors_hooks(
+                    lambda t: saved_tensors.append(t) or t, lambda t: t):
+                out = getattr(self, n.op)(n.target, args, kwargs)
+            fwd, bwd = fwd_counter.get_total_flops(), None
+        except _VALUE_DEPENDENT:  # Python that reads tensor values (a leaf module's data-dependent branch)
+            out, fwd = self._run_real(n, args, kwargs, needs_grad)
+            bwd, saved_tensors, signature = 2 * fwd, [], None
         out_keys = self._register_output(n, out, inputs_keys)
-        n.meta[META_KEY] = NodeCost(flops_fwd=fwd_counter.get_total_flops(), flops_bwd=self._backward(n, out),
+        n.meta[META_KEY] = NodeCost(flops_fwd=fwd, flops_bwd=self._backward(n, out) if bwd is None else bwd,
                                     params=self._call_params(n),
                                     saved=self._saved(n, saved_tensors, {**inputs_keys, **out_keys}),
                                     value=_structured(n.name, out, tensor_spec),
@@ -150,6 +159,38 @@ class _Measure(fx.Interpreter):
             if outcome is not None:
                 self.memo[signature] = outcome
         return pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out)
+
+    def _run_real(self, n: fx.Node, args: Any, kwargs: Any, needs_grad: bool) -> tuple[Any, int]:
+        """Run a node whose output depends on tensor values, which fake tensors lack, once on real tensors of the
+        fakes' shapes (random values; the module's own parameters, its buffers copied): its output as fakes,
+        and its forward FLOPs. Its backward is taken as twice those; its saved activations are not counted."""
+        real_of = {id(f): self.state.state[key] for key, f in self.state.fakes.items()}
+
+        def real(x: Any) -> Any:
+            if not isinstance(x, FakeTensor):
+                return x
+            if id(x) in real_of:
+                return real_of[id(x)].detach()
+            if x.is_floating_point():
+                return torch.randn(x.shape, dtype=x.dtype, device=x.device)
+            return torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+
+        with unset_fake_temporarily(), torch.no_grad():
+            args, kwargs = pytree.tree_map(real, (args, kwargs))
+            with flop_counter() as counter:
+                if n.op == "call_module":
+                    m = self.module.get_submodule(n.target)
+                    tensors = {k: real(v).clone() for k, v in (*m.named_parameters(), *m.named_buffers())}
+                    out = torch.func.functional_call(m, tensors, args, kwargs)
+                else:
+                    out = getattr(self, n.op)(n.target, args, kwargs)
+
+        def fake(t: Any) -> Any:
+            if not isinstance(t, Tensor):
+                return t
+            f = self.mode.from_tensor(t)
+            return f.requires_grad_() if needs_grad and f.is_floating_point() else f
+        return pytree.tree_map(fake, out), counter.get_total_flops()
 
     def _run_input(self, n: fx.Node) -> Any:
         """A placeholder or get_attr node: its value, and a cost of nothing but the parameter it reads."""

@@ -671,3 +671,44 @@ def test_causal_lm_trains_on_per_token_labels_with_lm_heads(one_thread_quietly):
 def test_a_policy_without_per_token_heads_is_named():
     with pytest.raises(PolicyError, match=re.escape("per token")):
         ppll_compile.plan(_llama(), 2, example_kwargs={"input_ids": _ids(2, 16)}, policy="dgl")
+
+
+def test_the_ways_out_the_capture_errors_name_lead_to_working_plans():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from models import DataDependent
+
+    x = torch.randn(4, 4)
+    with pytest.raises(TraceError) as info:  # neither front end takes value-dependent Python
+        _compile(DataDependent(), 2, example_inputs=(x,))
+    assert "leaf_modules=['gate']" in str(info.value) and "torch.export, cannot capture it either" in str(info.value)
+    c = _compile(DataDependent(), 2, example_inputs=(x,), leaf_modules=["gate"])  # the advice, followed
+    assert c.plan.num_stages == 2 and c.plan.stages[0].flops_fwd > 0  # the opaque module is measured too
+    c = _compile(DataDependent(), example_inputs=(x,), split_points=["pre", "gate"])  # the other advice
+    assert c.plan.num_stages == 3
+
+    model, y = NoiseThenRootOp(), torch.randn(4, 8)
+    with pytest.raises(TraceError) as info:  # torch.export has no opaque modules for a train-only branch
+        _compile(model, 2, example_inputs=(y,), tracer="export")
+    assert "tracer='fx' with leaf_modules=['noise']" in str(info.value)
+    c = _compile(model, 2, example_inputs=(y,), tracer="fx", leaf_modules=["noise"])
+    c.eval(), model.eval()
+    with torch.no_grad():
+        assert torch.equal(c(y), model(y))
+    baked = _compile(model, 2, example_inputs=(y,), tracer="export", bake_train_mode=True)  # the other way out
+    assert baked.plan.num_stages == 2
+
+
+def test_a_model_of_scalars_only_is_told_why_it_cannot_be_split():
+    class Scalar(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(3))
+
+        def forward(self, t: float = 1.0):
+            return self.w * t
+
+    with pytest.raises(ValueError, match=re.escape("a model whose inputs are all Python scalars (or 0-D tensors) "
+                                                   "cannot be split")):
+        _compile(Scalar(), 2, example_inputs=(2.0,))
