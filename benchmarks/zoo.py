@@ -80,7 +80,8 @@ def _pixels(n: int, g: torch.Generator) -> tuple[Any, torch.Tensor]:
 
 def _sentences(classes: int) -> Callable[[int, torch.Generator], tuple[Any, torch.Tensor]]:
     def batch(n: int, g: torch.Generator) -> tuple[Any, torch.Tensor]:
-        return {"input_ids": torch.randint(1, VOCAB, (n, SEQ), generator=g)}, torch.randint(0, classes, (n,), generator=g)
+        ids = torch.randint(1, VOCAB, (n, SEQ), generator=g)
+        return {"input_ids": ids}, torch.randint(0, classes, (n,), generator=g)
     return batch
 
 
@@ -92,7 +93,8 @@ def _tokens(n: int, g: torch.Generator) -> tuple[Any, torch.Tensor]:
     return {"input_ids": ids}, labels
 
 
-def _timm(name: str, size: int, *, drop: dict[str, float] | None = None, **kwargs: Any) -> tuple[str, Callable, Callable]:
+def _timm(name: str, size: int, *, drop: dict[str, float] | None = None,
+          **kwargs: Any) -> tuple[str, Callable, Callable]:
     """(name, make, batch) of a timm model with 10 classes; ``drop``: its dropout for training (default TIMM_DROP)."""
     def make(dropout: bool) -> nn.Module:
         import timm
@@ -468,8 +470,9 @@ def _markdown(r: dict[str, Any]) -> str:
         if "compile_s" not in row:
             lines.append(f"| {row['pair']} | {row['library']} | **FAIL** | | | **FAIL** |")
         else:
+            replicas = ", ".join(map(str, row["replicas"]))
             lines.append(f"| {row['pair']} | {row['library']} | {row['compile_s']:.2f} | {row['blocks']} "
-                         f"| {row['stages']} ({', '.join(map(str, row['replicas']))}) | {_mark(row, 'threads_equal')} |")
+                         f"| {row['stages']} ({replicas}) | {_mark(row, 'threads_equal')} |")
         if row.get("error"):
             failures.append((row["pair"], 2, row["error"]))
     if failures:

@@ -15,7 +15,7 @@ from torch import nn
 
 from .errors import TraceError
 from .modes import merge_modes
-from .trace import in_mode, module_path, quiet, warned
+from .trace import attribute, in_mode, module_path, quiet, warned
 
 __all__ = ["export", "OUTPUT_SPEC"]
 
@@ -38,15 +38,10 @@ def _export_once(model: nn.Module, kwargs: dict[str, Any], dynamic: Any,
 def _attr(model: nn.Module, unlifted: nn.Module, target: str) -> Any:
     """An attribute the exported graph reads: the model's own object (a parameter, a buffer), else the export's
     (a lifted constant)."""
-    for root in (model, unlifted):
-        obj: Any = root
-        try:
-            for part in target.split("."):
-                obj = getattr(obj, part)
-            return obj
-        except AttributeError:
-            continue
-    raise TraceError(f"the exported graph reads {target!r}, which neither the model nor the export holds")
+    try:
+        return attribute(target, model, unlifted)
+    except AttributeError:
+        raise TraceError(f"the exported graph reads {target!r}, which neither the model nor the export holds") from None
 
 
 def _graph_module(model: nn.Module, ep: torch.export.ExportedProgram, names: Sequence[str]) -> fx.GraphModule:

@@ -22,7 +22,7 @@ from .heads import head_for
 from .lowered import SOURCE_NAME, Inputs, Lowered, Stage
 from .plan import Plan
 from .policy import Policy
-from .trace import quiet
+from .trace import attribute, quiet
 
 __all__ = ["split_stages", "model_inputs", "lower_ppll"]
 
@@ -121,15 +121,10 @@ def _set_attr(sub: nn.Module, target: str, value: Any) -> None:
 
 def _attr(sub: nn.Module, gm: nn.Module, target: str) -> Any:
     """An attribute a stage reads: the submodule's own copy reference, else the original model's."""
-    for root in (sub, gm):
-        obj: Any = root
-        try:
-            for part in target.split("."):
-                obj = getattr(obj, part)
-            return obj
-        except AttributeError:
-            continue
-    raise PlanError(f"stage reads attribute {target!r}, which the model does not have")
+    try:
+        return attribute(target, sub, gm)
+    except AttributeError:
+        raise PlanError(f"stage reads attribute {target!r}, which the model does not have") from None
 
 
 def model_inputs(model: nn.Module, gm: fx.GraphModule, fixed: dict[str, Any]) -> Inputs:

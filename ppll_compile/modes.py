@@ -42,16 +42,8 @@ class _Slot:
 
 
 def _fill(template: Any, values: Sequence[Any]) -> Any:
-    if isinstance(template, _Slot):
-        return values[template.index]
-    if isinstance(template, slice):
-        return slice(*_fill((template.start, template.stop, template.step), values))
-    if isinstance(template, (tuple, list)):
-        filled = [_fill(t, values) for t in template]
-        return tuple(filled) if isinstance(template, tuple) else filled
-    if isinstance(template, dict):
-        return {k: _fill(v, values) for k, v in template.items()}
-    return template
+    """``template`` with every :class:`_Slot` replaced by its input value."""
+    return fx.node.map_aggregate(template, lambda v: values[v.index] if isinstance(v, _Slot) else v)
 
 
 class TrainEval(nn.Module):

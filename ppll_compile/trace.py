@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import inspect
 import logging
 import operator
@@ -21,7 +22,8 @@ from torch import nn
 from .errors import TraceError
 from .modes import SWITCH_PREFIX, merge_modes
 
-__all__ = ["trace", "module_path", "train_mode", "in_mode", "fixed_arguments", "quiet", "warned", "check_leaf_names"]
+__all__ = ["trace", "module_path", "train_mode", "in_mode", "fixed_arguments", "quiet", "warned", "check_leaf_names",
+           "attribute"]
 _TORCH_DIR = str(Path(torch.__file__).parent)
 _THIS_FILE = __file__
 
@@ -129,6 +131,16 @@ class _Tracer(fx.Tracer):
 
 
 _NO_MODULE = "_empty_nn_module_stack_from_metadata_hook"  # torch.export's entry for a node outside every module
+
+
+def attribute(target: str, *roots: Any) -> Any:
+    """The attribute at dotted path ``target`` of the first of ``roots`` that has it (``AttributeError`` if none)."""
+    for root in roots:
+        try:
+            return functools.reduce(getattr, target.split("."), root)
+        except AttributeError:
+            continue
+    raise AttributeError(target)
 
 
 def module_path(node: fx.Node) -> str:

@@ -12,6 +12,7 @@ import time
 import traceback
 import warnings
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -289,13 +290,13 @@ def main(argv: list[str]) -> None:
         raise SystemExit(f"unknown scenario {scenario!r}")
 
 
-def _child(rank: int, k: int, port: int, argv: list[str]) -> None:
-    """Body of a forked worker: rank ``rank`` of ``k``; never returns."""
+def _child(rank: int, k: int, port: int, argv: list[str], body: Callable[[list[str]], None]) -> None:
+    """Body of a forked worker: rank ``rank`` of ``k`` runs ``body(argv)``; never returns."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(k), OMP_NUM_THREADS="1")
     code = 0
     try:
-        main(argv)
+        body(argv)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     except BaseException:  # noqa: BLE001
@@ -306,8 +307,9 @@ def _child(rank: int, k: int, port: int, argv: list[str]) -> None:
     os._exit(code)
 
 
-def launch(k: int, port: int, argv: list[str], timeout: float) -> None:
-    """Fork ``k`` workers (torch and the compiler imported once, before any thread starts); print their exit codes.
+def launch(k: int, port: int, argv: list[str], timeout: float, body: Callable[[list[str]], None] = main) -> None:
+    """Fork ``k`` workers running ``body(argv)`` (a scenario of :func:`main` by default; torch and the compiler
+    imported once, before any thread starts); print their exit codes.
 
     A worker still running after ``timeout`` seconds is killed and reported as ``null``.
     """
@@ -317,7 +319,7 @@ def launch(k: int, port: int, argv: list[str], timeout: float) -> None:
     for rank in range(k):
         pid = os.fork()
         if pid == 0:
-            _child(rank, k, port, argv)
+            _child(rank, k, port, argv, body)
         pids.append(pid)
     deadline = time.monotonic() + timeout
     codes: dict[int, int | None] = {}

@@ -103,13 +103,7 @@ def _assert_equal(ours: list[torch.Tensor], ref: list[torch.Tensor]) -> None:
         assert torch.equal(p, q), f"parameter {i} differs by {float((p - q).abs().max())}"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread: the same reduction order in every runtime (and in the distributed workers)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread_quietly")  # the same reduction order in every runtime
 
 
 # ---- the seed ----------------------------------------------------------------------------------------
@@ -320,40 +314,7 @@ def _rank_main(out: Path) -> None:
                 "draws_random": trainer.runners[0].draws_random}, out / f"rank-{rank}.pt")
 
 
-def _launch(k: int, port: int, timeout: float, out: Path) -> None:
-    """Fork ``k`` ranks; print their exit codes as JSON (``None``: killed after ``timeout`` seconds)."""
-    pids = []
-    for rank in range(k):
-        pid = os.fork()
-        if pid == 0:
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                              WORLD_SIZE=str(k))
-            code = 0
-            try:
-                _rank_main(out)
-            except BaseException:  # noqa: BLE001 - reported through the exit code and the output
-                import traceback
-                traceback.print_exc()
-                code = 2
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-        pids.append(pid)
-    deadline = time.monotonic() + timeout
-    codes: dict[int, int | None] = {}
-    while len(codes) < k and time.monotonic() < deadline:
-        for rank, pid in enumerate(pids):
-            if rank not in codes:
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    codes[rank] = os.waitstatus_to_exitcode(status)
-        time.sleep(0.05)
-    for rank, pid in enumerate(pids):
-        if rank not in codes:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-    print(json.dumps({"codes": [codes.get(r) for r in range(k)]}), flush=True)
-
-
 if __name__ == "__main__":
-    _launch(int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), Path(sys.argv[4]))
+    from dist_worker import launch
+    launch(int(sys.argv[1]), int(sys.argv[2]), sys.argv[4:], float(sys.argv[3]),
+           body=lambda argv: _rank_main(Path(argv[0])))
