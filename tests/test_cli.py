@@ -132,6 +132,14 @@ def test_options_map_flags_one_to_one():
                                  "--memory-limit", "1.5G", "--split-points", "a,b", "--profile", "time"])
     assert _options(args) == {"gpus": 2, "devices": ("cuda:0", "cuda:1"), "device_speeds": (1.0, 0.5),
                               "memory_limit": int(1.5 * 2**30), "split_points": ("a", "b"), "profile": "time"}
+    args = _parser().parse_args(["m.py", "--tracer", "export", "--tied", "untie", "--bake-train-mode"])
+    assert _options(args) == {"tracer": "export", "tied": "untie", "bake_train_mode": True}
+
+
+def test_the_tracer_flag_reaches_the_capture(capsys):
+    assert main([RESNET32, *SMALL, "--gpus", "2", "--tracer", "export", "--json", "-"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["notes"][0] == "captured with torch.export"
 
 
 def test_help_returns_zero(capsys):
