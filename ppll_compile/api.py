@@ -11,6 +11,7 @@ from typing import Any
 from torch import nn
 
 from .analysis import Analysis, analyse
+from .cuts import Cut
 from .assemble import assemble_ppll
 from .errors import PolicyError
 from .heads import head_spec
@@ -20,7 +21,7 @@ from .options import PlanOptions
 from .partition import StageRequest, ppll_layout, segment_costs, stage_request
 from .pipebd.build import compile_pipebd, plan_pipebd
 from .pipeline import CompiledPipeline
-from .plan import HeadSpec, Plan, TensorSpec
+from .plan import HeadSpec, Plan
 from .policy import Policy, load_policy
 
 __all__ = ["plan", "compile"]
@@ -75,15 +76,7 @@ def _plan_ppll(model: nn.Module, example_inputs: Sequence[Any] | None, example_k
     """The ``ppll`` steps: analyse, choose heads, cost the segments, lay out the stages, assemble the plan."""
     a = analyse(model, example_inputs, example_kwargs, opts, saved.inputs if saved is not None else None)
     policy = load_policy(opts.policy)
-    if a.per_token and policy.builder is None and policy.per_token is None:
-        raise PolicyError(f"policy {policy.name!r} has no per-token head, but {type(model).__name__} gives per-token "
-                          f"scores (N x L x C), so its labels are per token (N x L); use policy='lm', or add a "
-                          f"'per_token:' entry (type lm) to {policy.source or 'the policy file'}")
-    a.drop_untrained_cuts()
-    if opts.tied == "error":
-        a.drop_shared_cuts()
-    a.keep_cuts(lambda c: None if _readable(a.boundary(c)[0]) and policy.fits(a.boundary(c)[0], a.per_token)
-                else _shape(a.boundary(c)[0]), f"no head of policy {policy.name!r} reads their tensors")
+    _drop_unusable_cuts(a, policy, opts.tied, type(model).__name__)
     notes = list(a.notes)
     request = stage_request(a, opts, saved)
     heads = _heads(a, request, saved, policy, opts.optimizer)
@@ -94,14 +87,26 @@ def _plan_ppll(model: nn.Module, example_inputs: Sequence[Any] | None, example_k
     return (dataclasses.replace(result, notes=(*result.notes, *untied)) if untied else result), a, policy
 
 
-def _readable(spec: TensorSpec) -> bool:
-    """Whether a head can learn from the tensor: floating point (not a mask, not token ids)."""
-    return "float" in spec.dtype
+def _drop_unusable_cuts(a: Analysis, policy: Policy, tied: str, model: str) -> None:
+    """Take out of ``a.cuts`` those a ``ppll`` plan cannot use: a stage on one side would train nothing, a
+    parameter would be trained on both sides (``tied='error'``), or no head of ``policy`` reads the tensor."""
+    if a.per_token and policy.builder is None and policy.per_token is None:
+        raise PolicyError(f"policy {policy.name!r} has no per-token head, but {model} gives per-token scores "
+                          f"(N x L x C), so its labels are per token (N x L); use policy='lm', or add a "
+                          f"'per_token:' entry (type lm) to {policy.source or 'the policy file'}")
+    a.drop_untrained_cuts()
+    if tied == "error":
+        a.drop_shared_cuts()
 
+    def unread(cut: Cut) -> str | None:
+        spec = a.boundary(cut)[0]
+        readable = "float" in spec.dtype  # not a mask, not token ids
+        if readable and policy.fits(spec, a.per_token):
+            return None
+        return f"{len(spec.shape)}-D{'' if readable else ' ' + spec.dtype} {tuple(spec.shape)}" + \
+            (f" {spec.layout}" if spec.layout else "")
 
-def _shape(spec: TensorSpec) -> str:
-    dtype = "" if _readable(spec) else f" {spec.dtype}"
-    return f"{len(spec.shape)}-D{dtype} {tuple(spec.shape)}" + (f" {spec.layout}" if spec.layout else "")
+    a.keep_cuts(unread, f"no head of policy {policy.name!r} reads their tensors")
 
 
 def _untied(a: Analysis, plan: Plan) -> list[str]:
