@@ -101,7 +101,7 @@ def export(model: nn.Module, inputs: dict[str, torch.Tensor], fixed: dict[str, A
         notes.append(f"torch.export fixed the input shapes: the stages take batches of exactly {batch} examples of "
                      f"the example's shape")
     train, eval = (_graph_module(model, ep, list(inputs)) for ep in programs)
-    merge = merge_modes(train, eval)
+    merge = merge_modes(train, eval, partial=bake_train_mode)
     if merge.structural and not bake_train_mode:
         paths = sorted({module_path(n) or type(model).__name__ + ".forward"
                         for n in merge.sources or merge.structural})

@@ -93,14 +93,15 @@ def _key(n: fx.Node) -> tuple[str, str]:
     return n.op, str(n.target)
 
 
-def _template(train_args: Any, eval_args: Any, pair: dict[fx.Node, fx.Node], slots: dict[fx.Node, int]
+def _template(train_args: Any, eval_args: Any, pair: dict[fx.Node, fx.Node] | None, slots: dict[fx.Node, int]
               ) -> tuple[Any, Any, bool] | None:
     """Templates of a train and an eval argument structure, and whether a constant differs; ``None`` when the
     two structures differ in which values they read. ``pair`` maps eval nodes to the train nodes computing the
-    same value in their mode (a train-only copy stands for the node it copies)."""
+    same value in their mode (a train-only copy stands for the node it copies); ``None``: any value matches
+    (both modes then read the train graph's values)."""
     if isinstance(train_args, fx.Node) or isinstance(eval_args, fx.Node):
-        if not (isinstance(train_args, fx.Node) and isinstance(eval_args, fx.Node)) \
-                or pair.get(eval_args) not in (train_args, pair.get(train_args, train_args)):
+        if not (isinstance(train_args, fx.Node) and isinstance(eval_args, fx.Node)) or pair is not None \
+                and pair.get(eval_args) not in (train_args, pair.get(train_args, train_args)):
             return None
         slot = _Slot(slots.setdefault(train_args, len(slots)))
         return slot, slot, False
@@ -164,12 +165,14 @@ def _switch(gm: fx.GraphModule, node: fx.Node, train: tuple[Any, Any] | None, ev
     node.args, node.kwargs = tuple(inputs), {}
 
 
-def merge_modes(train: fx.GraphModule, eval: fx.GraphModule) -> Merge:
+def merge_modes(train: fx.GraphModule, eval: fx.GraphModule, *, partial: bool = False) -> Merge:
     """Make ``train`` (a train-mode capture) follow the mode wherever ``eval`` (the same model captured in eval
     mode) differs only in constants or in unused side effects; report the other differences.
 
     The graphs are lined up by each node's operation and target (a longest-matching-blocks alignment), so
-    nodes that only one mode runs do not shift the match of the rest. ``train`` is changed in place.
+    nodes that only one mode runs do not shift the match of the rest. ``train`` is changed in place: not at
+    all when a structural difference is found, unless ``partial`` (the structural parts then stay as train
+    mode runs them, everything else follows the mode).
     """
     tn, en = list(train.graph.nodes), list(eval.graph.nodes)
     matcher = difflib.SequenceMatcher(None, [_key(n) for n in tn], [_key(n) for n in en], autojunk=False)
@@ -183,6 +186,8 @@ def merge_modes(train: fx.GraphModule, eval: fx.GraphModule) -> Merge:
                 pair[b] = a
                 slots: dict[fx.Node, int] = {}
                 t = _template(_call(a), _call(b), pair, slots)
+                if t is None and partial:  # past a structural difference: the train graph's values, both modes
+                    t = _template(_call(a), _call(b), None, slots := {})
                 if t is None:
                     structural.append(a)
                 elif t[2]:
@@ -198,7 +203,7 @@ def merge_modes(train: fx.GraphModule, eval: fx.GraphModule) -> Merge:
                 pair[a] = a.all_input_nodes[0]
         else:
             sources += tn[i1:i2] or en[j1:j2]
-    if structural or sources:
+    if (structural or sources) and not partial:
         return Merge(switched=[], structural=sources + structural, sources=sources)
     for i, (node, t, e, inputs) in enumerate(changes):
         if e is _SKIP or e == _PASS:  # a train-only node: its template reads its own input nodes directly
@@ -210,4 +215,4 @@ def merge_modes(train: fx.GraphModule, eval: fx.GraphModule) -> Merge:
     if changes:
         train.graph.lint()
         train.recompile()
-    return Merge(switched=[c[0].name for c in changes], structural=[])
+    return Merge(switched=[c[0].name for c in changes], structural=sources + structural, sources=sources)

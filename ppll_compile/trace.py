@@ -214,8 +214,9 @@ def trace(model: nn.Module, *, example_inputs: Sequence[Any] = (), example_kwarg
         if "" in paths and not bake_train_mode:
             raise TraceError(_root_branches(model, culprits))
         new = {p for p in paths if p} - leaf_names
-        if not new:
-            return train  # bake_train_mode: the root's own train branch stays
+        if not new:  # bake_train_mode: the root's own train branch stays, the rest follows the mode
+            merge_modes(train, eval, partial=True)
+            return train
         leaf_names |= new
 
 

@@ -310,6 +310,25 @@ def test_a_root_branch_on_training_is_refused_unless_baked():
         assert not torch.equal(c(x), model.eval()(x))
 
 
+def test_baking_the_root_branch_keeps_the_rest_following_the_mode():
+    class BranchThenDropout(RootDropout):
+        def forward(self, x):
+            h = torch.relu(self.a(x))
+            if self.training:
+                h = h * 2
+            h = F.dropout(h, 0.5, training=self.training)
+            return self.c(torch.relu(self.b(h)))
+
+    torch.manual_seed(0)
+    model, x = BranchThenDropout(), torch.randn(6, 8)
+    for tracer in ("fx", "export"):
+        c = _compile(model, 2, example_inputs=(x,), policy="dgl", bake_train_mode=True, tracer=tracer)
+        c.eval()
+        with torch.no_grad():  # the branch stays (x 2), the dropout is off
+            expected = model.c(torch.relu(model.b(torch.relu(model.a(x)) * 2)))
+            assert torch.equal(c(x), expected), tracer
+
+
 def _check_noise_opaque_and_drop_switched(order: tuple[str, str]) -> None:
     from ppll_compile.modes import TrainEval
     from ppll_compile.trace import trace
