@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +21,8 @@ from .fake_state import FakeState, storage_id
 from .flops import flop_counter
 from .memo import PLAIN, Out, Outcome, Uncacheable, module_signature, plain, pure_function
 from .plan import TensorSpec
-from .trace import train_mode
+from .errors import PlanError, PPLLError
+from .trace import module_path, train_mode
 
 __all__ = [
     "META_KEY",
@@ -113,8 +115,10 @@ class _Measure(fx.Interpreter):
         self.grad: dict[str, bool] = {}  # node name -> whether its output requires grad in training
         self.memo: dict[Any, Outcome] = {}
         self.module_signatures: dict[str, Any] = {}
+        self.current: fx.Node | None = None  # the node being measured, for an error that names it
 
     def run_node(self, n: fx.Node) -> Any:
+        self.current = n
         if n.op == "output":
             return super().run_node(n)
         if n.op in ("placeholder", "get_attr"):
@@ -389,7 +393,24 @@ def measure_graph(gm: fx.GraphModule, inputs: Sequence[Any], kwargs: dict[str, A
         if not reuse or state.needs_all(values):
             state.swap_all()
         fake_args = [mode.from_tensor(a) if isinstance(a, Tensor) else a for a in values]
-        _Measure(gm, state, reuse).run(*fake_args)
+        measure = _Measure(gm, state, reuse)
+        disabled = logging.root.manager.disable  # torch logs a failing fake kernel's traceback; the error says it
+        logging.disable(max(disabled, logging.ERROR))
+        try:
+            measure.run(*fake_args)
+        except PPLLError:
+            raise
+        except Exception as e:
+            node, where = measure.current, "a node"
+            if node is not None:
+                where = f"node {node.name!r}" + (f" (module {module_path(node)!r})" if module_path(node) else "")
+            shapes = ", ".join(f"{n} {tuple(v.shape)}" for n, v in zip(placeholder_names, values)
+                               if isinstance(v, Tensor))
+            raise PlanError(f"the model does not run on the example inputs ({shapes}): {where} fails with "
+                            f"{type(e).__name__}: {str(e).splitlines()[0]}. Pass example inputs of the shape the "
+                            f"model takes (model(*example_inputs) must run)") from e
+        finally:
+            logging.disable(disabled)
 
 
 def measure_module(module: nn.Module, run: Callable[[], Any]) -> ModuleCost:

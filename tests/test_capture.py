@@ -731,3 +731,12 @@ def test_a_model_of_scalars_only_is_told_why_it_cannot_be_split():
     with pytest.raises(ValueError, match=re.escape("a model whose inputs are all Python scalars (or 0-D tensors) "
                                                    "cannot be split")):
         _compile(Scalar(), 2, example_inputs=(2.0,))
+
+
+def test_example_inputs_the_model_cannot_take_are_named_with_the_failing_layer():
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    with pytest.raises(ppll_compile.PlanError, match=re.escape(
+            "the model does not run on the example inputs (input (4, 5)): node '_0' (module '0') fails with "
+            "RuntimeError: ")) as info:
+        _compile(model, 2, example_inputs=(torch.randn(4, 5),))
+    assert "model(*example_inputs) must run" in str(info.value)
