@@ -740,3 +740,30 @@ def test_example_inputs_the_model_cannot_take_are_named_with_the_failing_layer()
             "RuntimeError: ")) as info:
         _compile(model, 2, example_inputs=(torch.randn(4, 5),))
     assert "model(*example_inputs) must run" in str(info.value)
+
+
+def test_pipebd_blocks_end_between_transformer_layers_with_the_mask_beside_the_output(one_thread_quietly):
+    # the block boundary after a BERT layer carries the hidden state and the attention mask; the student's next
+    # block takes both from the teacher, and the stage sends both
+    def bert(intermediate: int) -> nn.Module:
+        torch.manual_seed(intermediate)
+        return BertForSequenceClassification(BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=4,
+                                                        num_attention_heads=2, intermediate_size=intermediate,
+                                                        num_labels=3, max_position_embeddings=64))
+
+    ids, y = torch.randint(1, 128, (8, 16)), torch.randint(0, 3, (8,))
+    results = []
+    for runtime in ("sequential", "threads"):
+        teacher, student = bert(128), bert(64)
+        c = ppll_compile.compile(student, teacher=teacher, example_kwargs={"input_ids": ids}, replicas=False,
+                                 blocks=[("bert.encoder.layer.1", "bert.encoder.layer.1")],
+                                 split_points=["bert.encoder.layer.1"])
+        boundary = c.plan.stages[0].boundary
+        assert len(boundary) > 1 and boundary[0].shape == (8, 16, 32)
+        assert any(len(v.shape) == 4 for v in boundary[1:])  # the extended attention mask
+        with c.trainer(optimizer=lambda p: torch.optim.SGD(p, lr=0.1), runtime=runtime) as trainer:
+            for _ in range(2):
+                trainer.step(ids, y)
+            trainer.finish()
+        results.append([p.detach().clone() for p in student.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))

@@ -47,27 +47,34 @@ def output_spec(a: Analysis) -> TensorSpec:
     return spec
 
 
-def _shape(a: Analysis, cut: Cut) -> tuple[int, ...]:
-    return a.boundary(cut)[0].shape
+def _shape(a: Analysis, cut: Cut) -> tuple[tuple[int, ...], ...]:
+    """The shapes and dtypes of every value crossing ``cut``, main tensor first: a block boundary's signature.
+    Side values (an attention mask) travel with the teacher's output to the next student block, so a teacher
+    and a student boundary match when all of them agree."""
+    return tuple((*v.shape, v.dtype) if i else tuple(v.shape) for i, v in enumerate(a.boundary(cut)))
+
+
+def _text(shape: tuple[tuple[Any, ...], ...]) -> str:
+    return " + ".join(str(list(v)) for v in shape)
 
 
 def _candidates(a: Analysis) -> list[int]:
-    """Indices of the cuts where a run of equal boundary shapes ends (single-tensor boundaries only)."""
+    """Indices of the cuts where a run of equal boundary signatures ends."""
     out = []
     for i, c in enumerate(a.cuts):
         nxt = a.cuts[i + 1] if i + 1 < len(a.cuts) else None
-        if len(c.boundary) == 1 and (nxt is None or len(nxt.boundary) != 1 or _shape(a, nxt) != _shape(a, c)):
+        if nxt is None or _shape(a, nxt) != _shape(a, c):
             out.append(i)
     return out
 
 
 def _listing(a: Analysis, name: str) -> str:
-    shown = [f"{a.cuts[i].node} {list(_shape(a, a.cuts[i]))}" for i in _candidates(a)]
+    shown = [f"{a.cuts[i].node} {_text(_shape(a, a.cuts[i]))}" for i in _candidates(a)]
     return f"{name}: " + (", ".join(shown) or "none")
 
 
 def _match(t: Analysis, s: Analysis) -> list[tuple[int, int]]:
-    """The longest in-order matching of the two sides' candidate boundaries by shape (LCS)."""
+    """The longest in-order matching of the two sides' candidate boundaries by signature (LCS)."""
     tc, sc = _candidates(t), _candidates(s)
     ts, ss = [_shape(t, t.cuts[i]) for i in tc], [_shape(s, s.cuts[i]) for i in sc]
     n, m = len(ts), len(ss)
@@ -102,15 +109,11 @@ def _named(t: Analysis, s: Analysis, blocks: Sequence[Sequence[str]]) -> list[tu
             si = s.cut_index(pair[1])
         except CutError as e:
             raise CutError(f"blocks[{k}], student side: {e}") from None
-        for a, i, side in ((t, ti, "teacher"), (s, si, "student")):
-            if len(a.cuts[i].boundary) != 1:
-                raise CutError(f"blocks[{k}]: the {side} cut after {a.cuts[i].node!r} carries "
-                               f"{len(a.cuts[i].boundary)} values; a block boundary is one tensor")
         if _shape(t, t.cuts[ti]) != _shape(s, s.cuts[si]):
             raise CutError(f"blocks[{k}]: the teacher's output at {pair[0]!r} has shape "
-                           f"{list(_shape(t, t.cuts[ti]))} but the student's at {pair[1]!r} has "
-                           f"{list(_shape(s, s.cuts[si]))}; a student block learns the teacher's output, so "
-                           f"the shapes must agree. Candidate boundaries with their shapes:\n  "
+                           f"{_text(_shape(t, t.cuts[ti]))} but the student's at {pair[1]!r} has "
+                           f"{_text(_shape(s, s.cuts[si]))}; a student block learns the teacher's output, so the "
+                           f"shapes must agree. Candidate boundaries with their shapes:\n  "
                            f"{_listing(t, 'teacher')}\n  {_listing(s, 'student')}")
         pairs.append((ti, si))
     for (t0, s0), (t1, s1) in zip(pairs, pairs[1:]):

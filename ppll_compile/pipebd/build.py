@@ -84,7 +84,7 @@ def _block_costs(b: Blocks, summaries: list[tuple[Summary, Summary]], teacher: l
                      + (f", also at 1/2 .. 1/{most} of the batch (replicas)" if most > 1 else ""))
     else:
         compute = [(ts.flops_fwd + ss.flops_fwd + ss.flops_bwd) / opts.flops_per_second for ts, ss in summaries]
-    comm = [b.teacher.boundary(c)[0].bytes / opts.link_bandwidth for c in b.cuts(0)] + [0.0]
+    comm = [sum(v.bytes for v in b.teacher.boundary(c)) / opts.link_bandwidth for c in b.cuts(0)] + [0.0]
     return Costs(compute=compute, comm=comm,
                  memory=[ts.param_bytes + ss.memory for ts, ss in summaries],
                  grad_bytes=[ss.grad_bytes for _, ss in summaries], split=split or None)
@@ -157,11 +157,12 @@ def plan_pipebd(student: nn.Module, teacher: nn.Module, example_inputs: Sequence
         own = block_plans[start:end]
         nodes = [x for k in range(start, end) for x in b.nodes(k)[1]]
         last = j == len(layout.ends) - 1
-        send = 0.0 if last else own[-1].output.bytes / opts.link_bandwidth / r
+        boundary = () if last else b.teacher.boundary(b.cuts(0)[end - 1])  # the output, and any side values
+        send = sum(v.bytes for v in boundary) / opts.link_bandwidth / r
         types = list(dict.fromkeys(k.loss["type"] for k in own))
         return StageParts(nodes=nodes, summary=s.summary(nodes, opts.optimizer),
                           head=HeadSpec(policy=rules.name, kind="distill", config={"type": "+".join(types)}),
-                          boundary=() if last else (own[-1].output,), aux_flops=sum(k.teacher_flops for k in own),
+                          boundary=boundary, aux_flops=sum(k.teacher_flops for k in own),
                           memory_bytes=sum(k.memory_bytes for k in own), compute_cost=layout.costs[j] - send,
                           comm_cost=send, cost=layout.costs[j], blocks=tuple(range(start, end)))
 
