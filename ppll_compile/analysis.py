@@ -135,7 +135,7 @@ class Analysis:
             specs[0] = dataclasses.replace(specs[0], layout=layout_of(self.by_name[cut.node], self.gm))
         return tuple(specs)
 
-    @property
+    @functools.cached_property
     def per_token(self) -> bool:
         """Whether the labels are per token: the model's output is ``N x L x C`` scores (a language model,
         token classification), so every head gives per-token scores."""
@@ -152,9 +152,7 @@ class Analysis:
             else:
                 dropped[c.node] = why
         if dropped:
-            whys = sorted(set(dropped.values()))
-            self.notes.append(f"{len(dropped)} of {len(self.cuts)} legal cuts dropped: {summary} "
-                              f"({'; '.join(whys[:3])}{' ...' if len(whys) > 3 else ''})")
+            self.notes.append(f"{len(dropped)} of {len(self.cuts)} legal cuts dropped: {summary} ({_reasons(dropped)})")
         self.cuts = kept
         self.dropped = {**self.dropped, **dropped}
 
@@ -197,11 +195,7 @@ class Analysis:
 
     def dropped_summary(self) -> str:
         """Why cuts were dropped, for an error that finds too few of them ('' when none were)."""
-        if not self.dropped:
-            return ""
-        whys = sorted(set(self.dropped.values()))
-        return (f"; {len(self.dropped)} candidate cut(s) were dropped ({'; '.join(whys[:3])}"
-                f"{' ...' if len(whys) > 3 else ''})")
+        return f"; {len(self.dropped)} candidate cut(s) were dropped ({_reasons(self.dropped)})" if self.dropped else ""
 
     def output_spec(self) -> TensorSpec | None:
         """The model's output when it is one tensor (or, captured by ``torch.export``, its first tensor: the
@@ -248,6 +242,12 @@ class Analysis:
         before = [c.node for c in self.cuts if c.position < pos][-1:]
         after = [c.node for c in self.cuts if c.position > pos][:1]
         return " or ".join(repr(c) for c in before + after) or "none"
+
+
+def _reasons(dropped: dict[str, str]) -> str:
+    """The distinct reasons cuts were dropped for, the first three."""
+    whys = sorted(set(dropped.values()))
+    return "; ".join(whys[:3]) + (" ..." if len(whys) > 3 else "")
 
 
 def _infer_inputs(model: nn.Module) -> tuple[Tensor, ...]:

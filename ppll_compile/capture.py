@@ -12,7 +12,6 @@ from torch import Tensor, nn
 
 from .errors import TraceError
 from .export import export
-from .options import TRACERS
 from .trace import check_leaf_names, fixed_arguments, trace
 
 __all__ = ["Capture", "capture", "BUFFER_OWNERS"]
@@ -56,14 +55,13 @@ class Capture:
 def capture(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dict[str, Any], *, tracer: str = "auto",
             leaf_modules: Iterable[str | type] = (), split_points: Sequence[str] | None = None,
             bake_train_mode: bool = False) -> Capture:
-    """Capture ``model`` on its example call with the chosen front end (:data:`TRACERS`).
+    """Capture ``model`` on its example call with the chosen front end (``auto``, ``fx`` or ``export``; checked by
+    :class:`~ppll_compile.options.PlanOptions`).
 
     ``leaf_modules`` and ``split_points`` steer symbolic tracing; ``torch.export`` has no opaque modules, so
     ``leaf_modules`` with ``tracer='export'`` is an error. A forward argument ``use_cache`` that is not given is
     captured as ``False`` under ``torch.export`` (a pipeline stage cannot hand a key/value cache back).
     """
-    if tracer not in TRACERS:
-        raise ValueError(f"tracer must be one of {', '.join(TRACERS)}, got {tracer!r}")
     leaf_modules = tuple(leaf_modules)
     check_leaf_names(model, [m for m in leaf_modules if isinstance(m, str)])
     names, fixed = fixed_arguments(model, example_inputs, example_kwargs, allow_var=tracer != "fx")
