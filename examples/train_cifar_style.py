@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # resnet32.py sits next to this file
 
 import ppll_compile  # noqa: E402
-from ppll_compile.runtime.checkpoint import MANIFEST  # noqa: E402
+from ppll_compile.runtime.checkpoint import CheckpointError, latest  # noqa: E402
 from resnet32 import build_model  # noqa: E402
 
 NUM_CLASSES = 10
@@ -71,6 +71,25 @@ def load_data(args: argparse.Namespace) -> tuple[Dataset, Dataset]:
     return train, test
 
 
+def resume(trainer: ppll_compile.Trainer, folder: Path, batches_per_epoch: int) -> int:
+    """The epoch to start at: the one after the newest complete checkpoint in ``folder`` (0 when there is none).
+
+    A checkpoint that cannot be loaded stops the run (it is never overwritten): the message says why.
+    """
+    try:
+        found = latest(folder)
+        if found is not None:
+            trainer.load(folder)
+    except CheckpointError as e:
+        raise SystemExit(f"--checkpoint {folder}: {e}\nIt is left as it is: pass another --checkpoint folder, or "
+                         f"remove this one to train from scratch") from None
+    first = trainer.batches // batches_per_epoch
+    if trainer.is_main:
+        print(f"resumed from {found} (batch {trainer.batches}): training from epoch {first + 1}" if found else
+              f"no checkpoint in {folder} yet: training from epoch 1, saving there after every epoch", flush=True)
+    return first
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.manual_seed(args.seed)  # every process must build the same model and aux heads
@@ -91,12 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     with trainer:  # closes worker threads or the process group, also on errors
         if trainer.is_main:  # under torchrun: the process of the last stage
             print(compiled.plan.table(), flush=True)
-        first = 0
-        if args.checkpoint is not None and (args.checkpoint / MANIFEST).is_file():
-            trainer.load(args.checkpoint)
-            first = trainer.batches // len(train)
-            if trainer.is_main:
-                print(f"resumed from {args.checkpoint} after epoch {first}", flush=True)
+        first = resume(trainer, args.checkpoint, len(train)) if args.checkpoint is not None else 0
         for epoch in range(first, args.epochs):
             record = trainer.fit(train, epochs=1, progress=True)[0]
             if args.checkpoint is not None:

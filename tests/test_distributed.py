@@ -227,7 +227,8 @@ def test_example_on_two_nodes(tmp_path):
     # the last stage's process (node 1) reports; both stages' losses reach it
     assert "final accuracy" in outputs[1] and "final accuracy" not in outputs[0], outputs[1][-3000:]
     assert "epoch 1/1: loss per stage s0 " in outputs[1] and " s1 " in outputs[1]
-    assert (tmp_path / "ckpt" / "manifest.json").is_file()
+    assert (tmp_path / "ckpt" / "latest").read_text() == "ckpt-000000\n"
+    assert (tmp_path / "ckpt" / "ckpt-000000" / "manifest.json").is_file()
 
 
 def test_example_with_torchrun_on_one_node():

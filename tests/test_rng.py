@@ -227,7 +227,7 @@ def test_resume_continues_the_same_stream(tmp_path):
         for x, y in data[3:]:
             resumed.step(x, y)
     _assert_equal(_params(resumed_pipeline), straight)
-    assert json.loads((tmp_path / "ckpt" / "manifest.json").read_text())["trainer"]["seed"] == 0
+    assert json.loads((tmp_path / "ckpt" / "ckpt-000000" / "manifest.json").read_text())["trainer"]["seed"] == 0
     with pytest.warns(UserWarning, match=r"was trained with seed=0; this trainer has seed=3"):
         _compile(copy.deepcopy(model)).trainer(optimizer=_sgd, seed=3).load(tmp_path / "ckpt")
 

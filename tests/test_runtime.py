@@ -343,7 +343,7 @@ def test_resume_equals_never_stopping(tmp_path):
     first = _compiled().trainer(optimizer=_sgd, runtime="threads", scheduler=sched)
     for x, y in data[:3]:
         first.step(x, y)
-    first.save(tmp_path / "ckpt")
+    saved = first.save(tmp_path / "ckpt")
     first.close()
     resumed_pipeline = _compiled(seed=123)  # other initial weights: everything must come from the checkpoint
     resumed = resumed_pipeline.trainer(optimizer=_sgd, runtime="sequential", scheduler=sched)
@@ -352,7 +352,9 @@ def test_resume_equals_never_stopping(tmp_path):
     for x, y in data[3:]:
         resumed.step(x, y)
     _assert_same(resumed_pipeline, straight)
-    manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())
+    assert saved == tmp_path / "ckpt" / "ckpt-000000"
+    assert (tmp_path / "ckpt" / "latest").read_text() == "ckpt-000000\n"
+    manifest = json.loads((saved / "manifest.json").read_text())
     assert [f["file"] for f in manifest["files"]] == ["stage-0.pt", "stage-1.pt"]
 
 
@@ -363,16 +365,17 @@ def _saved(tmp_path):
     return tmp_path / "ckpt"
 
 
-def test_load_rejects_a_checkpoint_without_manifest(tmp_path):
+def test_load_rejects_a_directory_without_a_checkpoint(tmp_path):
     path = _saved(tmp_path)
-    (path / "manifest.json").unlink()
-    with pytest.raises(CheckpointError, match="^no manifest.json in .*: not a checkpoint, or a save that did not "
-                                              "finish; load an earlier checkpoint"):
+    (path / "latest").unlink()
+    with pytest.raises(CheckpointError, match="^no complete checkpoint in .* \\(neither latest nor manifest.json\\): "
+                                              "not a checkpoint, or no save there finished; load an earlier "
+                                              "checkpoint"):
         _compiled().trainer(optimizer=_sgd).load(path)
 
 
 def test_load_rejects_a_corrupt_stage_file(tmp_path):
-    path = _saved(tmp_path)
+    path = _saved(tmp_path) / "ckpt-000000"
     data = bytearray((path / "stage-1.pt").read_bytes())
     data[len(data) // 2] ^= 0xFF
     (path / "stage-1.pt").write_bytes(bytes(data))
@@ -418,7 +421,7 @@ def test_load_rejects_a_checkpoint_saved_with_other_heads(tmp_path):
     heads = [[s["head"]["config"] for s in yaml.safe_load(c.plan.to_yaml())["stages"]] for c in (saved, other)]
     assert heads[0] != heads[1]
     assert _refused(other.trainer(optimizer=_sgd), path) == (
-        f"checkpoint {str(path)!r} was saved for another pipeline: heads: checkpoint has {heads[0]!r}, this "
+        f"checkpoint {str(path / 'ckpt-000000')!r} was saved for another pipeline: heads: checkpoint has {heads[0]!r}, this "
         f"pipeline has {heads[1]!r}. Compile the same model with the plan it was trained with "
         f"(compile(model, plan=...)) to load it.")
 
@@ -427,7 +430,7 @@ def test_load_rejects_a_checkpoint_of_another_optimizer(tmp_path):
     path = _saved(tmp_path)  # trained with SGD
     trainer = _compiled(seed=5).trainer(optimizer=lambda params: torch.optim.Adam(params, lr=1e-3))
     assert _refused(trainer, path) == (
-        f"checkpoint {str(path)!r} was saved for another pipeline: optimizer: checkpoint has ['SGD'], this "
+        f"checkpoint {str(path / 'ckpt-000000')!r} was saved for another pipeline: optimizer: checkpoint has ['SGD'], this "
         f"pipeline has ['Adam']. Build the trainer with the optimizer class it was trained with "
         f"(trainer(optimizer=...)) to load it.")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from ..errors import StageError
 from .messages import Message, add_counts
 from .runner import Runner
 
@@ -31,6 +32,14 @@ class Runtime:
     """Whether this process feeds batches (under ``distributed`` only rank 0 does)."""
     replica: int = 0
     """Which replica of its stage this process runs (under ``distributed``; else 0)."""
+    error: StageError | None = None
+    """The failure of a stage, once one was raised; every later call raises it again."""
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the runtime stopped before finishing its batches (a failure or an interrupt): it can only be
+        closed."""
+        return self.error is not None
 
     def step(self, msg: Message | None) -> Losses:
         """Feed one batch (``None`` in a process that reads no data); per stage, the losses finished since."""
@@ -81,3 +90,6 @@ class Runtime:
 
     def close(self) -> None:
         """Release threads or process groups; the runtime cannot be used afterwards."""
+
+    def abandon(self) -> None:
+        """Its trainer is gone without :meth:`close`: let worker threads end on their own, without waiting."""

@@ -53,6 +53,10 @@ def batch_message(plan: Plan, lowered: Lowered, inputs: Any, target: Any, *, ind
     else:
         values = lowered.inputs.bind(inputs)
     batch = check_inputs(plan.inputs, values)
+    if batch == 0:
+        raise ValueError(f"batch {index} is empty (0 examples): nothing to train on, and a mean loss over no "
+                         f"examples is NaN; skip empty batches (e.g. DataLoader(drop_last=True) when a sampler can "
+                         f"leave one empty)")
     if target is None and plan.mode == "pipebd":  # distillation needs no labels; rows travel with the batch
         target = torch.zeros(batch, dtype=torch.int64)
     if isinstance(target, Tensor) and target.dim() and target.shape[0] != batch:

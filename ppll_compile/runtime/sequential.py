@@ -18,26 +18,25 @@ class SequentialRuntime(Runtime):
     def __init__(self, runners: list[Runner]) -> None:
         self.runners = runners
         self.num_stages = len(runners)
-        self._error: StageError | None = None  # after a failure the stages disagree on what they trained on
 
     def step(self, msg: Message | None) -> Losses:
         """Train every stage on ``msg`` in turn; each stage's loss."""
         assert msg is not None
-        if self._error is not None:
-            raise self._error
+        if self.error is not None:
+            raise self.error
         losses: Losses = []
         for r in self.runners:
             try:
                 msg_out, loss = r.train_step(msg)
             except Exception as e:
-                self._error = StageError(r.index, msg.index, f"{type(e).__name__}: {e}", traceback.format_exc())
-                raise self._error from e
+                self.error = StageError(r.index, msg.index, f"{type(e).__name__}: {e}", traceback.format_exc())
+                raise self.error from e
             losses.append([float(loss)])
             msg = msg_out  # type: ignore[assignment]
         return losses
 
     def finish(self) -> Losses:
         """Nothing is pending; raises the error of an earlier failed step again."""
-        if self._error is not None:
-            raise self._error
+        if self.error is not None:
+            raise self.error
         return [[] for _ in self.runners]

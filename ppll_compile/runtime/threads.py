@@ -7,11 +7,12 @@ import queue
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from ..errors import StageError
+from ..errors import PPLLError, StageError
 from ..timeline import span
 from .base import Losses, Runtime
 from .latest import Recent
@@ -22,6 +23,7 @@ __all__ = ["ThreadsRuntime"]
 
 _END = object()
 _POLL = 0.05  # seconds between checks for a failed stage while waiting on a queue
+_RELEASE = 0.5  # seconds close() (or an interrupt) waits for the workers before leaving them to stop alone
 
 
 class _Stopped(Exception):
@@ -47,7 +49,7 @@ class ThreadsRuntime(Runtime):
         self._workers: list[threading.Thread] = []
         self._queues: list[queue.Queue] = []
         self._stop = threading.Event()
-        self._error: StageError | None = None
+        self._interrupted = False
         self._lock = threading.Lock()
         self._losses: list[list[Any]] = [[] for _ in runners]
 
@@ -60,9 +62,12 @@ class ThreadsRuntime(Runtime):
             w.start()
 
     def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            self._join()
-            raise self._error
+        if self.error is not None:
+            self._join(_RELEASE)
+            raise self.error
+        if self._interrupted:
+            raise PPLLError("this trainer was interrupted (KeyboardInterrupt) and its queued batches dropped; "
+                            "build a new trainer (and load a checkpoint) to go on training")
 
     def step(self, msg: Message | None) -> Losses:
         """Put ``msg`` into stage 0's queue (waiting while it is full); the losses the stages finished since."""
@@ -74,35 +79,49 @@ class ThreadsRuntime(Runtime):
             event = torch.cuda.Event()  # the caller made them on its stream; stage 0 works on its own
             event.record()
             msg.events.append(event)
-        try:
-            self._put(self._queues[0], msg)
-            self._fed += 1
-            while not self._decoupled and self._done < self._fed:  # every stage finishes it before the next
-                if self._stop.wait(_POLL / 50):
-                    raise _Stopped
-        except _Stopped:
-            self._raise_if_failed()
+        with self._interruptible():
+            try:
+                self._put(self._queues[0], msg)
+                self._fed += 1
+                while not self._decoupled and self._done < self._fed:  # every stage finishes it before the next
+                    if self._stop.wait(_POLL / 50):
+                        raise _Stopped
+            except _Stopped:
+                self._raise_if_failed()
         return self._collect()
 
     def finish(self) -> Losses:
         """Send END down the stages and join the workers; the losses not yet returned."""
         self._raise_if_failed()
         if self._workers:
-            try:
-                self._put(self._queues[0], _END)
-            except _Stopped:
-                pass
-            self._join()
+            with self._interruptible():
+                try:
+                    self._put(self._queues[0], _END)
+                except _Stopped:
+                    pass
+                self._join()
             self._raise_if_failed()
         return self._collect()
 
-    def _join(self) -> None:
-        if self._error is not None:
+    @contextlib.contextmanager
+    def _interruptible(self) -> Iterator[None]:
+        """Ctrl-C (KeyboardInterrupt) in the caller stops every worker before it propagates."""
+        try:
+            yield
+        except KeyboardInterrupt:
+            self._interrupted = True
+            self.close()
+            raise
+
+    def _join(self, wait: float | None = None) -> None:
+        """Wait for the workers to end (at most ``wait`` seconds; then leave them to stop on their own)."""
+        if self.error is not None:
             self._stop.set()
+        end = None if wait is None else time.monotonic() + wait
         for w in self._workers:
-            while w.is_alive():
+            while w.is_alive() and (end is None or time.monotonic() < end):
                 w.join(_POLL)
-                if self._error is not None:
+                if self.error is not None:
                     self._stop.set()
         if self._workers:
             torch.set_num_threads(self._caller_threads)
@@ -120,9 +139,19 @@ class ThreadsRuntime(Runtime):
         return out
 
     def close(self) -> None:
-        """Stop and join the workers."""
+        """Stop the workers and wait for them up to half a second. A worker in the middle of a step (which cannot
+        be interrupted) ends as soon as it finishes that step, without sending its result on."""
         self._stop.set()
-        self._join()
+        self._join(_RELEASE)
+
+    @property
+    def stopped(self) -> bool:
+        """Whether a stage failed or the caller was interrupted (Ctrl-C): the runtime can only be closed."""
+        return self.error is not None or self._interrupted
+
+    def abandon(self) -> None:
+        """Its trainer is gone: every worker ends at its next look at the queues (within ``_POLL``)."""
+        self._stop.set()
 
     def _put(self, q: queue.Queue, item: Any) -> None:
         while True:
@@ -197,7 +226,7 @@ class ThreadsRuntime(Runtime):
         except BaseException as e:  # noqa: BLE001 - every failure must stop the pipeline and reach the caller
             batch = msg.index if isinstance(msg, Message) else None
             with self._lock:
-                if self._error is None:
-                    self._error = StageError(i, batch, f"{type(e).__name__}: {e}", traceback.format_exc())
-                    self._error.__cause__ = e
+                if self.error is None:
+                    self.error = StageError(i, batch, f"{type(e).__name__}: {e}", traceback.format_exc())
+                    self.error.__cause__ = e
             self._stop.set()

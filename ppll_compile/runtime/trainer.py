@@ -6,7 +6,9 @@ import math
 import os
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,6 +34,8 @@ __all__ = ["Trainer", "RUNTIMES", "QUEUES"]
 
 RUNTIMES = ("sequential", "threads", "distributed")
 QUEUES = ("fifo", "latest")
+_TRAINERS: weakref.WeakKeyDictionary[Lowered, weakref.ref[Trainer]] = weakref.WeakKeyDictionary()
+"""The last trainer built on each compiled pipeline's modules (one may be open at a time)."""
 
 
 def _check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
@@ -129,10 +133,15 @@ class Trainer:
         self.seed = seed
         """Seed of the stages' training randomness (``None``: unseeded); recorded in checkpoints."""
         self._carry_raw = lowered.carries_input
+        _claim(lowered)
         lowered.train()
         self._runtime: Runtime = _make_runtime(runtime, plan, lowered, config, depth=queue_depth,
                                                latest=queue == "latest", threads_per_stage=threads_per_stage,
                                                timeout=timeout, decoupled=decoupled)
+        _TRAINERS[lowered] = weakref.ref(self)
+        weakref.finalize(self, self._runtime.abandon)  # dropped without close(): the workers end too
+        self.closed = False
+        """Whether :meth:`close` was called (or a ``with`` block ended)."""
         self.batches = 0
         """Batches fed in so far (by this process, under ``distributed`` the first stage's)."""
         self.tracing = trace
@@ -272,35 +281,72 @@ class Trainer:
         return Timeline.of(events, "measured", model=self.plan.model, mode=self.plan.mode, runtime=self.runtime_name,
                            stages=self.plan.num_stages, batch_size=self.plan.batch_size)
 
-    def save(self, path: str | os.PathLike) -> None:
-        """Write every stage's state (block, head, optimizer, scheduler, counters) to the directory ``path``.
+    def save(self, path: str | os.PathLike, keep: int = 1) -> Path:
+        """Write every stage's state (block, head, optimizer, scheduler, counters) as the newest checkpoint
+        under the directory ``path``; the checkpoint's own directory.
 
-        Pending batches are finished first. The manifest is removed first and written last, so a save that
-        is cut short leaves nothing :meth:`load` accepts. The manifest records the trainer's ``seed``.
+        Pending batches are finished first. The checkpoint is written beside the previous one and becomes
+        the newest by an atomic switch of ``path/latest`` once every process's files are complete, so a save
+        killed at any moment leaves the previous checkpoint loadable (see :mod:`.checkpoint`). ``keep``
+        complete checkpoints stay (the newest first); leftovers of interrupted saves are removed. The
+        manifest records the batch count and the trainer's ``seed``.
         """
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep must be an integer >= 1 (how many complete checkpoints stay), got {keep!r}")
         self.finish()
         rt = self._runtime
-        if rt.is_main_writer:
-            checkpoint.remove_manifest(path)
-        rt.barrier()
-        files = [checkpoint.save_stage(path, state) for state in rt.states()]
-        files = [f for part in rt.gather(files) for f in part]
-        if rt.is_main_writer:
-            checkpoint.write_manifest(path, self._identity(), files, {"batches": self.batches, "seed": self.seed})
-        rt.barrier()
+        temp = rt.gather(self._agree("start the save", lambda: checkpoint.begin(path), here=rt.is_main_writer))[0]
+        work = Path(path) / temp
+        mine = self._agree("write its stages", lambda: [checkpoint.save_stage(work, s) for s in rt.states()])
+        files = [f for part in rt.gather(mine) for f in part]
+        trainer = {"batches": self.batches, "seed": self.seed}
+        self._agree("finish the save", lambda: checkpoint.commit(path, temp, self._identity(), files, trainer, keep),
+                    here=rt.is_main_writer)
+        return Path(path) / checkpoint.final_name(temp)
+
+    def _agree(self, doing: str, fn: Callable[[], Any], *, here: bool = True) -> Any:
+        """``fn()`` on this process (where ``here``; else ``None``). When it raised on any process, every process
+        raises: this one its own error, the others a CheckpointError naming the process and the error."""
+        value, error = None, None
+        try:
+            if here:
+                value = fn()
+        except Exception as e:  # noqa: BLE001 - re-raised below, once every process knows
+            error = e
+        texts = self._runtime.gather(None if error is None else f"{type(error).__name__}: {error}")
+        if error is not None:
+            raise error
+        for rank, text in enumerate(texts):
+            if text is not None:
+                raise checkpoint.CheckpointError(f"the process of rank {rank} could not {doing}: {text}")
+        return value
 
     def _identity(self) -> dict[str, Any]:
         return checkpoint.identity(self.plan, [self.stage_parameters(i) for i in range(self.plan.num_stages)],
                                    [o for r in self.runners for o in r.optimizers])
 
-    def load(self, path: str | os.PathLike) -> None:
-        """Restore a checkpoint written by :meth:`save` (under any runtime) for the same model and plan.
+    def _read(self, path: str | os.PathLike) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
+        """The checkpoint's trainer state and this process's stage states, every one checked against its stage."""
+        trainer, states = checkpoint.read(path, self._identity(), list(self.stages))
+        problems = [p for r in self.runners for p in checkpoint.check_state(states[r.index], r.state_dict())]
+        if problems:
+            raise checkpoint.CheckpointError(f"checkpoint {str(path)!r} does not fit this trainer: "
+                                             + "; ".join(problems[:8]) + (" ..." if len(problems) > 8 else "")
+                                             + ". Load it into a trainer built as the one that saved it")
+        return trainer, states
 
-        The batch count is restored too, so the stages' random streams continue where they stopped; a
-        checkpoint saved with another ``seed`` loads with a warning (training continues on other streams).
+    def load(self, path: str | os.PathLike) -> Path:
+        """Restore the newest complete checkpoint under ``path`` (or the checkpoint directory ``path``) written
+        by :meth:`save` under any runtime for the same model and plan; the directory it was read from.
+
+        Everything is checked first, on every process (the identity of model, plan, heads and optimizer
+        class; every tensor's name, shape and dtype; files against their digests): on any error every
+        process raises :class:`~.checkpoint.CheckpointError` and no state has changed. The batch count is
+        restored too, so the stages' random streams continue where they stopped; a checkpoint saved with
+        another ``seed`` loads with a warning (training continues on other streams).
         """
         self.finish()
-        trainer, states = checkpoint.read(path, self._identity(), list(self.stages))
+        trainer, states = self._agree("read the checkpoint", lambda: self._read(path))
         for r in self._runtime.runners:
             r.load_state_dict(states[r.index])
         self.batches = int(trainer["batches"])
@@ -310,13 +356,21 @@ class Trainer:
                           f"streams than an uninterrupted run (build the trainer with seed={trainer['seed']!r} "
                           f"to continue it exactly)", stacklevel=2)
         self._runtime.barrier()
+        return checkpoint.latest(path)  # type: ignore[return-value]
 
     def close(self) -> None:
-        """Finish pending work and release worker threads or the process group."""
+        """Finish pending batches, then release worker threads or the process group; the compiled pipeline
+        may then get another trainer. After a :class:`StageError` (already raised) or a KeyboardInterrupt it only
+        releases."""
         try:
-            self.finish()
+            if not self._runtime.stopped:
+                self.finish()
         finally:
-            self._runtime.close()
+            self._release()
+
+    def _release(self) -> None:
+        self._runtime.close()
+        self.closed = True
 
     def __enter__(self) -> Trainer:
         return self
@@ -325,11 +379,22 @@ class Trainer:
         if exc[0] is None:
             self.close()
         else:
-            self._runtime.close()
+            self._release()
 
     def __repr__(self) -> str:
         return (f"Trainer({self.plan.model}, runtime={self.runtime_name!r}, stages here={list(self.stages)}, "
                 f"batches={self.batches})")
+
+
+def _claim(lowered: Lowered) -> None:
+    """Refuse a second trainer of the same modules while the first is open: both would train the same
+    parameters at once."""
+    ref = _TRAINERS.get(lowered)
+    other = ref() if ref is not None else None
+    if other is not None and not other.closed:
+        raise PPLLError(f"this compiled pipeline already has an open trainer ({other!r}); two would train the same "
+                        f"parameters at once. Close it first (trainer.close(), or use it in a with block), or "
+                        f"compile the model again for an independent pipeline")
 
 
 def _progress(total: int | None, desc: str, enabled: bool) -> Any:

@@ -1,0 +1,207 @@
+"""Checkpoints: a kill at any moment leaves one that loads; a load either restores everything or changes nothing."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ppll_compile
+from ppll_compile import CheckpointError
+from ppll_compile.runtime import checkpoint
+from tests import ckpt_worker as w
+
+WORKER = Path(__file__).with_name("ckpt_worker.py")
+pytestmark = pytest.mark.usefixtures("one_thread_quietly")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _trained(steps: int = 2, seed: int = 0, **options):
+    compiled = w.pipeline(seed)
+    trainer = compiled.trainer(optimizer=w._sgd, **options)
+    for i in range(steps):
+        trainer.step(*w.batch(i))
+    return compiled, trainer
+
+
+def _refused(trainer, compiled, path) -> str:
+    """The error of loading ``path``, after checking that the trainer is exactly as before."""
+    before = w.parameters(compiled)
+    momentum = [dict(o.state) for r in trainer.runners for o in r.optimizers]
+    batches, steps = trainer.batches, trainer.steps
+    with pytest.raises(CheckpointError) as info:
+        trainer.load(path)
+    assert all(torch.equal(p, q) for p, q in zip(before, w.parameters(compiled), strict=True))
+    assert [dict(o.state) for r in trainer.runners for o in r.optimizers] == momentum
+    assert (trainer.batches, trainer.steps) == (batches, steps)
+    return str(info.value)
+
+
+# ---- kills --------------------------------------------------------------------------------------------------
+def test_a_save_killed_at_any_moment_leaves_a_checkpoint_that_loads(tmp_path):
+    """A trainer saving after every batch is SIGKILLed 12 times at random moments; after every kill a fresh
+    process loads the newest checkpoint and finds exactly the state of a run that never stopped."""
+    proc = subprocess.run([sys.executable, str(WORKER), "kill", str(tmp_path), "12", "1"], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["verified"] == [0] * 12, proc.stderr[-3000:]
+    assert report["mid_save"] >= 1  # some kills did land in the middle of a save
+    assert report["batches"] == sorted(report["batches"]) and report["batches"][0] >= 1  # each run resumed
+    # leftovers never pile up: each save removes those of the one killed before it
+    assert report["most_temporary"] <= 2 and report["most_complete"] <= 3
+
+
+@pytest.mark.parametrize("scenario", ["killed", "corrupt"])
+def test_distributed_saves_and_loads_agree_on_every_rank(tmp_path, scenario):
+    """killed: rank 1 dies while writing its stage file, so the pointer never moves and the first checkpoint
+    stays the newest. corrupt: rank 1's stage file is damaged, so both ranks refuse and neither changes."""
+    proc = subprocess.run([sys.executable, str(WORKER), "dist", scenario, str(tmp_path), str(_free_port())],
+                          capture_output=True, text=True, timeout=200)
+    ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) if (tmp_path / f"rank-{r}.json").exists()
+             else None for r in (0, 1)]
+    if scenario == "killed":
+        assert ranks[0] is not None, proc.stdout[-2000:] + proc.stderr[-3000:]
+        assert "error" in ranks[0] and ranks[0]["latest"] == ranks[0]["first"] == "ckpt/ckpt-000000"
+        loaded = w.pipeline(seed=7).trainer(optimizer=w._sgd)
+        assert loaded.load(tmp_path / "ckpt") == tmp_path / "ckpt" / "ckpt-000000" and loaded.batches == 1
+    else:
+        assert json.loads(proc.stdout.strip().splitlines()[-1])["codes"] == [0, 0], proc.stderr[-3000:]
+        for r in ranks:
+            assert r["unchanged"] and "stage-1.pt' has" in r["error"] and "another sha256" in r["error"]
+        assert ranks[0]["error"].startswith("CheckpointError: the process of rank 1 could not read the checkpoint")
+        assert ranks[0]["batches"] == 2
+
+
+# ---- the layout: pointer, keep, leftovers -------------------------------------------------------------------
+def test_keep_holds_the_newest_checkpoints_and_an_older_one_loads_by_its_directory(tmp_path):
+    compiled, trainer = _trained(1)
+    saved = []
+    for i in range(1, 5):
+        saved.append(trainer.save(tmp_path, keep=2))
+        trainer.step(*w.batch(i))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000002", "ckpt-000003", "latest"]
+    assert (tmp_path / "latest").read_text() == "ckpt-000003\n" and saved[-1] == tmp_path / "ckpt-000003"
+    older = w.pipeline(seed=7).trainer(optimizer=w._sgd)
+    assert older.load(saved[-2]) == saved[-2] and older.batches == 3
+    with pytest.raises(ValueError, match="^keep must be an integer >= 1"):
+        trainer.save(tmp_path, keep=0)
+
+
+def test_leftovers_are_never_loaded_and_are_removed_by_the_next_load_or_save(tmp_path):
+    compiled, trainer = _trained(1)
+    trainer.save(tmp_path)
+    host = socket.gethostname()
+    dead = tmp_path / f".ckpt-000005.tmp-{host}-999999999"  # a save whose process is gone
+    live = tmp_path / f".ckpt-000006.tmp-{host}-{os.getpid()}"  # a save still running (this process)
+    unpointed = tmp_path / "ckpt-000004"  # complete, but killed before the pointer moved to it
+    trainer.step(*w.batch(1))
+    trainer.save(tmp_path / "elsewhere")
+    os.replace(tmp_path / "elsewhere" / "ckpt-000000", unpointed)
+    for d in (dead, live):
+        d.mkdir()
+        (d / "stage-0.pt").write_bytes(os.urandom(1000))
+    loaded = w.pipeline(seed=7).trainer(optimizer=w._sgd)
+    assert loaded.load(tmp_path) == tmp_path / "ckpt-000000" and loaded.batches == 1
+    assert not dead.exists() and live.exists() and unpointed.exists()  # a load removes only the dead ones
+    assert trainer.save(tmp_path) == tmp_path / "ckpt-000001"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000001", "elsewhere", "latest"]
+
+
+def test_a_checkpoint_of_the_earlier_layout_still_loads(tmp_path):
+    """A directory holding the manifest itself (one checkpoint) loads as it is."""
+    compiled, trainer = _trained(2)
+    one = trainer.save(tmp_path / "root")
+    loaded = w.pipeline(seed=7).trainer(optimizer=w._sgd)
+    assert loaded.load(one) == one and loaded.batches == 2
+
+
+def test_a_pointer_to_nothing_is_named(tmp_path):
+    compiled, trainer = _trained(1)
+    trainer.save(tmp_path)
+    (tmp_path / "latest").write_text("ckpt-000009\n")
+    with pytest.raises(CheckpointError, match=r"latest' names ckpt-000009, but .*ckpt-000009' holds no "
+                                              r"manifest.json \(removed by hand\?\); load an older checkpoint"):
+        w.pipeline(seed=7).trainer(optimizer=w._sgd).load(tmp_path)
+    (tmp_path / "latest").write_text("../../etc\n")
+    with pytest.raises(CheckpointError, match=r"holds '../../etc', not a checkpoint name like ckpt-000001"):
+        trainer.save(tmp_path)
+
+
+# ---- all or nothing -----------------------------------------------------------------------------------------
+def test_a_manifest_without_its_entries_is_named_and_nothing_loads(tmp_path):
+    compiled, trainer = _trained(1)
+    path = trainer.save(tmp_path)
+    manifest = json.loads((path / "manifest.json").read_text())
+    del manifest["trainer"]
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    other, fresh = _trained(0, seed=7)
+    assert _refused(fresh, other, tmp_path) == (
+        f"{str(path / 'manifest.json')!r} is not a valid manifest (no 'trainer' entry); the checkpoint is "
+        f"corrupt: load an earlier one")
+
+
+def test_another_width_names_the_parameter_and_its_shapes(tmp_path):
+    compiled, trainer = _trained(1)
+    trainer.save(tmp_path)
+    torch.manual_seed(0)
+    wide = ppll_compile.compile(w.Residual(c=24), 2, example_inputs=(torch.randn(w.BATCH, 3, 8, 8),), policy="dgl",
+                                plan=compiled.plan)
+    text = _refused(wide.trainer(optimizer=w._sgd), wide, tmp_path)
+    assert "stage 0 parameter 0 has shape [16, 3, 3, 3] in the checkpoint and [24, 3, 3, 3] here (the model was " \
+           "built with other sizes)" in text
+
+
+def test_another_dtype_is_named_and_nothing_loads(tmp_path):
+    compiled, trainer = _trained(1)
+    trainer.save(tmp_path)
+    torch.manual_seed(3)
+    model = w.Residual(c=16).double()
+    double = ppll_compile.compile(model, 2, example_inputs=(torch.randn(w.BATCH, 3, 8, 8, dtype=torch.float64),),
+                                  policy="dgl", plan=compiled.plan)
+    text = _refused(double.trainer(optimizer=w._sgd), double, tmp_path)
+    assert text.startswith(f"checkpoint {str(tmp_path)!r} does not fit this trainer: stage 0 backbone")
+    assert "is [16, 3, 3, 3] float32 in the checkpoint and [16, 3, 3, 3] float64 here" in text
+
+
+def test_an_optimizer_state_that_does_not_fit_changes_nothing(tmp_path):
+    """An SGD trainer (no momentum) loading an SGD-with-momentum checkpoint after its own first step: the
+    optimizer class matches, the state does not; stage 0 must not be loaded before stage 1 is found wrong."""
+    compiled, trainer = _trained(1)
+    trainer.save(tmp_path)
+    other = w.pipeline(seed=7)
+    nesterov = other.trainer(optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.5, nesterov=True))
+    nesterov.step(*w.batch(0))
+    state = torch.load(checkpoint.latest(tmp_path) / "stage-1.pt", weights_only=True)
+    state["optimizers"][0]["state"][0]["momentum_buffer"] = torch.zeros(3)
+    _rewrite(tmp_path, 1, state)
+    text = _refused(nesterov, other, tmp_path)
+    assert "stage 1 optimizer 0 state of parameter 0['momentum_buffer'] is [3] float32 in the checkpoint" in text
+
+
+def _rewrite(root: Path, stage: int, state: dict) -> None:
+    """Replace a stage file of the newest checkpoint, manifest entry included (a consistent but other state)."""
+    path = checkpoint.latest(root)
+    entry = checkpoint.save_stage(path, state)
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"] = [entry if f["stage"] == stage else f for f in manifest["files"]]
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_scheduler_mismatch_is_named_and_nothing_loads(tmp_path):
+    compiled, trainer = _trained(1)
+    trainer.save(tmp_path)
+    other = w.pipeline(seed=7)
+    scheduled = other.trainer(optimizer=w._sgd, scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 2))
+    text = _refused(scheduled, other, tmp_path)
+    assert "stage 0: the checkpoint has no scheduler state and this trainer has a learning-rate scheduler; build " \
+           "the trainer with the scheduler= it was trained with" in text

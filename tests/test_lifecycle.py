@@ -1,0 +1,164 @@
+"""A trainer's lifecycle: empty batches, close() after a failure, Ctrl-C, a trainer dropped without close(),
+and one open trainer per compiled pipeline."""
+
+import gc
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import ppll_compile
+from ppll_compile import StageError
+from ppll_compile.errors import PPLLError
+from tests import ckpt_worker as w
+from tests.dist_worker import Chain, Trap
+
+pytestmark = pytest.mark.usefixtures("one_thread_quietly")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _chain(trap: Trap, runtime: str, trap_stage: int = 1):
+    torch.manual_seed(0)
+    compiled = ppll_compile.compile(Chain(3, trap, trap_stage), example_inputs=(torch.randn(4, 8),), policy="dgl",
+                                    split_points=["blocks.0", "blocks.1"], leaf_modules=(Trap,))
+    trap.armed = True
+    return compiled, compiled.trainer(optimizer=w._sgd, runtime=runtime)
+
+
+@pytest.mark.parametrize("runtime", ["sequential", "threads"])
+def test_an_empty_batch_is_refused_and_nothing_steps(runtime):
+    compiled = w.pipeline()
+    trainer = compiled.trainer(optimizer=w._sgd, runtime=runtime)
+    before = w.parameters(compiled)
+    with pytest.raises(ValueError, match=r"^batch 0 is empty \(0 examples\): nothing to train on, and a mean loss "
+                                         r"over no examples is NaN; skip empty batches"):
+        trainer.step(torch.zeros(0, 3, 8, 8), torch.zeros(0, dtype=torch.int64))
+    trainer.close()
+    assert trainer.batches == 0 and set(trainer.steps.values()) == {0}
+    assert all(torch.equal(p, q) for p, q in zip(before, w.parameters(compiled)))
+
+
+@pytest.mark.parametrize("runtime", ["sequential", "threads"])
+def test_close_after_a_stage_error_releases_and_returns(runtime):
+    trap = Trap("raise", 1)
+    compiled, trainer = _chain(trap, runtime)
+    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+    with pytest.raises(StageError, match="^stage 1 failed at batch 1: RuntimeError: boom at call 1"):
+        for _ in range(20):
+            trainer.step(x, y)
+        trainer.finish()
+    assert trainer.close() is None and trainer.closed
+    with pytest.raises(StageError):  # the trainer is done: its error stays
+        trainer.step(x, y)
+    assert not [t for t in threading.enumerate() if t.name.startswith("ppll-stage") and t.is_alive()]
+    compiled.trainer(optimizer=w._sgd).close()  # the pipeline takes a new trainer
+
+
+def test_a_trainer_dropped_without_close_ends_its_threads():
+    trainer = w.pipeline().trainer(optimizer=w._sgd, runtime="threads")
+    for i in range(3):
+        trainer.step(*w.batch(i))
+    workers = list(trainer._runtime._workers)
+    assert len(workers) == 2 and all(t.is_alive() for t in workers)
+    del trainer
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while any(t.is_alive() for t in workers) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not any(t.is_alive() for t in workers)
+
+
+def test_a_second_open_trainer_is_refused_until_the_first_is_closed_or_gone():
+    compiled = w.pipeline()
+    first = compiled.trainer(optimizer=w._sgd, runtime="threads")
+    first.step(*w.batch(0))
+    with pytest.raises(PPLLError, match=r"^this compiled pipeline already has an open trainer \(Trainer\(Residual, "
+                                        r"runtime='threads', stages here=\[0, 1\], batches=1\)\); two would train "
+                                        r"the same parameters at once. Close it first"):
+        compiled.trainer(optimizer=w._sgd)
+    first.close()
+    second = compiled.trainer(optimizer=w._sgd)
+    del second
+    gc.collect()
+    with compiled.trainer(optimizer=w._sgd) as third:
+        third.step(*w.batch(0))
+    compiled.trainer(optimizer=w._sgd)
+
+
+# ---- Ctrl-C ------------------------------------------------------------------------------------------------
+_CHILD = r"""
+import json, signal, sys, threading, time
+import torch
+sys.path.insert(0, sys.argv[3])
+import ppll_compile
+from tests.dist_worker import Chain, Trap
+
+torch.set_num_threads(1)
+hung, managed = sys.argv[1] == "hung", sys.argv[2] == "with"
+trap = Trap("sleep", 60.0 if hung else 0.2)
+torch.manual_seed(0)
+compiled = ppll_compile.compile(Chain(3, trap, 1), example_inputs=(torch.randn(4, 8),), policy="dgl",
+                                split_points=["blocks.0", "blocks.1"], leaf_modules=(Trap,))
+trap.armed = True
+trainer = compiled.trainer(optimizer=lambda p: torch.optim.SGD(p, lr=0.01), runtime="threads", queue_depth=1)
+received = []
+
+def on_sigint(*_):
+    received.append(time.monotonic())
+    raise KeyboardInterrupt
+
+signal.signal(signal.SIGINT, on_sigint)
+x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+print("ready", flush=True)
+try:
+    if managed:
+        with trainer:
+            while True:
+                trainer.step(x, y)
+    else:
+        while True:
+            trainer.step(x, y)
+except KeyboardInterrupt:
+    seconds = time.monotonic() - received[0]
+steps = dict(trainer.steps)
+time.sleep(1.0)
+alive = sorted(t.name for t in threading.enumerate() if t.name.startswith("ppll-stage") and t.is_alive())
+try:
+    trainer.step(x, y)
+    after = "trained"
+except Exception as e:
+    after = f"{type(e).__name__}: {e}"
+start = time.monotonic()
+trainer.close()
+print(json.dumps({"seconds": seconds, "alive": alive, "steps_before": steps, "steps_after": dict(trainer.steps),
+                  "after": after, "close": time.monotonic() - start}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("stage,block", [("slow", "bare"), ("slow", "with"), ("hung", "with"), ("hung", "bare")])
+def test_one_ctrl_c_stops_every_worker_within_a_second(stage, block):
+    """A threads run whose middle stage is slow (0.2 s a batch) or hung (60 s) gets one SIGINT: the caller sees
+    KeyboardInterrupt within a second, with or without ``with``, and every worker that is not stuck in its
+    stage's own code has ended a second later, having trained nothing more."""
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD, stage, block, str(ROOT)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["seconds"] < 1.5 and report["close"] < 1.5, report
+    assert report["alive"] == (["ppll-stage-1"] if stage == "hung" else []), report  # stuck in time.sleep(60)
+    assert report["steps_after"] == report["steps_before"], report
+    assert report["after"].startswith("PPLLError: this trainer was interrupted (KeyboardInterrupt) and its queued "
+                                      "batches dropped; build a new trainer")
