@@ -169,7 +169,7 @@ def test_another_dtype_is_named_and_nothing_loads(tmp_path):
     double = ppll_compile.compile(model, 2, example_inputs=(torch.randn(w.BATCH, 3, 8, 8, dtype=torch.float64),),
                                   policy="dgl", plan=compiled.plan)
     text = _refused(double.trainer(optimizer=w._sgd), double, tmp_path)
-    assert text.startswith(f"checkpoint {str(tmp_path)!r} does not fit this trainer: stage 0 backbone")
+    assert text.startswith(f"checkpoint {str(tmp_path / 'ckpt-000000')!r} does not fit this trainer: stage 0 backbone")
     assert "is [16, 3, 3, 3] float32 in the checkpoint and [16, 3, 3, 3] float64 here" in text
 
 

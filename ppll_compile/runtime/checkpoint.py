@@ -255,9 +255,10 @@ def _manifest(root: Path) -> dict[str, Any]:
     return manifest
 
 
-def read(path: str | os.PathLike, ident: dict[str, Any], stages: list[int]) -> tuple[dict[str, Any],
-                                                                                      dict[int, dict[str, Any]]]:
-    """The manifest's trainer state and the states of ``stages``, after checking completeness, integrity and match.
+def read(path: str | os.PathLike, ident: dict[str, Any],
+         stages: list[int]) -> tuple[Path, dict[str, Any], dict[int, dict[str, Any]]]:
+    """The checkpoint directory read, its manifest's trainer state and the states of ``stages``, after checking
+    completeness, integrity and match.
 
     Leftovers of saves whose process is gone are removed first; they are never read.
     """
@@ -299,7 +300,7 @@ def read(path: str | os.PathLike, ident: dict[str, Any], stages: list[int]) -> t
         except Exception as e:  # noqa: BLE001 - the digest matched, yet torch cannot read it
             raise CheckpointError(f"{str(file)!r} cannot be read by torch.load ({type(e).__name__}: {e}); load an "
                                   f"earlier checkpoint") from None
-    return manifest["trainer"], states
+    return found, manifest["trainer"], states
 
 
 # ---- checking a stage's state against the stage ------------------------------------------------

@@ -325,15 +325,16 @@ class Trainer:
         return checkpoint.identity(self.plan, [self.stage_parameters(i) for i in range(self.plan.num_stages)],
                                    [o for r in self.runners for o in r.optimizers])
 
-    def _read(self, path: str | os.PathLike) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
-        """The checkpoint's trainer state and this process's stage states, every one checked against its stage."""
-        trainer, states = checkpoint.read(path, self._identity(), list(self.stages))
+    def _read(self, path: str | os.PathLike) -> tuple[Path, dict[str, Any], dict[int, dict[str, Any]]]:
+        """The checkpoint directory read, its trainer state and this process's stage states, every one checked
+        against its stage."""
+        found, trainer, states = checkpoint.read(path, self._identity(), list(self.stages))
         problems = [p for r in self.runners for p in checkpoint.check_state(states[r.index], r.state_dict())]
         if problems:
-            raise checkpoint.CheckpointError(f"checkpoint {str(path)!r} does not fit this trainer: "
+            raise checkpoint.CheckpointError(f"checkpoint {str(found)!r} does not fit this trainer: "
                                              + "; ".join(problems[:8]) + (" ..." if len(problems) > 8 else "")
                                              + ". Load it into a trainer built as the one that saved it")
-        return trainer, states
+        return found, trainer, states
 
     def load(self, path: str | os.PathLike) -> Path:
         """Restore the newest complete checkpoint under ``path`` (or the checkpoint directory ``path``) written
@@ -346,7 +347,7 @@ class Trainer:
         another ``seed`` loads with a warning (training continues on other streams).
         """
         self.finish()
-        trainer, states = self._agree("read the checkpoint", lambda: self._read(path))
+        found, trainer, states = self._agree("read the checkpoint", lambda: self._read(path))
         for r in self._runtime.runners:
             r.load_state_dict(states[r.index])
         self.batches = int(trainer["batches"])
@@ -356,7 +357,7 @@ class Trainer:
                           f"streams than an uninterrupted run (build the trainer with seed={trainer['seed']!r} "
                           f"to continue it exactly)", stacklevel=2)
         self._runtime.barrier()
-        return checkpoint.latest(path)  # type: ignore[return-value]
+        return found
 
     def close(self) -> None:
         """Finish pending batches, then release worker threads or the process group; the compiled pipeline
