@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from .capture import capture
 from .cost import META_KEY, OPTIMIZER_STATES, measure_graph
 from .cuts import Cut, legal_cuts
-from .errors import CutError
+from .errors import CutError, PlanError
 from .layout import layout_of
 from .options import PlanOptions
 from .phases import phase
@@ -235,6 +235,22 @@ class Analysis:
                        f"(a skip connection or other value crosses it); nearest legal cuts: "
                        f"{self._nearest_cuts(target)}")
 
+    def check_saved_cuts(self, names: Sequence[str], source: str) -> None:
+        """A saved plan's cuts (the ``last_node`` of every stage but the last) must name distinct cuts in graph
+        order; errors name ``source``, the plan file."""
+        try:
+            at = [self.cut_index(c) for c in names]
+        except CutError as e:
+            raise CutError(f"{source}: {e}") from None
+        for i in range(1, len(at)):
+            if at[i] == at[i - 1]:
+                raise PlanError(f"{source}: stages[{i - 1}] and stages[{i}] end at the same cut ({names[i - 1]!r}, "
+                                f"{names[i]!r}); delete the duplicated stage, or move its last_node")
+            if at[i] < at[i - 1]:
+                raise PlanError(f"{source}: stages[{i}] ends at {names[i]!r}, which comes before {names[i - 1]!r} "
+                                f"where stages[{i - 1}] ends; the stages must follow the model's order: swap their "
+                                f"last_node values (and head configs), or re-create the plan")
+
     def _nearest_cuts(self, name: str) -> str:
         pos = next((i for i, n in enumerate(self.nodes) if n.name == name), None)
         if pos is None:
@@ -280,7 +296,16 @@ def _inputs_from_specs(specs: Sequence[TensorSpec]) -> tuple[Tensor, ...]:
 
 def _example(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwargs: dict[str, Any] | None,
              batch_size: int | None, planned: Sequence[TensorSpec] | None) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The example call at the planned batch size: given, re-made from a saved plan's inputs, or inferred."""
+    """The example call at the planned batch size: given (one tensor stands for a 1-tuple), re-made from a saved
+    plan's inputs, or inferred."""
+    if isinstance(example_inputs, Tensor):
+        example_inputs = (example_inputs,)
+    if example_inputs is not None and not isinstance(example_inputs, (tuple, list)):
+        raise TypeError(f"example_inputs must be a tuple of forward()'s positional arguments (or one tensor), got "
+                        f"a {type(example_inputs).__name__}; pass e.g. example_inputs=(x,)")
+    if example_kwargs is not None and not isinstance(example_kwargs, Mapping):
+        raise TypeError(f"example_kwargs must be a dict of forward()'s keyword arguments, got a "
+                        f"{type(example_kwargs).__name__}")
     if example_inputs is None and not example_kwargs:
         example_inputs = _inputs_from_specs(planned) if planned else _infer_inputs(model)
     example_inputs = tuple(example_inputs or ())
@@ -290,8 +315,17 @@ def _example(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwa
         raise ValueError("example_inputs must contain at least one tensor with a batch dimension: a pipeline "
                          "passes batches of tensors from stage to stage, so a model whose inputs are all Python "
                          "scalars (or 0-D tensors) cannot be split; give it a batched tensor input")
+    empty = [tuple(x.shape) for x in (*example_inputs, *kwargs.values())
+             if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == 0]
+    if empty:
+        raise ValueError(f"the example inputs hold a batch of 0 examples (shape {empty[0]}); give at least one "
+                         f"example per tensor (only shapes and dtypes are used; batch_size=N sets the planned batch)")
     batch = batch_size or first.shape[0]
-    return tuple(_at_batch(x, batch) for x in example_inputs), {k: _at_batch(v, batch) for k, v in kwargs.items()}
+    try:
+        return tuple(_at_batch(x, batch) for x in example_inputs), {k: _at_batch(v, batch) for k, v in kwargs.items()}
+    except (RuntimeError, OverflowError) as e:  # no memory for tensors of that many rows
+        raise ValueError(f"cannot make example inputs of batch_size={batch} on this machine "
+                         f"({type(e).__name__}: {str(e).splitlines()[0]}); pass a smaller batch_size") from None
 
 
 def _num_classes(model: nn.Module, out: TensorSpec | None, given: int | None, needed: bool) -> int:

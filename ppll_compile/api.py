@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from .analysis import Analysis, analyse
 from .cuts import Cut
 from .assemble import assemble_ppll
-from .errors import PolicyError
+from .errors import PlanError, PolicyError
 from .heads import head_spec
 from .lower import lower_ppll
 from .options import SavedPlan, check_no_blocks, read_saved_plan, resolve_mode, resolve_options
@@ -43,6 +44,7 @@ def plan(model: nn.Module, gpus: int | None = None, *, teacher: nn.Module | None
     """
     saved = read_saved_plan(plan)
     opts = resolve_options(gpus, saved, options)
+    _check_devices_here(opts, placing=False)
     if resolve_mode(mode, teacher, saved) == "pipebd":
         return plan_pipebd(model, teacher, example_inputs, example_kwargs, opts,  # type: ignore[arg-type]
                            blocks or (saved and saved.blocks)).plan
@@ -62,6 +64,7 @@ def compile(model: nn.Module, gpus: int | None = None, *, teacher: nn.Module | N
     """
     saved = read_saved_plan(plan)
     opts = resolve_options(gpus, saved, options)
+    _check_devices_here(opts, placing=True)
     if resolve_mode(mode, teacher, saved) == "pipebd":
         return compile_pipebd(model, teacher, example_inputs, example_kwargs, opts,  # type: ignore[arg-type]
                               blocks or (saved and saved.blocks))
@@ -71,11 +74,37 @@ def compile(model: nn.Module, gpus: int | None = None, *, teacher: nn.Module | N
     return CompiledPipeline(model=model, graph_module=a.gm, plan=result, lowered=lowered)
 
 
+_HERE: dict[str, Callable[[int], bool]] = {
+    "cpu": lambda index: True,
+    "cuda": lambda index: torch.cuda.is_available() and index < torch.cuda.device_count(),
+    "mps": lambda index: torch.backends.mps.is_available() and index == 0,
+    "xpu": lambda index: torch.xpu.is_available() and index < torch.xpu.device_count(),
+}
+"""Whether this machine has the device of a kind (one of :data:`~ppll_compile.plan.DEVICE_TYPES`) and index."""
+
+
+def _check_devices_here(opts: PlanOptions, placing: bool) -> None:
+    """The devices a call uses must be on this machine: ``profile='time'`` measures on the first one, and
+    ``compile`` (``placing``) moves every stage onto its own; a CUDA device this machine lacks falls back to the
+    CPU while planning, so placing checks the other kinds only."""
+    devices = [torch.device(d) for d in opts.devices or ()]
+    if opts.profile == "time" and devices and not _HERE[devices[0].type](devices[0].index or 0):
+        raise PlanError(f"profile='time' measures on the first device, {str(devices[0])!r}, which this machine "
+                        f"does not have; pass devices=[...] this machine has, or profile='flops'")
+    for d in devices if placing else ():
+        if d.type != "cuda" and not _HERE[d.type](d.index or 0):
+            raise PlanError(f"devices asks for {str(d)!r}, which this machine does not have; compile() places the "
+                            f"stages on their devices: pass devices=[...] this machine has, or use plan() to plan "
+                            f"for another machine")
+
+
 def _plan_ppll(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwargs: dict[str, Any] | None,
                opts: PlanOptions, saved: SavedPlan | None) -> tuple[Plan, Analysis, Policy]:
     """The ``ppll`` steps: analyse, choose heads, cost the segments, lay out the stages, assemble the plan."""
     a = analyse(model, example_inputs, example_kwargs, opts, saved.inputs if saved is not None else None)
     policy = load_policy(opts.policy)
+    if saved is not None:
+        a.check_saved_cuts(saved.cuts, saved.source)
     _drop_unusable_cuts(a, policy, opts.tied, type(model).__name__)
     notes = list(a.notes)
     request = stage_request(a, opts, saved)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import traceback
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,7 +27,7 @@ from .api import compile, plan
 from .cost import OPTIMIZER_STATES
 from .errors import PPLLError
 from .model_file import load_model
-from .options import PROFILES, TIED, TRACERS, PlanOptions
+from .options import PROFILES, TIED, TRACERS, PlanOptions, read_saved_plan
 from .plan import Plan
 
 __all__ = ["main"]
@@ -45,6 +46,9 @@ examples:
 MODEL.py defines build_model() returning the nn.Module and example_inputs() returning a tuple of
 tensors (only their shapes and dtypes are used); module-level `model` / `example_inputs` work too.
 With --mode pipebd it also defines build_teacher() (or `teacher`); build_model() is the student.
+
+exit status: 0 done, 2 a bad flag or file (one "ppll-plan: error:" message), 1 an internal error (--debug
+prints its traceback).
 """
 
 _SIZE_UNITS = {
@@ -68,8 +72,10 @@ def _parse_size(text: str) -> int:
     unit = m.group(3).lower() if m else ""
     if m is None or unit not in _SIZE_UNITS:
         raise argparse.ArgumentTypeError(f"invalid size {text!r}; expected {_SIZE_FORMS}")
-    number = float(m.group(1)) * 10 ** int(m.group(2) or 0)
-    value = int(round(number * _SIZE_UNITS[unit]))
+    try:
+        value = int(round(float(m.group(1)) * 10.0 ** int(m.group(2) or 0) * _SIZE_UNITS[unit]))
+    except OverflowError:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: too large; expected {_SIZE_FORMS}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"invalid size {text!r}; expected at least 1 byte")
     return value
@@ -161,7 +167,8 @@ def _parser() -> argparse.ArgumentParser:
                    "default) or untie (each stage its own copy)")
     g.add_argument("--bake-train-mode", action="store_true", default=None,
                    help="accept a forward that branches on self.training: keep the train branch in eval too")
-    g.add_argument("--plan", metavar="PLAN.yaml", help="re-apply a saved (possibly hand-edited) plan")
+    g.add_argument("--plan", metavar="PLAN.yaml", help="re-apply a saved (possibly hand-edited) plan; a pipebd "
+                   "plan also loads MODEL.py's teacher")
     g = p.add_argument_group("output (default: --show)")
     g.add_argument("--show", action="store_true", help="print the stage table")
     g.add_argument("--json", metavar="PATH|-", help="write the plan as JSON to PATH, or to stdout with -")
@@ -181,6 +188,7 @@ def _parser() -> argparse.ArgumentParser:
                    "a measured one")
     g.add_argument("--trace", metavar="TRACE.json", help="with --gantt: a timeline saved by "
                    "trainer.timeline().save(); MODEL.py is then optional")
+    p.add_argument("--debug", action="store_true", help="print the traceback of an error")
     return p
 
 
@@ -209,6 +217,15 @@ def _check_outputs(args: argparse.Namespace) -> None:
         target = getattr(args, flag)
         if target is not None and Path(target).suffix.lower() not in suffixes:
             raise _UsageError(f"--{flag} {target}: unknown picture format; use one of {', '.join(suffixes)}")
+    for flag in ("json", "yaml", "plot", "graph", "gantt"):
+        target = getattr(args, flag)
+        if target is None or target == "-":
+            continue
+        if Path(target).is_dir():
+            raise _UsageError(f"--{flag}: cannot write {target!r}: it is a directory; pass a file path")
+        if not Path(target).parent.is_dir():
+            raise _UsageError(f"--{flag}: cannot write {target!r}: directory {str(Path(target).parent)!r} does "
+                              f"not exist; create it or pass another path")
 
 
 _PICTURES = (".png", ".svg", ".pdf")
@@ -256,7 +273,8 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
     options = _options(args)
     PlanOptions.make(**options)  # fail on a bad flag combination before the (slow) model load
     path = Path(args.model_file)
-    distill = args.mode == "pipebd"
+    saved = read_saved_plan(args.plan) if args.plan is not None else None  # a bad plan file fails before the load
+    distill = args.mode == "pipebd" or (args.mode is None and saved is not None and saved.mode == "pipebd")
     if args.blocks is not None and not distill:
         raise _UsageError("--blocks aligns a teacher with a student; add --mode pipebd")
     model, inputs, kwargs, teacher = load_model(path, teacher=distill)
@@ -285,8 +303,13 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
         _draw_trace(args, err)
 
 
+_USER_ERRORS = (_UsageError, PPLLError, ValueError, TypeError)
+"""What a bad flag or file raises: reported in one message, exit status 2. Anything else is a bug: exit status 1."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``ppll-plan`` on ``argv`` (default: the command line); return the exit status (0 ok, 2 error)."""
+    """Run ``ppll-plan`` on ``argv`` (default: the command line); return the exit status: 0 ok, 2 a bad flag or
+    file (one ``ppll-plan: error:`` message), 1 an internal error (its traceback with ``--debug``)."""
     parser = _parser()
     try:
         args = parser.parse_args(argv)
@@ -294,9 +317,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     try:
         _run(args, sys.stdout, sys.stderr)
-    except (_UsageError, PPLLError, ValueError, TypeError) as e:
+    except _USER_ERRORS as e:
+        if args.debug:
+            traceback.print_exc()
         print(f"{_PROG}: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        if args.debug:
+            traceback.print_exc()
+        hint = "" if args.debug else "; rerun with --debug for the traceback"
+        print(f"{_PROG}: internal error: {type(e).__name__}: {e}{hint}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -22,7 +22,7 @@ from .flops import flop_counter
 from .memo import PLAIN, Out, Outcome, Uncacheable, module_signature, plain, pure_function
 from .plan import TensorSpec
 from .errors import PlanError, PPLLError
-from .trace import module_path, train_mode
+from .trace import misfit_message, module_path, train_mode
 
 __all__ = [
     "META_KEY",
@@ -404,11 +404,7 @@ def measure_graph(gm: fx.GraphModule, inputs: Sequence[Any], kwargs: dict[str, A
             node, where = measure.current, "a node"
             if node is not None:
                 where = f"node {node.name!r}" + (f" (module {module_path(node)!r})" if module_path(node) else "")
-            shapes = ", ".join(f"{n} {tuple(v.shape)}" for n, v in zip(placeholder_names, values)
-                               if isinstance(v, Tensor))
-            raise PlanError(f"the model does not run on the example inputs ({shapes}): {where} fails with "
-                            f"{type(e).__name__}: {str(e).splitlines()[0]}. Pass example inputs of the shape the "
-                            f"model takes (model(*example_inputs) must run)") from e
+            raise PlanError(misfit_message(where, e, dict(zip(placeholder_names, values)))) from e
         finally:
             logging.disable(disabled)
 

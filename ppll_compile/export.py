@@ -13,9 +13,9 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from .errors import TraceError
+from .errors import PlanError, TraceError
 from .modes import merge_modes
-from .trace import attribute, in_mode, module_path, quiet, warned
+from .trace import attribute, in_mode, misfit_message, module_path, quiet, rejecting_module, warned
 
 __all__ = ["export", "OUTPUT_SPEC"]
 
@@ -94,6 +94,9 @@ def export(model: nn.Module, inputs: dict[str, torch.Tensor], fixed: dict[str, A
         try:
             programs = [_export_once(model, kwargs, None, mode) for mode in (True, False)]
         except Exception as e:
+            rejected = rejecting_module(model, (), kwargs)
+            if rejected is not None:
+                raise PlanError(misfit_message(*rejected, inputs)) from e
             raise TraceError(f"torch.export cannot capture {type(model).__name__}: {type(e).__name__}: "
                              f"{str(e).splitlines()[0] if str(e) else ''}{''.join(getattr(e, '__notes__', []))}"
                              ) from e

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,7 +16,7 @@ import partitioners
 
 from .cost import OPTIMIZER_STATES
 from .errors import PartitionError, PlanError
-from .plan import MODES, PLAN_VERSION, Plan, TensorSpec
+from .plan import MODES, PLAN_VERSION, Plan, TensorSpec, device_problem, read_plan_text
 
 __all__ = ["PlanOptions", "SavedPlan", "read_saved_plan", "resolve_options", "resolve_mode", "check_no_blocks",
            "PROFILES", "TIED", "TRACERS", "DEFAULT_FLOPS_PER_SECOND", "DEFAULT_LINK_BANDWIDTH"]
@@ -27,6 +29,14 @@ PROFILES = ("flops", "time")
 TIED = ("error", "untie")
 TRACERS = ("auto", "fx", "export")
 """``fx``: symbolic tracing; ``export``: ``torch.export``; ``auto``: symbolic tracing, else ``torch.export``."""
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _positive_number(v: Any) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and v > 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,8 +86,10 @@ class PlanOptions:
     stage. ``pipebd`` plans default to ``True``."""
 
     def __post_init__(self) -> None:
-        if self.gpus is not None and (not isinstance(self.gpus, int) or self.gpus < 1):
-            raise ValueError(f"gpus must be a positive integer, got {self.gpus!r}")
+        for name in ("gpus", "batch_size", "memory_limit", "num_classes"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or v < 1):
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if self.tracer not in TRACERS:
             raise ValueError(f"tracer must be one of {', '.join(TRACERS)}, got {self.tracer!r}")
         if self.tied not in TIED:
@@ -89,15 +101,15 @@ class PlanOptions:
         if self.partitioner not in partitioners.SOLVERS:
             raise PartitionError(f"unknown partitioner {self.partitioner!r}; known partitioners: "
                                  f"{', '.join(sorted(partitioners.SOLVERS))}")
-        for name in ("batch_size", "memory_limit", "num_classes"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 1):
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
         for name in ("link_bandwidth", "flops_per_second"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
-        if self.device_speeds is not None and not all(s > 0 for s in self.device_speeds):
-            raise ValueError(f"device_speeds must all be positive, got {list(self.device_speeds)}")
+            if not _positive_number(getattr(self, name)):
+                raise ValueError(f"{name} must be a positive number, got {getattr(self, name)!r}")
+        if self.device_speeds is not None and not all(_positive_number(s) for s in self.device_speeds):
+            raise ValueError(f"device_speeds must all be positive numbers, got {list(self.device_speeds)}")
+        for i, device in enumerate(self.devices or ()):
+            problem = device_problem(device)
+            if problem is not None:
+                raise ValueError(f"devices[{i}]: {problem}")
         r = self.replicas
         if not (r is None or isinstance(r, bool) or (isinstance(r, int) and r >= 1) or (
                 isinstance(r, tuple) and r and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1
@@ -134,8 +146,12 @@ class PlanOptions:
         if isinstance(kwargs.get("replicas"), list):
             kwargs["replicas"] = tuple(kwargs["replicas"])
         for name in ("devices", "device_speeds", "leaf_modules", "split_points"):
-            if kwargs.get(name) is not None:
-                kwargs[name] = tuple(kwargs[name])
+            v = kwargs.get(name)
+            if v is None:
+                continue
+            if isinstance(v, (str, bytes)) or not isinstance(v, Iterable):
+                raise TypeError(f"{name} must be a list with one entry per item, got {v!r}; e.g. {name}=[{v!r}]")
+            kwargs[name] = tuple(v)
         return cls(**kwargs)
 
 
@@ -171,11 +187,10 @@ def read_saved_plan(plan: Plan | str | Path | None) -> SavedPlan | None:
         d, source = plan.to_dict(), "plan"
     else:
         path = Path(plan)
-        if not path.is_file():
-            raise PlanError(f"plan file {str(path)!r} does not exist")
+        text = read_plan_text(path)
         source = str(path)
         try:
-            d = yaml.safe_load(path.read_text())  # YAML is a superset of JSON
+            d = yaml.safe_load(text)  # YAML is a superset of JSON
         except yaml.YAMLError as e:
             raise PlanError(f"{source}: not a readable plan ({e})") from None
     if not isinstance(d, dict) or d.get("version") != PLAN_VERSION:
@@ -205,7 +220,7 @@ def read_saved_plan(plan: Plan | str | Path | None) -> SavedPlan | None:
             blocks = tuple((str(get(b, "teacher_nodes", f"blocks[{i}]")[-1]),
                             str(get(b, "student_nodes", f"blocks[{i}]")[-1]))
                            for i, b in enumerate(get(d, "blocks", "the plan")[:-1]))
-        return SavedPlan(
+        saved = SavedPlan(
             mode=str(d.get("mode", "ppll")), blocks=blocks,
             source=source,
             inputs=tuple(TensorSpec.from_dict(t) for t in get(d, "inputs", "the plan")),
@@ -213,8 +228,37 @@ def read_saved_plan(plan: Plan | str | Path | None) -> SavedPlan | None:
             heads=tuple(dict(get(get(s, "head", f"stages[{i}]"), "config", f"stages[{i}].head"))
                         for i, s in enumerate(stages[:-1])),
             settings=settings)
-    except (KeyError, TypeError, ValueError) as e:
+        ends = [str(get(s, "last_node", f"stages[{i}]")) for i, s in enumerate(stages)]
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
         raise PlanError(f"{source}: malformed plan field ({e})") from None
+    _check_saved(saved, ends)
+    return saved
+
+
+def _check_saved(saved: SavedPlan, ends: list[str]) -> None:
+    """A saved plan's settings, devices and stage ends (``last_node`` of every stage) checked before any planning,
+    naming the file and the field."""
+    source = saved.source
+    for i, device in enumerate(saved.settings.get("devices", ())):
+        problem = device_problem(device)
+        if problem is not None:
+            raise PlanError(f"{source}: stages[{i}].device: {problem}")
+    try:
+        PlanOptions.make(**saved.settings)
+    except (ValueError, TypeError) as e:
+        raise PlanError(f"{source}: {e}; fix the plan file, or re-create it with `ppll-plan MODEL.py --yaml "
+                        f"plan.yaml`") from None
+    first: dict[str, int] = {}
+    for i, end in enumerate(ends):
+        if end in first:
+            raise PlanError(f"{source}: stages[{first[end]}] and stages[{i}] both end at {end!r}; every stage must "
+                            f"end after the one before it: delete the duplicated stage (with its device_speeds "
+                            f"entry), or move its last_node")
+        first[end] = i
+    speeds = saved.settings.get("device_speeds")
+    if speeds is not None and len(speeds) != len(ends):
+        raise PlanError(f"{source}: device_speeds lists {len(speeds)} speed(s) for {len(ends)} stages; give one "
+                        f"per stage")
 
 
 def resolve_options(gpus: int | None, base: SavedPlan | None, options: dict[str, Any]) -> PlanOptions:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from partitioners.replicas import allreduce_seconds
@@ -25,6 +26,9 @@ __all__ = [
     "BlockPlan",
     "Plan",
     "MODES",
+    "DEVICE_TYPES",
+    "device_problem",
+    "read_plan_text",
     "format_bytes",
     "format_flops",
 ]
@@ -32,6 +36,22 @@ __all__ = [
 PLAN_VERSION = 1
 MODES = ("ppll", "pipebd")
 """Plan kinds: local learning with aux heads, and blockwise distillation from a teacher."""
+DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
+"""The kinds of device a stage may run on."""
+
+
+def device_problem(device: Any) -> str | None:
+    """What is wrong with ``device`` as a stage's device, or ``None`` when ``torch.device`` takes it and its type
+    is one of :data:`DEVICE_TYPES`."""
+    try:
+        kind = torch.device(device).type if not isinstance(device, bool) else None
+    except (RuntimeError, TypeError, ValueError):
+        kind = None
+    if kind in DEVICE_TYPES:
+        return None
+    what = f"a {kind} device" if kind else "not a device"
+    return (f"{device!r} is {what}; a stage runs on {', '.join(DEVICE_TYPES)}, with an index where there are "
+            f"several (e.g. 'cuda:1')")
 
 
 class FrozenDict(Mapping[str, Any]):
@@ -408,14 +428,12 @@ class Plan:
         kw: dict[str, Any] = {}
         for k in names & set(d):
             v = d[k]
-            if k == "inputs":
-                v = tuple(TensorSpec.from_dict(t) for t in v)
-            elif k in ("stages", "blocks"):
-                item = StagePlan if k == "stages" else BlockPlan
+            if k in ("inputs", "stages", "blocks"):
+                item = {"inputs": TensorSpec, "stages": StagePlan, "blocks": BlockPlan}[k]
                 try:
                     v = tuple(item.from_dict(s) for s in v)
                 except KeyError as e:
-                    raise PlanError(f"a {k[:-1]} of the plan is missing field {e.args[0]!r}") from None
+                    raise PlanError(f"an entry of the plan's {k} is missing field {e.args[0]!r}") from None
             elif isinstance(v, list):
                 v = tuple(v)
             kw[k] = v
@@ -448,14 +466,12 @@ class Plan:
     def load(cls, path: str | Path) -> Plan:
         """Read a plan written by :meth:`save` (JSON or YAML)."""
         path = Path(path)
-        if not path.is_file():
-            raise PlanError(f"plan file {str(path)!r} does not exist")
-        text = path.read_text()
+        text = read_plan_text(path)
         try:
             return cls.from_json(text) if path.suffix == ".json" else cls.from_yaml(text)
         except PlanError as e:
             raise PlanError(f"{path}: {e}") from None
-        except (ValueError, yaml.YAMLError) as e:
+        except (ValueError, TypeError, OverflowError, yaml.YAMLError) as e:
             raise PlanError(f"{path}: not a readable plan ({e})") from None
 
     def validate(self) -> None:
@@ -476,6 +492,8 @@ class Plan:
                 raise PlanError(f"stage {i}: replicas must be a positive integer, got {s.replicas!r}")
             if s.index != i:
                 raise PlanError(f"stage {i} has index {s.index}; stages must be numbered 0..{len(self.stages) - 1}")
+            if device_problem(s.device) is not None:
+                raise PlanError(f"stage {i}: device {device_problem(s.device)}")
             if not s.nodes or s.nodes[0] != s.first_node or s.nodes[-1] != s.last_node:
                 raise PlanError(f"stage {i}: first_node/last_node must be the first/last of its nodes")
             if (i == len(self.stages) - 1) != (not s.boundary):
@@ -556,6 +574,22 @@ class Plan:
 
     def __str__(self) -> str:
         return self.table()
+
+
+def read_plan_text(path: Path) -> str:
+    """The text of the plan file ``path``; a :class:`PlanError` says why it cannot be read."""
+    if path.is_dir():
+        raise PlanError(f"plan file {str(path)!r} is a directory; pass the path of a plan file written by "
+                        f"`ppll-plan MODEL.py --yaml plan.yaml` (or --json)")
+    if not path.is_file():
+        raise PlanError(f"plan file {str(path)!r} does not exist")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise PlanError(f"{path}: not a plan file (byte {e.object[e.start]:#04x} at offset {e.start} is not UTF-8 "
+                        f"text); pass a plan written by `ppll-plan MODEL.py --yaml plan.yaml` (or --json)") from None
+    except OSError as e:
+        raise PlanError(f"cannot read plan file {str(path)!r}: {e.strerror or e}") from None
 
 
 def _aligned(header: list[str], rows: list[list[str]], *, right: set[int]) -> str:

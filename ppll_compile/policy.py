@@ -277,9 +277,12 @@ def validate_policy(data: Any, source: str) -> Policy:
 def _read_policy(path: Path, name: str) -> Policy:
     source = str(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as e:
         raise PolicyError(f"{source}: cannot read the policy file ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise PolicyError(f"{source}: not a policy file (byte {e.object[e.start]:#04x} at offset {e.start} is not "
+                          f"UTF-8 text); a policy is a YAML text file saved as UTF-8") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -298,6 +301,9 @@ def load_policy(policy: str | os.PathLike | Policy | Callable[[TensorSpec, int],
             return _read_policy(_policies.path(policy), policy)
         if Path(policy).is_file():
             return _read_policy(Path(policy), os.fspath(policy))
+        if Path(policy).is_dir():
+            raise PolicyError(f"policy {os.fspath(policy)!r} is a directory; pass a shipped policy name "
+                              f"({', '.join(_policies.names())}) or the path to a policy YAML file")
         raise PolicyError(f"unknown policy {os.fspath(policy)!r}: not a shipped policy "
                           f"({', '.join(_policies.names())}) nor a file; pass a shipped name, the path to a "
                           f"policy YAML file, or a callable fn(spec, num_classes) -> nn.Module")

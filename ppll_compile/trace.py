@@ -18,12 +18,16 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
+from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode,
+                                           UnsupportedOperatorException)
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+from torch.utils import _pytree as pytree
 
 from .errors import TraceError
 from .modes import SWITCH_PREFIX, merge_modes
 
 __all__ = ["trace", "module_path", "train_mode", "in_mode", "fixed_arguments", "quiet", "warned", "check_leaf_names",
-           "attribute"]
+           "attribute", "rejecting_module", "misfit_message"]
 _TORCH_DIR = str(Path(torch.__file__).parent)
 _THIS_FILE = __file__
 
@@ -74,10 +78,16 @@ def fixed_arguments(model: nn.Module, example_inputs: Sequence[Any], example_kwa
         raise TraceError(f"{name}.forward takes *args or **kwargs, which torch.fx cannot trace; use "
                          "tracer='export' (or 'auto'), or wrap the model in a module whose forward names its inputs")
     named = [p for p in params if p not in var]
-    if len(example_inputs) > len(named):
-        raise TraceError(f"{name}.forward takes {len(named)} named argument(s) {[p.name for p in named]}, "
-                         f"but {len(example_inputs)} example inputs were given")
-    given = dict(zip((p.name for p in named), example_inputs)) | dict(example_kwargs)
+    positional = [p.name for p in named if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(example_inputs) > len(positional):
+        raise TraceError(f"{name}.forward takes {len(positional)} positional argument(s) {positional}, but "
+                         f"{len(example_inputs)} example inputs were given; drop the extra ones (keyword-only "
+                         f"arguments go in example_kwargs)")
+    twice = [n for n in positional[:len(example_inputs)] if n in example_kwargs]
+    if twice:
+        raise TraceError(f"{name}.forward gets {twice} both from example_inputs (by position) and from "
+                         f"example_kwargs; give each argument once")
+    given = dict(zip(positional, example_inputs)) | dict(example_kwargs)
     unknown = sorted(set(example_kwargs) - {p.name for p in named})
     if unknown:
         raise TraceError(f"example_kwargs names {unknown}, which {name}.forward does not take "
@@ -277,3 +287,73 @@ def _explain(model: nn.Module, failed_module: str | None, e: Exception) -> str:
     return (f"torch.fx cannot trace {type(model).__name__}: in {where}{line}: {type(e).__name__}: {e}\n"
             f"Ways out: keep that module opaque with leaf_modules=[{target!r}], or name the cuts yourself with "
             f"split_points=[...module names...] so that only the modules holding them are traced into.")
+
+
+_UNTELLABLE = (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode,
+               UnsupportedOperatorException, NotImplementedError)
+"""Failures on fake tensors that say nothing about the inputs: the model reads tensor values, or an operation has
+no fake implementation."""
+
+
+def _failure(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+             fake: bool) -> tuple[nn.Module, Exception] | None:
+    """Call ``model`` eagerly (eval mode, no gradients), on fake copies of the tensors if ``fake``: the innermost
+    module that raised and the error, or ``None`` when the call runs."""
+    entered: list[nn.Module] = []  # the modules called and not yet returned, innermost last
+
+    def enter(m: nn.Module, args: Any) -> None:
+        entered.append(m)
+
+    def leave(m: nn.Module, args: Any, out: Any) -> None:
+        entered.pop()
+
+    handles = [h for m in model.modules() for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+    disabled = logging.root.manager.disable  # torch logs a failing fake kernel's traceback; the error says it
+    logging.disable(max(disabled, logging.ERROR))
+    try:
+        with in_mode(model, False), torch.no_grad(), quiet(), contextlib.ExitStack() as stack:
+            if fake:
+                mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+                args, kwargs = pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
+            model(*args, **kwargs)
+        return None
+    except Exception as e:
+        return (entered[-1] if entered else model), e
+    finally:
+        logging.disable(disabled)
+        for h in handles:
+            h.remove()
+
+
+def rejecting_module(model: nn.Module, example_inputs: Sequence[Any],
+                     example_kwargs: dict[str, Any]) -> tuple[str, Exception] | None:
+    """Where ``model`` refuses its example call: the innermost module that raised (``module 'a.b' (Linear)``, or
+    ``Model.forward``) and the error; ``None`` when the call runs.
+
+    The call runs on fake tensors of the inputs' shapes and dtypes first; only when that fails, and not for want of
+    tensor values, does it run on the inputs themselves (eval mode, no gradients), which decides.
+    """
+    args, kwargs = tuple(example_inputs), dict(example_kwargs)
+    failure = _failure(model, args, kwargs, fake=True)
+    if failure is None or isinstance(failure[1], _UNTELLABLE):
+        return None
+    if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):  # a meta model has only the fake call
+        failure = _failure(model, args, kwargs, fake=False)
+        if failure is None:
+            return None
+    m, error = failure
+    name = next((n for n, sub in model.named_modules() if sub is m), "")
+    return (f"module {name!r} ({type(m).__name__})" if name else f"{type(model).__name__}.forward"), error
+
+
+def misfit_message(where: str, error: BaseException, inputs: dict[str, Any]) -> str:
+    """The error for example inputs the model does not take: the inputs, where and how the model refused them,
+    and the way out."""
+    tensors = {n: v for n, v in inputs.items() if isinstance(v, torch.Tensor)}
+    shapes = ", ".join(f"{n} {tuple(v.shape)}" for n, v in tensors.items())
+    dtypes = ", ".join(f"{n} {str(v.dtype).removeprefix('torch.')}" for n, v in tensors.items())
+    own = str(error).split("While executing")[0]  # torch.fx's interpreter appends the node, which `where` names
+    reason = next((line for line in own.splitlines() if line.strip()), "").rstrip(".")
+    return (f"the model does not run on the example inputs ({shapes}): {where} fails with {type(error).__name__}"
+            f"{': ' + reason if reason else ''}; input dtypes: {dtypes}. Pass example inputs of the shape and dtype "
+            f"the model takes (model(*example_inputs) must run)")

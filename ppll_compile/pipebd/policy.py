@@ -64,13 +64,21 @@ def load_distill_policy(policy: str | os.PathLike | Mapping[str, Any] | DistillP
             path = _policies.distill_path(policy)
         elif Path(policy).is_file():
             path = Path(policy)
+        elif Path(policy).is_dir():
+            raise PolicyError(f"distillation policy {os.fspath(policy)!r} is a directory; pass a shipped name "
+                              f"({', '.join(_policies.distill_names())}) or the path to a YAML file")
         else:
             raise PolicyError(f"unknown distillation policy {os.fspath(policy)!r}: not a shipped one "
                               f"({', '.join(_policies.distill_names())}) nor a file; pass a shipped name or the "
                               f"path to a YAML file with 'loss:' and 'last:'")
         source = str(path)
         try:
-            data = yaml.safe_load(path.read_text())
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except OSError as e:
+            raise PolicyError(f"{source}: cannot read the policy file ({e.strerror})") from None
+        except UnicodeDecodeError as e:
+            raise PolicyError(f"{source}: not a policy file (byte {e.object[e.start]:#04x} at offset {e.start} is "
+                              f"not UTF-8 text); a distillation policy is a YAML text file saved as UTF-8") from None
         except yaml.YAMLError as e:
             raise PolicyError(f"{source}: not valid YAML ({e})") from None
     else:
