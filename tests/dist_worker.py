@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -37,6 +38,8 @@ class Trap(nn.Module):
         self.mode, self.at = mode, at
         self.armed = False  # compile() runs the module while planning
         self.calls = 0
+        self.fired: float | None = None
+        """When it raised (``time.time()``), if it has."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.armed:
@@ -46,6 +49,7 @@ class Trap(nn.Module):
             time.sleep(self.at)
         elif n == self.at:
             if self.mode == "raise":
+                self.fired = time.time()
                 raise RuntimeError(f"boom at call {n}")
             if self.mode == "nan":
                 return x * float("nan")
@@ -214,6 +218,46 @@ def _fault(out: Path, k: int, mode: str, trap_stage: int, **options: Any) -> Non
     sys.exit(1 if kind else 0)
 
 
+def _stay(out: Path, replicated: bool) -> None:
+    """The last rank raises at batch 3 and waits in its handler, before it closes, until every other rank has reported.
+
+    Unreplicated: 3 stages, the last fails. Replicated: stage 1 runs on ranks 1 and 2, and only rank 2 fails.
+    Each rank writes its error, when it raised, when its ``close()`` began and ended, and whether the process
+    group is still initialised.
+    """
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    failing = world - 1
+    others = [out / f"error-{r}.json" for r in range(world) if r != failing]
+    trap = Trap("raise", 3)
+    torch.manual_seed(0)
+    stages = 2 if replicated else 3
+    compiled = ppll_compile.compile(Chain(stages, trap, stages - 1), example_inputs=(torch.randn(8, 8),),
+                                    policy="dgl", split_points=[f"blocks.{i}" for i in range(stages - 1)],
+                                    leaf_modules=(Trap,), replicas=(1, 2) if replicated else False)
+    trap.armed = rank == failing
+    trainer = compiled.trainer(optimizer=_sgd, runtime="distributed", timeout=120)
+    error: Exception | None = None
+    raised = closing = None
+    try:
+        with trainer:
+            try:
+                trainer.fit(_batches(4, [8] * 40, (8,), 4), epochs=1, progress=False)
+            except Exception as e:
+                error, raised = e, time.time()
+                if rank == failing:  # like a script that logs the error, or sits in a debugger, before it closes
+                    deadline = time.monotonic() + 60
+                    while not all(f.exists() for f in others) and time.monotonic() < deadline:
+                        time.sleep(0.1)
+                closing = time.time()
+                raise
+    except Exception:  # noqa: BLE001 - reported to the test
+        pass
+    record = {"type": type(error).__name__ if error else None, "text": str(error) if error else "no error",
+              "fired": trap.fired, "raised": raised, "closing": closing, "closed": time.time(),
+              "initialized": dist.is_initialized(), "others_reported": all(f.exists() for f in others)}
+    (out / f"error-{rank}.json").write_text(json.dumps(record))
+
+
 def _latest(out: Path) -> None:
     rank = int(os.environ["RANK"])
     trainer = chain_pipeline(3, "distributed", Trap("sleep", 0.03), 0, queue="latest")
@@ -282,6 +326,10 @@ def main(argv: list[str]) -> None:
         _fault(out, 2, "nan", 0, nan_check=True)
     elif scenario == "exit":
         _fault(out, 3, "exit", 1)
+    elif scenario == "stay":
+        _stay(out, replicated=False)
+    elif scenario == "stay-replica":
+        _stay(out, replicated=True)
     elif scenario == "latest":
         _latest(out)
     elif scenario == "plans":

@@ -9,14 +9,14 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from ..errors import PPLLError
+from ..errors import PPLLError, StageError
 from ..lowered import Lowered
 from ..plan import Plan, TensorSpec
 from ..timeline import span
 from .base import Counts, Losses, Runtime
 from .config import TrainConfig
 from .faults import ERROR_KEY, Faults
-from .group import check_same_plan, check_world, init_group, place, rank_device, stage_group
+from .group import abort, check_same_plan, check_world, init_group, place, rank_device, release, stage_group
 from .inbox import Failure, Inbox
 from .latest import Recent
 from .messages import EVAL, TRAIN, Message, add_counts, dtype_of
@@ -51,7 +51,9 @@ class DistributedRuntime(Runtime):
     bounded queue; the main thread trains and sends on with ``isend`` (:class:`.outbox.Outbox`, at most
     ``depth`` batches outstanding) and, with ``queue="latest"``, reuses an input when the queue is empty, by
     the threads runtime's rules. A failure anywhere reaches every rank as a :class:`StageError` naming the
-    stage that failed, by the protocol of :mod:`.faults` (reports under :data:`ERROR_KEY`, STOP, lost peers).
+    stage that failed, by the protocol of :mod:`.faults` (reports under :data:`ERROR_KEY`, STOP, lost peers):
+    a thread per process watches the store and aborts the process's groups when another rank reports, so no
+    send, receive or collective waits on a failed process, even one that stays alive.
     """
 
     def __init__(self, plan: Plan, lowered: Lowered, config: TrainConfig, *, depth: int, latest: bool,
@@ -71,6 +73,7 @@ class DistributedRuntime(Runtime):
         self._latest = latest
         self._connect(plan)
         check_splittable(plan)
+        self._faults.watch(self._groups)
         self._inbox: Inbox | None = None
         self._recent = Recent()
         self._open = False  # batches sent (rank 0) or taken (others) since the last END
@@ -87,6 +90,8 @@ class DistributedRuntime(Runtime):
         self.stage, self.replica = self._place.stage, self._place.replica
         group = stage_group(self._place)
         self._sync = None if decoupled else dist.new_group(list(range(world)))
+        self._groups: list[Any] = [None] + [g for g in (group, self._sync) if g is not None]
+        """This rank's groups: the default one (``None``), its stage's replicas, the barrier of ``decoupled=False``."""
         self.device = rank_device(self.rank)
         self.runners = make_runners(plan, lowered, config, [self.stage], [self.device], [group])
         self.runners[0].replica = self.replica  # a replica trains its own slice: its own random stream
@@ -102,7 +107,8 @@ class DistributedRuntime(Runtime):
         self._wire.receiving_from = p.upstream[0] if p.upstream else 0
         self._receivers = p.feeds + p.downstream
         """The ranks this rank sends batches to: rank 0's further replicas of stage 0, then the next stage."""
-        self._faults = Faults(stage=self.stage, stage_of=p.stage_of, receivers=self._receivers, wire=self._wire)
+        self._faults = Faults(rank=self.rank, stage=self.stage, stage_of=p.stage_of, receivers=self._receivers,
+                              wire=self._wire)
         self._outbox = Outbox(rank=self.rank, depth=self._depth, faults=self._faults)
         self._data_specs: tuple[TensorSpec, ...] = plan.inputs
         self._out_specs: tuple[TensorSpec, ...] = plan.stages[self.stage].boundary
@@ -199,29 +205,45 @@ class DistributedRuntime(Runtime):
 
     def barrier(self) -> None:
         """Wait for every rank."""
-        dist.barrier()
+        self._faults.collective(dist.barrier)
 
     def gather(self, obj: Any) -> list[Any]:
         """``obj`` of every rank, in rank order."""
         out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
+        self._faults.collective(lambda: dist.all_gather_object(out, obj))
         return out
 
     def close(self) -> None:
-        """Stop the receiving thread; tell the others if batches are still in flight; destroy an own group."""
+        """Stop the receiving and watching threads; tell the others if batches are still in flight; release the group.
+
+        After a failure (or with batches still in flight) this rank's sends, receives and collectives are
+        aborted first, so the group is destroyed (if this runtime made it) without waiting on any peer; rank 0,
+        which holds the store unless torchrun does, first gives every rank a few seconds to read the report.
+        """
         if self._closed:
             return
         self._closed = True
+        failed = self._open or self._faults.error is not None
         if self._open and self._faults.error is None:
-            self._faults.closed_early(self.rank)
+            self._faults.closed_early()
         if self._inbox is not None:
             self._inbox.stop.set()
-        if self._owns_group and dist.is_initialized():
-            if self._faults.error is None and not self._open:
-                self._outbox.settle()
-                dist.destroy_process_group()
-            # after a failure, peers may be gone and the receiving thread may sit in a recv: leave the group
-            # to process exit rather than risk blocking in its teardown
+        self._faults.unwatch()
+        if not dist.is_initialized():
+            return
+        if failed:
+            if self.rank == 0:
+                self._faults.wait_taken(dist.get_world_size())
+            abort(self._groups)
+        else:
+            self._outbox.settle()
+        if self._owns_group:
+            release()
+
+    @property
+    def error(self) -> StageError | None:  # type: ignore[override]
+        """The StageError this rank raised (its own stage's, or the one another rank reported)."""
+        return self._faults.error
 
     def _raise_if_failed(self) -> None:
         if self._faults.error is not None:
@@ -236,7 +258,7 @@ class DistributedRuntime(Runtime):
             with span(self.runner.recorder, "send", msg.index):
                 self._send(out, TRAIN)
         if self._sync is not None:  # decoupled=False: the next batch starts when every stage is done with this
-            dist.barrier(group=self._sync)
+            self._faults.collective(lambda: dist.barrier(group=self._sync))
         return float(loss)
 
     def _scatter(self, msg: Message, kind: str) -> Message:

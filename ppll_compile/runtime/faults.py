@@ -1,9 +1,14 @@
 """The fault protocol of the ``distributed`` runtime: error reports in the store, STOP messages, lost peers.
 
-A stage that raises publishes ``{stage, batch, by, message, traceback}`` under :data:`ERROR_KEY` in the
-process group's store and sends a STOP header carrying the same report downstream before it raises. A
-rank that gets STOP, finds the key while it waits, or whose send or receive fails because a peer died,
+A stage that raises publishes ``{stage, batch, by, rank, message, traceback}`` under :data:`ERROR_KEY` in
+the process group's store and sends a STOP header carrying the same report downstream before it raises.
+A rank that gets STOP, finds the key while it waits, or whose send or receive fails because a peer died,
 raises a :class:`StageError` for the *original* stage ("reported by stage ..."), or one naming the lost peer.
+
+Every rank also watches the store from a thread: when another rank's report appears, it aborts this rank's
+process groups (:func:`.group.abort`), so that a send, receive or collective (a replica's all-reduce) that
+waits on the failed rank fails at once, and the rank raises the report's StageError within a poll or two,
+even while the failed process stays alive.
 """
 
 from __future__ import annotations
@@ -12,11 +17,13 @@ import json
 import threading
 import traceback
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, NoReturn
 
 import torch.distributed as dist
 
 from ..errors import StageError
+from .group import abort
 from .wire import Wire
 
 __all__ = ["ERROR_KEY", "Faults", "wait_quietly"]
@@ -24,7 +31,9 @@ __all__ = ["ERROR_KEY", "Faults", "wait_quietly"]
 ERROR_KEY = "ppll/error"
 """Store key under which the first failing stage publishes its report (JSON)."""
 
-_LINGER = 5.0  # seconds a failing rank waits for its STOP message to be taken before it raises
+_TAKEN = "ppll/taken/"  # + rank: that rank has raised the StageError of the report (or is known to be gone)
+_LINGER = 5.0  # seconds a failing rank waits for its STOP to be taken, and rank 0 for every rank to take a report
+_WATCH = 0.25  # seconds between looks at the store by the watching thread
 
 
 def wait_quietly(works: list[Any]) -> None:
@@ -43,11 +52,13 @@ def _store() -> Any:
 class Faults:
     """One rank's side of the fault protocol; ``error`` is the StageError this rank raised, once it has.
 
-    ``stage`` is this rank's stage, ``stage_of(rank)`` names a peer's stage, ``receivers`` are the ranks
-    this rank sends batches to (they get its STOP), and ``wire`` encodes the STOP message.
+    ``rank`` and ``stage`` are this rank's, ``stage_of(rank)`` names a peer's stage, ``receivers`` are the
+    ranks this rank sends batches to (they get its STOP), and ``wire`` encodes the STOP message.
     """
 
-    def __init__(self, *, stage: int, stage_of: Callable[[int], int], receivers: list[int], wire: Wire) -> None:
+    def __init__(self, *, rank: int, stage: int, stage_of: Callable[[int], int], receivers: list[int],
+                 wire: Wire) -> None:
+        self.rank = rank
         self.stage = stage
         self.error: StageError | None = None
         """The error this rank raised (its own stage's, or one another rank reported); it stays raised."""
@@ -55,6 +66,28 @@ class Faults:
         self._receivers = receivers
         self._wire = wire
         self._stop_sent = False
+        self._seen: dict[str, Any] | None = None  # the report the watching thread found
+        self._unwatched = threading.Event()
+        self._watcher: threading.Thread | None = None
+
+    def watch(self, groups: list[Any]) -> None:
+        """Start the thread that aborts ``groups`` on this rank once another rank has published a report."""
+        self._watcher = threading.Thread(target=self._watch, args=(groups,), name="ppll-watch", daemon=True)
+        self._watcher.start()
+
+    def unwatch(self) -> None:
+        """Stop the watching thread (before the process group goes)."""
+        self._unwatched.set()
+        if self._watcher is not None:
+            self._watcher.join(4 * _WATCH)
+
+    def _watch(self, groups: list[Any]) -> None:
+        while not self._unwatched.wait(_WATCH):
+            report = self._stored_report()
+            if report is not None and report.get("rank") != self.rank:
+                self._seen = report
+                abort(groups)
+                return
 
     def publish(self, report: dict[str, Any]) -> None:
         """Put ``report`` under ERROR_KEY unless an earlier failure is there already (best effort)."""
@@ -65,6 +98,28 @@ class Faults:
 
     def read_report(self) -> dict[str, Any] | None:
         """The report published under ERROR_KEY, or ``None`` (also when the store cannot be reached)."""
+        return self._seen if self._seen is not None else self._stored_report()
+
+    def wait_taken(self, world: int) -> None:
+        """Wait (a few seconds at most) until every rank has raised the report's error: the store may live here."""
+        try:
+            _store().wait([f"{_TAKEN}{r}" for r in range(world)], timedelta(seconds=_LINGER))
+        except Exception:  # noqa: BLE001 - a rank that is gone without anyone noticing, or the store is
+            pass
+
+    def _mark_taken(self, rank: int) -> None:
+        """Note in the store that ``rank`` has raised the report's StageError (or is gone)."""
+        try:
+            _store().set(f"{_TAKEN}{rank}", "1")
+        except Exception:  # noqa: BLE001 - the store's host may be gone
+            pass
+
+    def _fail(self, error: StageError) -> None:
+        """``error`` is this rank's StageError from now on."""
+        self.error = error
+        self._mark_taken(self.rank)
+
+    def _stored_report(self) -> dict[str, Any] | None:
         try:
             store = _store()
             if store.check([ERROR_KEY]):
@@ -103,9 +158,9 @@ class Faults:
     def remote(self, report: dict[str, Any]) -> NoReturn:
         """Raise the StageError of another rank's ``report`` (after passing STOP on)."""
         by = report.get("by", report["stage"])
-        self.error = StageError(int(report["stage"]), report.get("batch"),
-                                f"{report['message']} (reported by stage {by} to stage {self.stage})",
-                                report.get("traceback", ""))
+        self._fail(StageError(int(report["stage"]), report.get("batch"),
+                               f"{report['message']} (reported by stage {by} to stage {self.stage})",
+                               report.get("traceback", "")))
         self.stop_downstream(report)
         raise self.error
 
@@ -117,12 +172,13 @@ class Faults:
         if report is None:
             first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             stage = self._stage_of(peer)
-            report = {"stage": stage, "batch": None, "by": self.stage, "traceback": "",
+            report = {"stage": stage, "batch": None, "by": self.stage, "rank": self.rank, "traceback": "",
                       "message": f"lost contact with the process of stage {stage} (rank {peer}) while {doing} it: "
                                  f"it stopped without reporting an error (killed, out of memory, crashed, or no "
                                  f"message within the process group's timeout); see its own output. "
                                  f"{type(error).__name__}: {first}"}
             self.publish(report)
+            self._mark_taken(peer)
         self.remote(report)
 
     def guard(self, batch: int | None, fn: Callable[[], Any]) -> Any:
@@ -133,22 +189,34 @@ class Faults:
             earlier = self.read_report()
             if earlier is not None:  # e.g. a replica's all-reduce timed out because its peer had failed first
                 self.remote(earlier)
-            report = {"stage": self.stage, "batch": batch, "by": self.stage,
+            report = {"stage": self.stage, "batch": batch, "by": self.stage, "rank": self.rank,
                       "message": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-            self.error = StageError(self.stage, batch, report["message"], report["traceback"])
+            error = StageError(self.stage, batch, report["message"], report["traceback"])
+            self._fail(error)
             self.announce(report)
-            raise self.error from e
+            raise error from e
 
     def data_failed(self, error: Exception) -> None:
         """Rank 0's data loader raised ``error`` (being handled): tell every rank, remember the StageError."""
-        report = {"stage": 0, "batch": None, "by": 0, "traceback": traceback.format_exc(),
+        report = {"stage": 0, "batch": None, "by": 0, "rank": self.rank, "traceback": traceback.format_exc(),
                   "message": f"reading data on the first stage's process raised {type(error).__name__}: {error}"}
+        self._fail(StageError(0, None, report["message"], report["traceback"]))
         self.announce(report)
-        self.error = StageError(0, None, report["message"], report["traceback"])
 
-    def closed_early(self, rank: int) -> None:
+    def closed_early(self) -> None:
         """Tell every rank that this one closed the pipeline in the middle of an epoch."""
-        report = {"stage": self.stage, "batch": None, "by": self.stage, "traceback": "",
-                  "message": f"the process of stage {self.stage} (rank {rank}) closed the pipeline in the "
+        report = {"stage": self.stage, "batch": None, "by": self.stage, "rank": self.rank, "traceback": "",
+                  "message": f"the process of stage {self.stage} (rank {self.rank}) closed the pipeline in the "
                              f"middle of an epoch (an exception in its training script?)"}
+        self._mark_taken(self.rank)
         self.announce(report)
+
+    def collective(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn``, a collective over the ranks; if it fails after a failure was reported, raise that StageError."""
+        try:
+            return fn()
+        except Exception:
+            report = self.read_report()
+            if report is None:
+                raise
+            self.remote(report)

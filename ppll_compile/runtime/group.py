@@ -1,8 +1,10 @@
-"""The process group of the ``distributed`` runtime: its set-up, each rank's device and place, and the stage groups."""
+"""The process group of the ``distributed`` runtime: set-up, abort and release, each rank's place, the stage groups."""
 
 from __future__ import annotations
 
 import os
+import threading
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -13,9 +15,12 @@ import torch.distributed as dist
 from ..errors import PPLLError
 from ..plan import Plan
 
-__all__ = ["Placement", "init_group", "rank_device", "check_world", "check_same_plan", "place", "stage_group"]
+__all__ = ["Placement", "init_group", "release", "abort", "rank_device", "check_world", "check_same_plan", "place",
+           "stage_group"]
 
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_ABORT_TAG = 0x7A11  # a tag no message is ever sent with
+_RELEASE = 10.0  # seconds release() waits for the process group's teardown
 
 
 def init_group(stages: int, timeout: float) -> bool:
@@ -34,6 +39,50 @@ def init_group(stages: int, timeout: float) -> bool:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
     return True
+
+
+def release() -> None:
+    """Destroy the default process group (and every other), waiting at most 10 s for its teardown."""
+    def destroy() -> None:
+        try:
+            dist.destroy_process_group()
+        except Exception as e:  # noqa: BLE001 - reported below
+            warnings.warn(f"destroying the process group raised {type(e).__name__}: {e}", stacklevel=1)
+
+    thread = threading.Thread(target=destroy, name="ppll-release", daemon=True)
+    thread.start()
+    thread.join(_RELEASE)
+    if thread.is_alive():
+        warnings.warn(f"the process group was not released within {_RELEASE:g} s (a peer still holds an operation "
+                      f"open?); it is left to the end of the process", stacklevel=2)
+
+
+def abort(groups: list[Any]) -> None:
+    """Make every pending and later send, receive and collective of this rank in ``groups`` fail at once.
+
+    ``None`` stands for the default group. Gloo has no abort of its own, but a receive that times out closes
+    every connection of its group on this rank (the peers find them closed): a receive on a tag that nothing is
+    ever sent with, waited for a millisecond, does that. It is tried with every peer, since one whose
+    connection is closed already refuses the receive at once, without a time-out. Other backends get
+    ``ProcessGroup.abort()``.
+    """
+    if not dist.is_initialized():
+        return
+    me = dist.get_rank()
+    for group in groups:
+        group = dist.group.WORLD if group is None else group
+        try:
+            if dist.get_backend(group) != "gloo":
+                group.abort()
+                continue
+            peers = [r for r in dist.get_process_group_ranks(group) if r != me]
+        except Exception:  # noqa: BLE001 - a group that is gone already
+            continue
+        for peer in peers:
+            try:
+                dist.irecv(torch.empty(1), src=peer, group=group, tag=_ABORT_TAG).wait(timedelta(milliseconds=1))
+            except Exception:  # noqa: BLE001 - the time-out itself, or a connection that is closed already
+                pass
 
 
 def rank_device(rank: int) -> torch.device:

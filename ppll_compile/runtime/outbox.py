@@ -14,7 +14,11 @@ __all__ = ["Outbox"]
 
 
 class Outbox:
-    """Posts each batch's tensors with ``isend`` and keeps them alive until sent; a failed send names the peer."""
+    """Posts each batch's tensors with ``isend`` and keeps them alive until sent; a failed send names the peer.
+
+    A wait on a peer that failed (and may stay alive) ends when the watching thread of :mod:`.faults` aborts
+    the process group on this rank: the send fails, and the report's StageError is raised.
+    """
 
     def __init__(self, *, rank: int, depth: int, faults: Faults) -> None:
         self._rank = rank
