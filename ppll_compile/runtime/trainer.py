@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..errors import PPLLError
+from ..errors import PPLLError, StageError
 from ..lowered import Lowered
 from ..plan import Plan
 from ..timeline import Recorder, Timeline
@@ -313,7 +313,15 @@ class Trainer:
                 value = fn()
         except Exception as e:  # noqa: BLE001 - re-raised below, once every process knows
             error = e
-        texts = self._runtime.gather(None if error is None else f"{type(error).__name__}: {error}")
+        try:
+            texts = self._runtime.gather(None if error is None else f"{type(error).__name__}: {error}")
+        except StageError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a process that died without a word (killed, out of memory)
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise checkpoint.CheckpointError(f"could not {doing}: another process of the pipeline is gone "
+                                             f"({type(e).__name__}: {first}); the checkpoint that 'latest' names "
+                                             f"is the newest one completed") from e
         if error is not None:
             raise error
         for rank, text in enumerate(texts):
