@@ -274,21 +274,25 @@ def validate_policy(data: Any, source: str) -> Policy:
     )
 
 
-def _read_policy(path: Path, name: str) -> Policy:
-    source = str(path)
+def read_yaml(path: Path, kind: str = "policy") -> Any:
+    """The YAML document of the policy file ``path`` (a ``kind``); a PolicyError naming the file when it cannot be
+    read."""
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as e:
-        raise PolicyError(f"{source}: cannot read the policy file ({e.strerror})") from None
+        raise PolicyError(f"{path}: cannot read the policy file ({e.strerror})") from None
     except UnicodeDecodeError as e:
-        raise PolicyError(f"{source}: not a policy file (byte {e.object[e.start]:#04x} at offset {e.start} is not "
-                          f"UTF-8 text); a policy is a YAML text file saved as UTF-8") from None
+        raise PolicyError(f"{path}: not a policy file (byte {e.object[e.start]:#04x} at offset {e.start} is not "
+                          f"UTF-8 text); a {kind} is a YAML text file saved as UTF-8") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise PolicyError(f"{source}: not valid YAML{at}: {getattr(e, 'problem', None) or e}; "
+        raise PolicyError(f"{path}: not valid YAML{at}: {getattr(e, 'problem', None) or e}; "
                           f"fix the file's syntax") from None
-    return dataclasses.replace(validate_policy(data, source), name=name)
+
+
+def _read_policy(path: Path, name: str) -> Policy:
+    return dataclasses.replace(validate_policy(read_yaml(path), str(path)), name=name)
 
 
 def load_policy(policy: str | os.PathLike | Policy | Callable[[TensorSpec, int], nn.Module]) -> Policy:

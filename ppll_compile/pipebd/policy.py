@@ -8,13 +8,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
 from torch import Tensor
 from torch.nn import functional as F
 
 import policies as _policies
 
 from ..errors import PolicyError
+from ..policy import read_yaml
 
 __all__ = ["DistillPolicy", "load_distill_policy", "distill_loss", "LOSSES"]
 
@@ -72,15 +72,7 @@ def load_distill_policy(policy: str | os.PathLike | Mapping[str, Any] | DistillP
                               f"({', '.join(_policies.distill_names())}) nor a file; pass a shipped name or the "
                               f"path to a YAML file with 'loss:' and 'last:'")
         source = str(path)
-        try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except OSError as e:
-            raise PolicyError(f"{source}: cannot read the policy file ({e.strerror})") from None
-        except UnicodeDecodeError as e:
-            raise PolicyError(f"{source}: not a policy file (byte {e.object[e.start]:#04x} at offset {e.start} is "
-                              f"not UTF-8 text); a distillation policy is a YAML text file saved as UTF-8") from None
-        except yaml.YAMLError as e:
-            raise PolicyError(f"{source}: not valid YAML ({e})") from None
+        data = read_yaml(path, "distillation policy")
     else:
         raise PolicyError(f"a distillation policy is a shipped name, a YAML path or a mapping; got {policy!r}")
     if not isinstance(data, Mapping):
