@@ -492,8 +492,8 @@ class Plan:
                 raise PlanError(f"stage {i}: replicas must be a positive integer, got {s.replicas!r}")
             if s.index != i:
                 raise PlanError(f"stage {i} has index {s.index}; stages must be numbered 0..{len(self.stages) - 1}")
-            if device_problem(s.device) is not None:
-                raise PlanError(f"stage {i}: device {device_problem(s.device)}")
+            if (problem := device_problem(s.device)) is not None:
+                raise PlanError(f"stage {i}: device {problem}")
             if not s.nodes or s.nodes[0] != s.first_node or s.nodes[-1] != s.last_node:
                 raise PlanError(f"stage {i}: first_node/last_node must be the first/last of its nodes")
             if (i == len(self.stages) - 1) != (not s.boundary):
