@@ -189,11 +189,11 @@ def test_bf16_autocast_keeps_planned_boundary_dtype():
     assert float(loss) == pytest.approx(full[0][0], rel=0.05) and float(loss) != full[0][0]
 
 
-# ---- queue="latest" ----------------------------------------------------------------------------
-def test_latest_reuses_inputs_when_upstream_is_slow():
+# ---- queue="reuse" -----------------------------------------------------------------------------
+def test_reuse_trains_inputs_again_when_upstream_is_slow():
     compiled = _compiled()
     trainer = compiled.trainer(optimizer=_on_first_stage(compiled, lambda: time.sleep(0.05), lr=0.01),
-                               runtime="threads", queue="latest")
+                               runtime="threads", queue="reuse")
     data = _data(6)
     n_losses = [0, 0]
     for x, y in data:
@@ -206,9 +206,9 @@ def test_latest_reuses_inputs_when_upstream_is_slow():
     assert n_losses == [trainer.steps[0], trainer.steps[1]]
 
 
-def test_latest_never_sends_the_output_of_a_reused_input():
-    """Stage 0 sends batch b only after stage 1 trained on batch b - 1 and then, finding no new input, on it
-    again: every batch reaches stage 2 once, however often stage 1 trained on it."""
+def test_reuse_never_sends_the_output_of_a_reused_input():
+    """Stage 0 (which sends batch b before its step on it) steps on batch b only after stage 1 trained on b and
+    then, finding no new input, on b again: every batch reaches stage 2 once, however often stage 1 trained on it."""
     n = 4
     compiled = _compiled(3)
     first, middle = ({id(p) for p in compiled.stage_parameters(i)} for i in (0, 1))
@@ -223,19 +223,19 @@ def test_latest_never_sends_the_output_of_a_reused_input():
                     steps[1] += 1
                     progress.notify_all()
                 elif ids & first:
-                    if not progress.wait_for(lambda: steps[1] >= 2 * steps[0], timeout=60):
-                        raise TimeoutError(f"stage 1 took {steps[1]} steps, expected {2 * steps[0]}")
+                    if not progress.wait_for(lambda: steps[1] >= 2 * (steps[0] + 1), timeout=60):
+                        raise TimeoutError(f"stage 1 took {steps[1]} steps, expected {2 * (steps[0] + 1)}")
                     steps[0] += 1
             return super().step(closure)
 
-    trainer = compiled.trainer(optimizer=lambda params: Paced(params, lr=0.01), runtime="threads", queue="latest")
+    trainer = compiled.trainer(optimizer=lambda params: Paced(params, lr=0.01), runtime="threads", queue="reuse")
     losses = [0, 0, 0]
     for x, y in _data(n):
         for i, ls in enumerate(trainer.step(x, y)):
             losses[i] += len(ls)
     for i, ls in enumerate(trainer.finish()):
         losses[i] += len(ls)
-    assert trainer.reused[0] == 0 and trainer.reused[1] in (n - 1, n)  # the last batch meets the end of the data
+    assert trainer.reused[0] == 0 and trainer.reused[1] == n
     assert trainer.steps[0] == n and trainer.steps[1] == n + trainer.reused[1]
     assert trainer.steps[2] - trainer.reused[2] == n  # new inputs of the last stage: each batch once
     assert losses == [trainer.steps[i] for i in range(3)]
@@ -319,7 +319,7 @@ def test_step_rejects_a_batch_that_does_not_fit_the_plan():
 
 @pytest.mark.parametrize("options,message", [
     ({"runtime": "gpu"}, "runtime='gpu' is not known; choose one of sequential, threads, distributed"),
-    ({"queue": "lifo"}, "queue='lifo' is not known; choose one of fifo, latest"),
+    ({"queue": "lifo"}, "queue='lifo' is not known; choose one of fifo, latest, reuse"),
     ({"queue": "latest"}, 'queue="latest" needs a pipelined runtime'),
     ({"queue_depth": 0}, "queue_depth must be an integer >= 1, got 0"),
     ({"autocast": "bf16"}, "autocast must be a dtype"),

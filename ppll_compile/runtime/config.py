@@ -19,7 +19,9 @@ class TrainConfig:
     optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
     """``fn(params) -> Optimizer``, called once per stage with that stage's block and head parameters."""
     scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
-    """``fn(optimizer) -> LRScheduler`` per stage, stepped after every optimizer step of that stage."""
+    """``fn(optimizer) -> LRScheduler`` per stage, stepped after every optimizer step of that stage on a new input."""
+    schedule_reused: bool = False
+    """Step the schedulers after steps on reused inputs too (``queue="reuse"``)."""
     loss: Callable[[Any, Tensor], Tensor] | None = None
     """Loss of the last stage, ``fn(model_output, target)``; default :func:`~ppll_compile.heads.model_loss`."""
     clip_grad_norm: float | None = None

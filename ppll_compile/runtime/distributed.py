@@ -30,7 +30,7 @@ __all__ = ["DistributedRuntime", "ERROR_KEY"]
 class DistributedRuntime(Runtime):
     """One process per stage replica: ranks are given to the stages in order, ``plan.stages[j].replicas`` each.
 
-    FIFO is the same computation as sequential; ``queue="latest"`` needs one process per stage.
+    FIFO is the same computation as sequential; ``queue="latest"`` and ``"reuse"`` need one process per stage.
 
     ``step``/``finish``/``epoch`` must be called in the same order on every process (the trainer's ``fit``,
     ``evaluate``, ``save`` and ``load`` do). ``epoch`` ends with an all-gather of the stage losses, so on
@@ -45,22 +45,23 @@ class DistributedRuntime(Runtime):
     for the other replicas of stage 0), and a replica joins the slices it gets from every replica before
     it. Each replica trains under DDP in its stage's group on its slice, its loss scaled by
     ``slice * replicas / batch`` so that the all-reduced gradient is the whole batch's. ``decoupled=False``
-    puts a barrier over all ranks after every batch (relaying without decoupled updates).
+    puts a barrier over all ranks before every optimizer step (relaying without decoupled updates).
 
     A thread per process (:class:`.inbox.Inbox`) receives one epoch's batches (until the END header) into a
-    bounded queue; the main thread trains and sends on with ``isend`` (:class:`.outbox.Outbox`, at most
-    ``depth`` batches outstanding) and, with ``queue="latest"``, reuses an input when the queue is empty, by
-    the threads runtime's rules. A failure anywhere reaches every rank as a :class:`StageError` naming the
-    stage that failed, by the protocol of :mod:`.faults` (reports under :data:`ERROR_KEY`, STOP, lost peers):
-    a thread per process watches the store and aborts the process's groups when another rank reports, so no
-    send, receive or collective waits on a failed process, even one that stays alive.
+    bounded queue (:class:`.latest.Mailbox`); the main thread trains and sends its output on with ``isend`` as soon
+    as its forward made it (:class:`.outbox.Outbox`, at most ``depth`` batches outstanding), and takes the newest
+    input (``queue="latest"``) or reuses one when none waits (``queue="reuse"``), by the threads runtime's rules.
+    A failure anywhere reaches every rank as a :class:`StageError` naming the stage that failed, by the protocol
+    of :mod:`.faults` (reports under :data:`ERROR_KEY`, STOP, lost peers): a thread per process watches the
+    store and aborts the process's groups when another rank reports, so no send, receive or collective waits
+    on a failed process, even one that stays alive.
     """
 
-    def __init__(self, plan: Plan, lowered: Lowered, config: TrainConfig, *, depth: int, latest: bool,
+    def __init__(self, plan: Plan, lowered: Lowered, config: TrainConfig, *, depth: int, queue: str,
                  timeout: float, decoupled: bool = True) -> None:
         self._owns_group = init_group(plan.world_size, timeout)
         try:
-            self._join(plan, lowered, config, latest=latest, decoupled=decoupled)
+            self._join(plan, lowered, config, queue=queue, decoupled=decoupled)
         except BaseException:
             if self._owns_group:
                 dist.destroy_process_group()
@@ -70,7 +71,7 @@ class DistributedRuntime(Runtime):
         self.is_main_writer = self.reads_data = self.rank == 0
         self.is_main = self.stage == plan.num_stages - 1 and self.replica == 0
         self._depth = depth
-        self._latest = latest
+        self._queue = queue
         self._connect(plan)
         check_splittable(plan)
         self._faults.watch(self._groups)
@@ -80,10 +81,10 @@ class DistributedRuntime(Runtime):
         self._ended = False  # an END taken by step() that no finish() has matched yet
         self._closed = False
 
-    def _join(self, plan: Plan, lowered: Lowered, config: TrainConfig, *, latest: bool, decoupled: bool) -> None:
+    def _join(self, plan: Plan, lowered: Lowered, config: TrainConfig, *, queue: str, decoupled: bool) -> None:
         """Check the world against the plan, place this rank, make the groups and this rank's runner."""
         world = dist.get_world_size()
-        check_world(plan, world, latest)
+        check_world(plan, world, queue)
         self.rank = dist.get_rank()
         check_same_plan(plan, world)
         self._place = place(plan, self.rank)
@@ -95,6 +96,9 @@ class DistributedRuntime(Runtime):
         self.device = rank_device(self.rank)
         self.runners = make_runners(plan, lowered, config, [self.stage], [self.device], [group])
         self.runners[0].replica = self.replica  # a replica trains its own slice: its own random stream
+        if self._sync is not None:
+            sync = self._sync
+            self.runners[0].before_step = lambda: self._faults.collective(lambda: dist.barrier(group=sync))
 
     def _connect(self, plan: Plan) -> None:
         """The wire format, fault protocol and send queue between this rank and its neighbours."""
@@ -128,7 +132,7 @@ class DistributedRuntime(Runtime):
         if self.rank == 0:
             assert msg is not None, "rank 0 reads the data: step() needs a batch there"
             return self._losses([self._train(self._scatter(msg, TRAIN), False)])
-        item, reused = self._take(reuse=self._latest)
+        item, reused = self._take(reuse=self._queue == "reuse")
         if item is END:
             self._ended = True
             return self._losses([])
@@ -252,14 +256,14 @@ class DistributedRuntime(Runtime):
             raise PPLLError("this distributed runtime was closed; build a new trainer")
 
     def _train(self, msg: Message, reused: bool) -> float:
-        out, loss = self._faults.guard(msg.index, lambda: self.runner.train_step(msg))
+        _, loss = self._faults.guard(msg.index, lambda: self.runner.train_step(msg, None if reused else self._relay))
         self.runner.reused += reused
-        if out is not None and not reused:
-            with span(self.runner.recorder, "send", msg.index):
-                self._send(out, TRAIN)
-        if self._sync is not None:  # decoupled=False: the next batch starts when every stage is done with this
-            self._faults.collective(lambda: dist.barrier(group=self._sync))
         return float(loss)
+
+    def _relay(self, out: Message) -> None:
+        """Send a training output on (called by the stage as soon as its forward made it)."""
+        with span(self.runner.recorder, "send", out.index):
+            self._send(out, TRAIN)
 
     def _scatter(self, msg: Message, kind: str) -> Message:
         """Rank 0: send the other replicas of stage 0 their slices of a batch; this rank's own slice."""
@@ -304,7 +308,7 @@ class DistributedRuntime(Runtime):
     def _until_end(self) -> Iterator[tuple[float, int]]:
         """Train on every batch until END (forwarded on); each loss with its batch size (0 when reused)."""
         while True:
-            item, reused = self._take(reuse=self._latest)
+            item, reused = self._take(reuse=self._queue == "reuse")
             if item is END:
                 return
             loss = self._train(self._expect(item, TRAIN), reused)
@@ -330,7 +334,7 @@ class DistributedRuntime(Runtime):
         return msg
 
     def _take(self, *, reuse: bool) -> tuple[Any, bool]:
-        """The next input (or END) and whether it is a reused one (``queue="latest"``)."""
+        """The next input (or END) and whether it is a reused one (``queue="reuse"``)."""
         start = time.perf_counter()
         item, reused = self._next(reuse=reuse)
         recorder = self.runner.recorder
@@ -357,8 +361,10 @@ class DistributedRuntime(Runtime):
 
     def _get(self, *, block: bool) -> Any:
         if self._inbox is None:
-            self._inbox = Inbox(self._receive, self._depth, self.device)
-        item = self._inbox.get(block=block, alarm=self._alarm, idle=self._faults.check_store)
+            self._inbox = Inbox(self._receive, self._depth, self.device, latest=self._queue == "latest")
+        inbox = self._inbox
+        item = inbox.get(block=block, alarm=self._alarm, idle=self._faults.check_store)
+        self.runner.dropped += inbox.queue.dropped()
         if item is None:
             return None
         if item is END:

@@ -98,8 +98,8 @@ def rank_device(rank: int) -> torch.device:
     return torch.device("cuda", local)
 
 
-def check_world(plan: Plan, world: int, latest: bool) -> None:
-    """The plan needs ``plan.world_size`` processes, and ``queue="latest"`` one process per stage."""
+def check_world(plan: Plan, world: int, queue: str) -> None:
+    """The plan needs ``plan.world_size`` processes, and a ``queue`` other than FIFO one process per stage."""
     k = plan.num_stages
     if world != plan.world_size:
         replicas = f" ({' + '.join(str(s.replicas) for s in plan.stages)} replicas)" \
@@ -107,9 +107,9 @@ def check_world(plan: Plan, world: int, latest: bool) -> None:
         raise PPLLError(f"the plan has {k} stages{replicas}, so it needs {plan.world_size} processes; got "
                         f"world size {world} (launch with torchrun --nproc-per-node={plan.world_size}, or "
                         f"compile with gpus={world})")
-    if latest and plan.world_size != k:
-        raise PPLLError('queue="latest" needs one process per stage: the replicas of a stage must train '
-                        'on the same number of batches; compile with replicas=False or use queue="fifo"')
+    if queue != "fifo" and plan.world_size != k:
+        raise PPLLError(f'queue="{queue}" needs one process per stage: the replicas of a stage must train '
+                        f'on the same batches; compile with replicas=False or use queue="fifo"')
 
 
 def check_same_plan(plan: Plan, world: int) -> None:

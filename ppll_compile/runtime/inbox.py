@@ -1,7 +1,8 @@
 """The receiving thread of the ``distributed`` runtime: one epoch's batches from upstream into a bounded queue.
 
 Gloo's ``Work.is_completed()`` stays false until ``wait()`` is called, so a pre-posted ``irecv`` cannot be
-polled; a thread that receives is what lets a stage see "no new input yet" (``queue="latest"``).
+polled; a thread that receives is what lets a stage see "no new input yet" (``queue="reuse"``), and what keeps
+the sender from ever waiting under ``queue="latest"`` (the thread keeps receiving; its mailbox drops old inputs).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .latest import Mailbox
 from .wire import END, Stop
 
 __all__ = ["Inbox", "Failure"]
@@ -29,10 +31,10 @@ class Failure:
 
 
 class Inbox:
-    """A thread that receives one epoch's messages (until END, STOP or a failure) into a bounded queue."""
+    """A thread that receives one epoch's messages (until END, STOP or a failure) into a :class:`.latest.Mailbox`."""
 
-    def __init__(self, receive: Callable[[], Any], depth: int, device: torch.device) -> None:
-        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+    def __init__(self, receive: Callable[[], Any], depth: int, device: torch.device, *, latest: bool = False) -> None:
+        self.queue = Mailbox(depth, latest=latest)
         self.stop = threading.Event()
         self.alarm: Stop | Failure | None = None
         """Set as soon as STOP or a failure is received, so the trainer need not drain the queue first."""
@@ -56,12 +58,8 @@ class Inbox:
                 return
 
     def _put(self, item: Any) -> None:
-        while not self.stop.is_set():
-            try:
-                self.queue.put(item, timeout=_POLL)
-                return
-            except queue.Full:
-                continue
+        while not self.stop.is_set() and not self.queue.put(item, timeout=_POLL):
+            pass
 
     def get(self, *, block: bool, alarm: Callable[[Stop | Failure], None], idle: Callable[[], None]) -> Any:
         """The next item received (a message or END); ``None`` when not ``block`` and none is waiting.
@@ -74,7 +72,7 @@ class Inbox:
             if self.alarm is not None:
                 alarm(self.alarm)
             try:
-                item = self.queue.get(timeout=_POLL) if block else self.queue.get_nowait()
+                item = self.queue.get(timeout=_POLL if block else 0)
                 break
             except queue.Empty:
                 if not block:

@@ -1,14 +1,80 @@
-"""The input memory of ``queue="latest"``: a stage's two newest inputs, to train on again when none is waiting."""
+"""The queue in front of a stage (``Mailbox``: FIFO or latest) and the input memory of ``queue="reuse"`` (``Recent``).
+
+``queue="fifo"``: a stage trains on every input in order, and the stage before it waits while the queue is full
+(the same computation as sequential local learning). ``queue="latest"`` (PPLL's asynchronous rule): a stage takes
+the newest waiting input and drops the older ones, never trained on; the stage before it never waits (a full
+queue drops its oldest input). ``queue="reuse"``: FIFO, and a stage with no waiting input trains again on one of
+its two newest inputs (each at most once) instead of idling.
+"""
 
 from __future__ import annotations
 
+import queue
+import threading
+from collections import deque
 from typing import Any
 
 from torch import Tensor
 
 from .messages import Message
 
-__all__ = ["Recent"]
+__all__ = ["Mailbox", "Recent"]
+
+
+class Mailbox:
+    """A bounded queue of a stage's inputs: FIFO, or ``latest`` (see the module's docstring).
+
+    Anything that is not a :class:`Message` (the end of an epoch, a failure) is never dropped and never makes
+    room for itself by dropping an input; under ``latest`` it is taken only once no input waits before it.
+    """
+
+    def __init__(self, depth: int, *, latest: bool = False) -> None:
+        self._depth = depth
+        self._latest = latest
+        self._items: deque[Any] = deque()
+        self._ready = threading.Condition()
+        self._dropped = 0
+
+    def put(self, item: Any, timeout: float | None = None) -> bool:
+        """Append ``item``: FIFO waits up to ``timeout`` seconds for room (``False`` if none came); latest never
+        waits."""
+        with self._ready:
+            if self._latest:
+                while isinstance(item, Message) and len(self._items) >= self._depth:
+                    oldest = next((k for k, v in enumerate(self._items) if isinstance(v, Message)), None)
+                    if oldest is None:
+                        break
+                    del self._items[oldest]
+                    self._dropped += 1
+            elif not self._ready.wait_for(lambda: len(self._items) < self._depth, timeout):
+                return False
+            self._items.append(item)
+            self._ready.notify_all()
+            return True
+
+    def get(self, timeout: float | None = None) -> Any:
+        """The next item (FIFO: the oldest; latest: the newest input, older ones dropped); ``queue.Empty`` when
+        none came within ``timeout`` seconds (0: do not wait)."""
+        with self._ready:
+            if not self._ready.wait_for(lambda: len(self._items) > 0, timeout):
+                raise queue.Empty
+            take = 0
+            inputs = [k for k, v in enumerate(self._items) if isinstance(v, Message)] if self._latest else []
+            if inputs:  # the newest input; the older ones are dropped
+                older = len(inputs) - 1
+                self._items = deque(v for k, v in enumerate(self._items) if k not in inputs[:-1])
+                self._dropped += older
+                take = inputs[-1] - older
+            item = self._items[take]
+            del self._items[take]
+            self._ready.notify_all()
+            return item
+
+    def dropped(self) -> int:
+        """Inputs dropped since the last call."""
+        with self._ready:
+            n, self._dropped = self._dropped, 0
+            return n
 
 
 class Recent:

@@ -83,8 +83,11 @@ class DistillRunner(Runner):
         return list(self.student)
 
     def _forward(self, values: tuple[Any, ...], target: Any, raw: Tensor | None,
-                 rng: contextlib.AbstractContextManager) -> tuple[Any, Tensor]:
+                 rng: contextlib.AbstractContextManager, ready: Callable[[Any], None] | None = None
+                 ) -> tuple[Any, Tensor]:
         acts = teacher_pass(self.teacher, values)  # the frozen teacher (eval mode) draws nothing: outside ``rng``
+        if ready is not None:  # teacher relaying: the next stage's input goes on before the students train
+            ready(acts[-1])
         with rng:
             return acts[-1], self._net(acts).sum()
 

@@ -28,8 +28,11 @@ class _Trainable(nn.Module):
         self.head = head
         self._loss = loss
 
-    def forward(self, values: tuple[Any, ...], target: Any, raw: Tensor | None) -> tuple[Any, Tensor]:
+    def forward(self, values: tuple[Any, ...], target: Any, raw: Tensor | None,
+                ready: Callable[[Any], None] | None = None) -> tuple[Any, Tensor]:
         out = self.stage(*values)
+        if ready is not None:  # early forwarding: the output goes on before the head's forward
+            ready(out)
         if self.head is None:
             return out, self._loss(out, target)
         return out, head_loss(self.head, out[0], target, raw)
@@ -62,9 +65,10 @@ class StageRunner(Runner):
         return [self.stage] + ([self.head] if self.head is not None else [])
 
     def _forward(self, values: tuple[Any, ...], target: Any, raw: Tensor | None,
-                 rng: contextlib.AbstractContextManager) -> tuple[Any, Tensor]:
+                 rng: contextlib.AbstractContextManager, ready: Callable[[Any], None] | None = None
+                 ) -> tuple[Any, Tensor]:
         with rng:
-            return self._net(values, target, raw)
+            return self._net(values, target, raw, ready=ready)
 
     @torch.no_grad()
     def eval_step(self, msg: Message) -> tuple[Message | None, tuple[int] | None]:

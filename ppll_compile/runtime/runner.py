@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -20,10 +20,6 @@ from .messages import Message, dtype_of
 from .rng import StageRNG, stream_seed
 
 __all__ = ["Runner"]
-
-
-def _detach(v: Any) -> Any:
-    return v.detach() if isinstance(v, Tensor) else v
 
 
 def _finite(loss: Tensor) -> bool:
@@ -50,6 +46,11 @@ class Runner:
     """Where the stage's spans go when the trainer traces (``trace=True``)."""
     replica: int = 0
     """Which replica of its stage this runner is (distributed runtime; the rank under ``dna``): seeds its stream."""
+    copy_sent: bool = False
+    """Send copies of the output tensors: the next stage runs in this process while this one's backward may still
+    read them (early forwarding), and it may write into its input (an in-place ReLU after the cut)."""
+    before_step: Callable[[], None] | None = None
+    """Called after every backward, before the optimizer steps (``decoupled=False``: a barrier over the stages)."""
 
     def _setup(self, *, device: torch.device, config: TrainConfig, groups: list[list[nn.Parameter]],
                trainable: nn.Module, group: Any) -> None:
@@ -66,7 +67,9 @@ class Runner:
         self.steps = 0
         """Optimizer steps taken (batches trained on, reused inputs included)."""
         self.reused = 0
-        """Inputs trained on again because no new one had arrived (``queue="latest"``)."""
+        """Inputs trained on again because no new one had arrived (``queue="reuse"``)."""
+        self.dropped = 0
+        """Inputs that arrived and were never trained on, because a newer one had arrived (``queue="latest"``)."""
         dtype = config.autocast[self.index] if config.autocast else None
         self._autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype is not None \
             else contextlib.nullcontext
@@ -140,10 +143,16 @@ class Runner:
                     e.synchronize()
         return move(msg.values, self.device), move(msg.target, self.device), move(msg.raw, self.device)
 
-    def _send(self, msg: Message, out: tuple[Any, ...], raw: Tensor | None) -> Message:
+    def _sent(self, v: Any, dtype: torch.dtype | None) -> Any:
+        if not isinstance(v, Tensor):
+            return v
         # the plan fixes the boundary dtypes (and so the receive buffers); autocast may have changed them
-        values = tuple(v.detach().to(d) if isinstance(v, Tensor) and d is not None and v.dtype != d else _detach(v)
-                       for v, d in zip(out, self._out_dtypes))
+        if dtype is not None and v.dtype != dtype:
+            return v.detach().to(dtype)
+        return v.detach().clone() if self.copy_sent else v.detach()
+
+    def _send(self, msg: Message, out: tuple[Any, ...], raw: Tensor | None) -> Message:
+        values = tuple(self._sent(v, d) for v, d in zip(out, self._out_dtypes))
         events = []
         if self.device.type == "cuda":
             event = torch.cuda.Event()
@@ -153,8 +162,12 @@ class Runner:
                        raw=msg.raw if self.carry_raw else None, whole=msg.whole)
 
     def _forward(self, values: tuple[Any, ...], target: Any, raw: Tensor | None,
-                 rng: contextlib.AbstractContextManager) -> tuple[Any, Tensor]:
-        """The stage's output (what travels on) and its loss, a mean over the batch; trained modules run in ``rng``."""
+                 rng: contextlib.AbstractContextManager, ready: Callable[[Any], None] | None = None
+                 ) -> tuple[Any, Tensor]:
+        """The stage's output (what travels on) and its loss, a mean over the batch; trained modules run in ``rng``.
+
+        ``ready(output)`` is called as soon as the output exists, before the rest of the loss is computed.
+        """
         raise NotImplementedError
 
     def forward_loss(self, msg: Message) -> tuple[Any, Tensor]:
@@ -167,21 +180,38 @@ class Runner:
         with self.autocast():
             return self._forward(values, target, raw, self.randomness(msg))
 
-    def train_step(self, msg: Message) -> tuple[Message | None, Tensor]:
-        """Forward, local loss, backward and optimizer steps on one batch; the message sent on and the loss."""
+    def train_step(self, msg: Message, send: Callable[[Message], None] | None = None
+                   ) -> tuple[Message | None, Tensor]:
+        """Forward, local loss, backward and optimizer steps on one batch; the message sent on and the loss.
+
+        Early forwarding: the message for the next stage is made (and handed to ``send``) as soon as the
+        forward output exists, before the loss's backward and the optimizer step. It holds the same tensors
+        it would hold afterwards, so FIFO runs stay the same computation as sequential ones.
+        """
         values, target, raw = self._receive(msg)
+        sent: list[Message] = []
+
+        def ready(out: Any) -> None:
+            if not self.is_last:
+                sent.append(self._send(msg, out, raw))
+                if send is not None:
+                    send(sent[0])
+
         with span(self.recorder, "forward", msg.index), self.autocast():
-            out, loss = self._forward(values, target, raw, self.randomness(msg))
+            _, loss = self._forward(values, target, raw, self.randomness(msg), ready)
         # a replica's slice: scaled so that DDP's mean over replicas is the whole batch's gradient
-        self.update(loss, msg.size * self.plan.replicas / msg.whole if msg.whole else 1.0, batch=msg.index)
+        self.update(loss, msg.size * self.plan.replicas / msg.whole if msg.whole else 1.0, batch=msg.index,
+                    schedule=not msg.reused or self.config.schedule_reused)
         self.steps += 1
-        return (None if self.is_last else self._send(msg, out, raw)), loss.detach()
+        return (sent[0] if sent else None), loss.detach()
 
     def update(self, loss: Tensor, scale: float = 1.0, parts: Sequence[int] | None = None, *,
-               batch: int = -1) -> None:
+               batch: int = -1, schedule: bool = True) -> None:
         """Backward ``loss`` times ``scale``, then clip and step the optimizers (and schedulers) of ``parts``.
 
-        ``parts`` indexes :attr:`optimizers` (default: all of them); ``batch`` names the spans when tracing.
+        ``parts`` indexes :attr:`optimizers` (default: all of them); ``batch`` names the spans when tracing;
+        ``schedule=False`` leaves the schedulers where they are. :attr:`before_step` (when set) runs between
+        the backward and the optimizer steps.
         """
         if self.config.nan_check and not _finite(loss):
             raise FloatingPointError(f"loss is {float(loss)} (nan_check=True); lower the learning rate, clip "
@@ -191,12 +221,14 @@ class Runner:
             self.optimizers[i].zero_grad(set_to_none=True)
         with span(self.recorder, "backward", batch):
             (loss * scale if scale != 1.0 else loss).backward()
+        if self.before_step is not None:
+            self.before_step()
         with span(self.recorder, "step", batch):
             for i in parts:
                 if self.config.clip_grad_norm is not None:
                     nn.utils.clip_grad_norm_(self._groups[i], self.config.clip_grad_norm)
                 self.optimizers[i].step()
-                if self.schedulers:
+                if self.schedulers and schedule:
                     self.schedulers[i].step()
 
     def _state(self) -> dict[str, Any]:
@@ -208,7 +240,8 @@ class Runner:
     def state_dict(self) -> dict[str, Any]:
         """This stage's modules, optimizers, schedulers and counters, for a checkpoint."""
         return {"stage": self.index, **self._state(), "optimizers": [o.state_dict() for o in self.optimizers],
-                "schedulers": [s.state_dict() for s in self.schedulers], "steps": self.steps, "reused": self.reused}
+                "schedulers": [s.state_dict() for s in self.schedulers], "steps": self.steps, "reused": self.reused,
+                "dropped": self.dropped}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
@@ -219,3 +252,4 @@ class Runner:
             sch.load_state_dict(sd)
         self.steps = int(state["steps"])
         self.reused = int(state["reused"])
+        self.dropped = int(state.get("dropped", 0))  # checkpoints written before the counter existed

@@ -1,4 +1,4 @@
-"""The ``threads`` runtime: one worker thread per stage, bounded queues between them (FIFO or latest)."""
+"""The ``threads`` runtime: one worker thread per stage, bounded queues between them (FIFO, latest or reuse)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 from ..errors import PPLLError, StageError
 from ..timeline import span
 from .base import Losses, Runtime
-from .latest import Recent
+from .latest import Mailbox, Recent
 from .messages import Message
 from .runner import Runner
 
@@ -31,31 +31,39 @@ class _Stopped(Exception):
 
 
 class ThreadsRuntime(Runtime):
-    """One worker thread per stage, bounded queues between them; FIFO (same computation as sequential) or latest.
+    """One worker thread per stage, bounded queues between them: ``fifo`` (the same computation as sequential),
+    ``latest`` or ``reuse`` (see :mod:`.latest`).
 
-    ``decoupled=False`` lets a batch in only after the last stage finished the one before (a barrier per
-    batch: relaying alone, without decoupled updates).
+    A stage sends its output on as soon as its forward made it (early forwarding), a copy of it (the next stage
+    may write into its input while this one's backward reads the output). When a FIFO queue is full, the send
+    waits until the stage's step is done (the stage never waits for room while holding the seeded-randomness
+    lock). ``decoupled=False`` puts a barrier of all the stages before every optimizer step: the stages still
+    overlap within a batch, and no stage updates on batch ``t`` before every stage computed its gradients on it
+    (relaying alone, without decoupled updates).
     """
 
-    def __init__(self, runners: list[Runner], *, depth: int, latest: bool, threads_per_stage: int,
+    def __init__(self, runners: list[Runner], *, depth: int, queue: str, threads_per_stage: int,
                  decoupled: bool = True) -> None:
         self.runners = runners
-        self._decoupled = decoupled
-        self._fed = self._done = 0  # batches put in / finished by the last stage (decoupled=False waits on them)
         self.num_stages = len(runners)
         self._depth = depth
-        self._latest = latest
+        self._queue = queue
         self._threads_per_stage = threads_per_stage
         self._workers: list[threading.Thread] = []
-        self._queues: list[queue.Queue] = []
+        self._boxes: list[Mailbox] = []
         self._stop = threading.Event()
+        self._barrier = None if decoupled else threading.Barrier(len(runners))
         self._interrupted = False
         self._lock = threading.Lock()
         self._losses: list[list[Any]] = [[] for _ in runners]
+        for r in runners:
+            r.copy_sent = True
+            r.before_step = None if decoupled else self._wait_barrier
 
     def _start(self) -> None:
         self._caller_threads = torch.get_num_threads()  # workers set their share; restored on join
-        self._queues = [queue.Queue(maxsize=self._depth) for _ in self.runners]
+        self._boxes = [Mailbox(self._depth, latest=self._queue == "latest" and i > 0)
+                       for i in range(self.num_stages)]
         self._workers = [threading.Thread(target=self._work, args=(i,), name=f"ppll-stage-{i}", daemon=True)
                          for i in range(self.num_stages)]
         for w in self._workers:
@@ -81,11 +89,7 @@ class ThreadsRuntime(Runtime):
             msg.events.append(event)
         with self._interruptible():
             try:
-                self._put(self._queues[0], msg)
-                self._fed += 1
-                while not self._decoupled and self._done < self._fed:  # every stage finishes it before the next
-                    if self._stop.wait(_POLL / 50):
-                        raise _Stopped
+                self._put(self._boxes[0], msg)
             except _Stopped:
                 self._raise_if_failed()
         return self._collect()
@@ -96,7 +100,7 @@ class ThreadsRuntime(Runtime):
         if self._workers:
             with self._interruptible():
                 try:
-                    self._put(self._queues[0], _END)
+                    self._put(self._boxes[0], _END)
                 except _Stopped:
                     pass
                 self._join()
@@ -116,13 +120,13 @@ class ThreadsRuntime(Runtime):
     def _join(self, wait: float | None = None) -> None:
         """Wait for the workers to end (at most ``wait`` seconds; then leave them to stop on their own)."""
         if self.error is not None:
-            self._stop.set()
+            self._halt()
         end = None if wait is None else time.monotonic() + wait
         for w in self._workers:
             while w.is_alive() and (end is None or time.monotonic() < end):
                 w.join(_POLL)
                 if self.error is not None:
-                    self._stop.set()
+                    self._halt()
         if self._workers:
             torch.set_num_threads(self._caller_threads)
         self._workers = []
@@ -141,7 +145,7 @@ class ThreadsRuntime(Runtime):
     def close(self) -> None:
         """Stop the workers and wait for them up to half a second. A worker in the middle of a step (which cannot
         be interrupted) ends as soon as it finishes that step, without sending its result on."""
-        self._stop.set()
+        self._halt()
         self._join(_RELEASE)
 
     @property
@@ -151,49 +155,57 @@ class ThreadsRuntime(Runtime):
 
     def abandon(self) -> None:
         """Its trainer is gone: every worker ends at its next look at the queues (within ``_POLL``)."""
+        self._halt()
+
+    def _halt(self) -> None:
+        """Tell every worker to stop: at its next look at a queue, or now if it waits at the barrier."""
         self._stop.set()
+        if self._barrier is not None:
+            self._barrier.abort()
 
-    def _put(self, q: queue.Queue, item: Any) -> None:
+    def _wait_barrier(self) -> None:
+        try:
+            self._barrier.wait()  # type: ignore[union-attr]
+        except threading.BrokenBarrierError:
+            raise _Stopped from None
+
+    def _put(self, box: Mailbox, item: Any) -> None:
+        while not box.put(item, timeout=_POLL):
+            if self._stop.is_set():
+                raise _Stopped
+
+    def _get(self, box: Mailbox, timeout: float | None = None) -> Any:
         while True:
             if self._stop.is_set():
                 raise _Stopped
             try:
-                q.put(item, timeout=_POLL)
-                return
-            except queue.Full:
-                continue
-
-    def _get(self, q: queue.Queue) -> Any:
-        while True:
-            if self._stop.is_set():
-                raise _Stopped
-            try:
-                return q.get(timeout=_POLL)
+                return box.get(timeout=_POLL if timeout is None else timeout)
             except queue.Empty:
-                continue
+                if timeout is not None:
+                    raise
 
     def _next(self, i: int, recent: Recent) -> tuple[Any, bool]:
-        """The next input of stage ``i`` and whether it is a reused one (``queue="latest"``)."""
-        q = self._queues[i]
-        if self._latest and i > 0:
+        """The next input of stage ``i`` and whether it is a reused one (``queue="reuse"``)."""
+        box = self._boxes[i]
+        if self._queue == "reuse" and i > 0:
             try:
-                msg = q.get_nowait()
+                msg = self._get(box, timeout=0)
             except queue.Empty:
                 again = recent.reuse()
                 if again is not None:
                     return again, True
-                msg = self._get(q)
+                msg = self._get(box)
             if isinstance(msg, Message):
                 recent.remember(msg)
             return msg, False
-        return self._get(q), False
+        return self._get(box), False
 
     def _work(self, i: int) -> None:
         torch.set_num_threads(self._threads_per_stage)
         r = self.runners[i]
         if r.device.type == "cuda":
             torch.cuda.set_device(r.device)
-        out_q = self._queues[i + 1] if i + 1 < self.num_stages else None
+        out_box = self._boxes[i + 1] if i + 1 < self.num_stages else None
         stream = torch.cuda.stream(torch.cuda.Stream(r.device)) if r.device.type == "cuda" \
             else contextlib.nullcontext()
         recent = Recent()
@@ -203,13 +215,21 @@ class ThreadsRuntime(Runtime):
                 while True:
                     start = time.perf_counter()
                     msg, reused = self._next(i, recent)
+                    r.dropped += self._boxes[i].dropped()
                     if r.recorder is not None and isinstance(msg, Message):
                         r.recorder.add("receive", msg.index, start, time.perf_counter())
                     if msg is _END:
-                        if out_q is not None:
-                            self._put(out_q, _END)
+                        if out_box is not None:
+                            self._put(out_box, _END)
                         return
-                    out, loss = r.train_step(msg)
+                    waiting: list[Message] = []  # an output a full FIFO queue had no room for yet
+
+                    def send(out: Message) -> None:
+                        with span(r.recorder, "send", out.index):
+                            if not out_box.put(out, timeout=0):  # type: ignore[union-attr]
+                                waiting.append(out)
+
+                    _, loss = r.train_step(msg, None if reused or out_box is None else send)
                     r.reused += reused
                     event = None
                     if r.device.type == "cuda":
@@ -217,10 +237,9 @@ class ThreadsRuntime(Runtime):
                         event.record(torch.cuda.current_stream(r.device))
                     with self._lock:
                         self._losses[i].append((loss, event))
-                        self._done += out_q is None
-                    if out is not None and not reused:
+                    for out in waiting:
                         with span(r.recorder, "send", out.index):
-                            self._put(out_q, out)  # type: ignore[arg-type]
+                            self._put(out_box, out)  # type: ignore[arg-type]
         except _Stopped:
             return
         except BaseException as e:  # noqa: BLE001 - every failure must stop the pipeline and reach the caller
@@ -229,4 +248,4 @@ class ThreadsRuntime(Runtime):
                 if self.error is None:
                     self.error = StageError(i, batch, f"{type(e).__name__}: {e}", traceback.format_exc())
                     self.error.__cause__ = e
-            self._stop.set()
+            self._halt()

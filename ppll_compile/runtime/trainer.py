@@ -33,7 +33,7 @@ from .threads import ThreadsRuntime
 __all__ = ["Trainer", "RUNTIMES", "QUEUES"]
 
 RUNTIMES = ("sequential", "threads", "distributed")
-QUEUES = ("fifo", "latest")
+QUEUES = ("fifo", "latest", "reuse")
 _TRAINERS: weakref.WeakKeyDictionary[Lowered, weakref.ref[Trainer]] = weakref.WeakKeyDictionary()
 """The last trainer built on each compiled pipeline's modules (one may be open at a time)."""
 
@@ -54,15 +54,15 @@ def _check_options(plan: Plan, *, runtime: str, queue: str, optimizer: Any, queu
                         f"lambda p: torch.optim.SGD(p, lr=0.1); got {optimizer!r}")
     if not (isinstance(queue_depth, int) and queue_depth >= 1):
         raise ValueError(f"queue_depth must be an integer >= 1, got {queue_depth!r}")
-    if queue == "latest" and runtime in ("sequential", "dna"):
-        raise ValueError(f'queue="latest" needs a pipelined runtime ("threads" or "distributed"); the '
+    if queue != "fifo" and runtime in ("sequential", "dna"):
+        raise ValueError(f'queue="{queue}" needs a pipelined runtime ("threads" or "distributed"); the '
                          f'{runtime} runtime never waits')
     if distill and loss is not None:
         raise ValueError("a pipebd plan trains on the distillation losses of its policy; drop loss= and "
                          "compile with policy=... (mse, kl or your YAML file) instead")
-    if not decoupled and (queue == "latest" or runtime in ("sequential", "dna")):
-        raise ValueError('decoupled=False (a barrier after every batch) applies to the pipelined runtimes '
-                         '"threads" and "distributed" with queue="fifo"')
+    if not decoupled and (queue != "fifo" or runtime in ("sequential", "dna")):
+        raise ValueError('decoupled=False (a barrier of all the stages before every optimizer step) applies to the '
+                         'pipelined runtimes "threads" and "distributed" with queue="fifo"')
     if not isinstance(trace, bool):
         raise TypeError(f"trace must be True or False, got {trace!r}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
@@ -82,11 +82,11 @@ def _autocast(value: Any, n: int) -> tuple[torch.dtype | None, ...]:
                      f"({n} stages); got {value!r}")
 
 
-def _make_runtime(name: str, plan: Plan, lowered: Lowered, config: TrainConfig, *, depth: int, latest: bool,
+def _make_runtime(name: str, plan: Plan, lowered: Lowered, config: TrainConfig, *, depth: int, queue: str,
                   threads_per_stage: int | None, timeout: float, decoupled: bool) -> Runtime:
     """The runtime called ``name``, with its runners built for ``plan``."""
     if name == "distributed":
-        return DistributedRuntime(plan, lowered, config, depth=depth, latest=latest, timeout=timeout,
+        return DistributedRuntime(plan, lowered, config, depth=depth, queue=queue, timeout=timeout,
                                   decoupled=decoupled)
     if name == "dna":
         return DNARuntime(plan, lowered, config, timeout=timeout)
@@ -95,7 +95,7 @@ def _make_runtime(name: str, plan: Plan, lowered: Lowered, config: TrainConfig, 
     if name == "sequential":
         return SequentialRuntime(runners)
     share = threads_per_stage or max(1, (os.cpu_count() or 1) // k)
-    return ThreadsRuntime(runners, depth=depth, latest=latest, threads_per_stage=share, decoupled=decoupled)
+    return ThreadsRuntime(runners, depth=depth, queue=queue, threads_per_stage=share, decoupled=decoupled)
 
 
 class Trainer:
@@ -104,9 +104,14 @@ class Trainer:
 
     ``step(inputs, target)`` feeds one batch and returns, per stage, the losses of the batches that stage
     finished since the last call; ``finish()`` drains the pipeline. The model is trained in place.
-    ``decoupled=False`` (pipelined runtimes) lets a batch in only when every stage is done with the one
-    before; ``runtime="dna"`` (``pipebd`` plans) is the DNA baseline. ``trace=True`` records every stage's
-    spans (receive, forward, backward, step, send); :meth:`timeline` returns them.
+    Every stage sends its output on as soon as its forward made it, before its backward and step (early
+    forwarding). ``queue``: ``"fifo"`` (every input in order: the same computation as ``sequential``),
+    ``"latest"`` (a stage takes the newest waiting input and drops the older ones, counted in :attr:`dropped`;
+    the stage before it never waits) or ``"reuse"`` (FIFO, and a stage with no waiting input trains again on
+    a recent one, counted in :attr:`reused`; schedulers do not step on those unless ``schedule_reused=True``).
+    ``decoupled=False`` (pipelined runtimes, FIFO) puts a barrier of all the stages before every optimizer
+    step: Pipe-BD's "teacher relaying only" ablation. ``runtime="dna"`` (``pipebd`` plans) is the DNA baseline.
+    ``trace=True`` records every stage's spans (receive, forward, backward, step, send); :meth:`timeline` returns them.
 
     ``seed`` (default 0): every stage's training forward draws its randomness (dropout, drop-path) from
     torch's default generators seeded by (``seed``, stage, batch index[, replica]), so every runtime trains
@@ -121,7 +126,8 @@ class Trainer:
                  scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
                  clip_grad_norm: float | None = None, autocast: Any = None, queue_depth: int = 2,
                  queue: str = "fifo", nan_check: bool = False, threads_per_stage: int | None = None,
-                 timeout: float = 300.0, decoupled: bool = True, trace: bool = False, seed: int | None = 0) -> None:
+                 timeout: float = 300.0, decoupled: bool = True, trace: bool = False, seed: int | None = 0,
+                 schedule_reused: bool = False) -> None:
         _check_options(plan, runtime=runtime, queue=queue, optimizer=optimizer, queue_depth=queue_depth, loss=loss,
                        decoupled=decoupled, trace=trace, seed=seed)
         self.plan = plan
@@ -129,14 +135,15 @@ class Trainer:
         """The modules this trainer trains, shared with the compiled pipeline."""
         self.runtime_name = runtime
         config = TrainConfig(optimizer=optimizer, scheduler=scheduler, loss=loss, clip_grad_norm=clip_grad_norm,
-                             autocast=_autocast(autocast, plan.num_stages), nan_check=nan_check, seed=seed)
+                             autocast=_autocast(autocast, plan.num_stages), nan_check=nan_check, seed=seed,
+                             schedule_reused=bool(schedule_reused))
         self.seed = seed
         """Seed of the stages' training randomness (``None``: unseeded); recorded in checkpoints."""
         self._carry_raw = lowered.carries_input
         _claim(lowered)
         lowered.train()
         self._runtime: Runtime = _make_runtime(runtime, plan, lowered, config, depth=queue_depth,
-                                               latest=queue == "latest", threads_per_stage=threads_per_stage,
+                                               queue=queue, threads_per_stage=threads_per_stage,
                                                timeout=timeout, decoupled=decoupled)
         _TRAINERS[lowered] = weakref.ref(self)
         weakref.finalize(self, self._runtime.abandon)  # dropped without close(): the workers end too
@@ -181,8 +188,13 @@ class Trainer:
 
     @property
     def reused(self) -> dict[int, int]:
-        """Inputs each stage run here trained on again instead of waiting (``queue="latest"``)."""
+        """Inputs each stage run here trained on again instead of waiting (``queue="reuse"``)."""
         return {r.index: r.reused for r in self.runners}
+
+    @property
+    def dropped(self) -> dict[int, int]:
+        """Inputs each stage run here dropped untrained because a newer one had arrived (``queue="latest"``)."""
+        return {r.index: r.dropped for r in self.runners}
 
     def message(self, inputs: Any, target: Any = None) -> Message:
         """The message stage 0 receives for one training batch, built as :meth:`step` builds it, without feeding it.
