@@ -113,7 +113,7 @@ def test_decoupled_false_steps_only_after_every_stage_computed_its_gradients():
 
 
 # ---- queue="latest" ----------------------------------------------------------------------------
-def test_latest_takes_the_newest_input_and_the_stage_before_never_waits():
+def test_latest_takes_the_newest_input_and_the_stage_before_never_waits(tmp_path):
     """Stage 1's first step waits until stage 0 stepped on all n batches (queue_depth=1: stage 0 never waits for
     room). Then stage 1 takes batch n - 1 and drops 1 .. n - 2. Its parameters equal a hand-run reference
     that trains stage 0 on every batch and stage 1 on batches 0 and n - 1 only."""
@@ -143,6 +143,10 @@ def test_latest_takes_the_newest_input_and_the_stage_before_never_waits():
         assert trained == [0, n - 1]
         assert trainer.steps == {0: n, 1: 2} and trainer.dropped == {0: 0, 1: n - 2}
         assert trainer.reused == {0: 0, 1: 0}
+        trainer.save(tmp_path)
+    with compiled.trainer(optimizer=_sgd, runtime="threads", queue="latest") as again:
+        again.load(tmp_path)
+        assert again.dropped == {0: 0, 1: n - 2}  # the counter is part of the checkpoint
 
     reference = _compiled()
     with reference.trainer(optimizer=_sgd, runtime="sequential") as ref:

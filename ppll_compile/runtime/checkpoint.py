@@ -362,7 +362,8 @@ def check_state(saved: dict[str, Any], ours: dict[str, Any]) -> list[str]:
     groups, the schedulers and counters. Empty when it loads."""
     out: list[str] = []
     stage = ours["stage"]
-    modules = [k for k in ours if k not in ("stage", "optimizers", "schedulers", "steps", "reused")]
+    counters = ("steps", "reused", "dropped")
+    modules = [k for k in ours if k not in ("stage", "optimizers", "schedulers", *counters)]
     for key in modules:
         if key not in saved:
             out.append(f"stage {stage}: the checkpoint has no {key!r} state")
@@ -381,7 +382,9 @@ def check_state(saved: dict[str, Any], ours: dict[str, Any]) -> list[str]:
         had = "scheduler states" if scheds else "no scheduler state"
         out.append(f"stage {stage}: the checkpoint has {had} and this trainer has {have}; build the trainer with "
                    f"the scheduler= it was trained with")
-    for key in ("steps", "reused"):
+    for key in counters:
+        if key == "dropped" and key not in saved:  # written before the counter existed
+            continue
         if not isinstance(saved.get(key), int):
             out.append(f"stage {stage}: the checkpoint's {key!r} counter is {saved.get(key)!r}, not an integer")
     return out
