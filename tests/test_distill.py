@@ -1,5 +1,6 @@
 """Pipe-BD: block alignment, distillation losses, placement with replicas, and the one-process runtimes."""
 
+import math
 import re
 import textwrap
 import time
@@ -133,6 +134,52 @@ def test_kl_loss_is_temperature_scaled_kl_divergence():
     assert distill_loss(load_distill_policy("mse").last)(s, t) == F.mse_loss(s, t)
 
 
+def _by_hand(s: torch.Tensor, t: torch.Tensor) -> tuple[float, float, float]:
+    """Soft-target cross-entropy, KL divergence and the teacher's entropy at T=1, row by row in float64."""
+    ce = kl = h = 0.0
+    for srow, trow in zip(s.double().tolist(), t.double().tolist()):
+        zs = math.log(sum(math.exp(v) for v in srow))
+        zt = math.log(sum(math.exp(v) for v in trow))
+        for a, b in zip(srow, trow):
+            p = math.exp(b - zt)
+            ce -= p * (a - zs)
+            kl += p * ((b - zt) - (a - zs))
+            h -= p * (b - zt)
+    return ce / len(s), kl / len(s), h / len(s)
+
+
+def test_pipebds_last_block_loss_is_soft_target_cross_entropy_and_kl_at_t1_differs_by_a_constant():
+    s, t = torch.randn(6, 5, requires_grad=True), torch.randn(6, 5)
+    ce, kl, entropy = _by_hand(s.detach(), t)
+    rules = load_distill_policy("pipebd")
+    assert rules.loss == {"type": "mse"} and rules.last == {"type": "soft_ce", "temperature": 1.0}
+    soft_ce = distill_loss(rules.last)(s, t)
+    assert soft_ce.item() == pytest.approx(ce, rel=1e-6)
+    torch.testing.assert_close(soft_ce, -(F.softmax(t, -1) * F.log_softmax(s, -1)).sum(-1).mean())  # Pipe-BD's code
+    kl_t1 = distill_loss({"type": "kl", "temperature": 1.0})(s, t)
+    assert kl_t1.item() == pytest.approx(kl, rel=1e-6)
+    assert (soft_ce - kl_t1).item() == pytest.approx(entropy, rel=1e-6)  # KL + the teacher's entropy
+    grads = [torch.autograd.grad(loss, s)[0] for loss in (soft_ce, kl_t1)]
+    torch.testing.assert_close(grads[0], grads[1])  # the same training signal for the student
+
+
+def test_the_default_policy_is_pipebds_own_for_logits_and_mse_otherwise():
+    p = _compiled().plan
+    assert p.policy == "pipebd"
+    assert [b.loss for b in p.blocks] == [{"type": "mse"}] * 3 + [{"type": "soft_ce", "temperature": 1.0}]
+    assert p.stages[1].head.config == {"type": "mse+soft_ce"}
+    teacher, student = _pair()  # the models up to their last feature map: no logits
+    p = ppll_compile.plan(student[:8], teacher=teacher[:12], example_inputs=(X,), split_points=["5"])
+    assert p.policy == "mse" and [b.loss for b in p.blocks] == [{"type": "mse"}] * 3
+    assert "policy auto: the models return shape [8, 32, 4, 4], not N x C logits, so the last block learns under " \
+           "mse like the others (policy 'mse'); Pipe-BD's soft-target cross-entropy needs logits" in p.notes
+    with pytest.raises(PolicyError, match=re.escape(
+            "policy 'pipebd' compares the last block's outputs with soft_ce, which needs N x C logits; the models "
+            "return shape [8, 32, 4, 4] (use policy='mse')")):
+        ppll_compile.plan(student[:8], teacher=teacher[:12], example_inputs=(X,), policy="pipebd",
+                          split_points=["5"])
+
+
 def test_the_kl_policy_puts_kl_on_the_last_block_only():
     p = _compiled(policy="kl").plan
     assert [b.loss for b in p.blocks] == [{"type": "mse"}] * 3 + [{"type": "kl", "temperature": 4.0}]
@@ -140,14 +187,17 @@ def test_the_kl_policy_puts_kl_on_the_last_block_only():
 
 
 @pytest.mark.parametrize("policy,message", [
-    ({"loss": {"type": "l1"}}, "distillation policy: loss.type is 'l1'; known distillation losses: mse, smooth_l1, kl"),
+    ({"loss": {"type": "l1"}}, "distillation policy: loss.type is 'l1'; known distillation losses: mse, smooth_l1, kl, "
+                               "soft_ce"),
     ({"loss": {"type": "kl"}}, "distillation policy: loss.type kl compares class logits and fits only the last block"),
+    ({"loss": {"type": "soft_ce"}}, "distillation policy: loss.type soft_ce compares class logits and fits only the "
+                                    "last block; use mse or smooth_l1 for 'loss' and put soft_ce under 'last'"),
     ({"last": {"type": "kl", "tau": 2}}, "distillation policy: last has unknown option(s) ['tau']; kl takes "
                                          "['temperature']"),
     ({"last": {"type": "kl", "temperature": 0}}, "distillation policy: last.temperature must be a positive number"),
     ({"heads": {}}, "distillation policy: unknown key(s) ['heads']; a distillation policy has name, description, "
                     "loss and last"),
-    ("nope", "unknown distillation policy 'nope': not a shipped one (kl, mse) nor a file"),
+    ("nope", "unknown distillation policy 'nope': not a shipped one (kl, mse, pipebd) nor a file"),
 ])
 def test_bad_policies_say_what_is_wrong(policy, message):
     with pytest.raises(PolicyError, match=re.escape(message)):
@@ -207,7 +257,7 @@ def test_ppll_plans_take_replicas_too():
 
 # ---- training -----------------------------------------------------------------------------------------
 
-def _reference(batches: list[torch.Tensor], policy: str = "mse") -> list[torch.Tensor]:
+def _reference(batches: list[torch.Tensor], policy: str = "pipebd") -> list[torch.Tensor]:
     """Blockwise distillation written out by hand on the Sequential slices: the parameters after ``batches``."""
     teacher, student = _pair()
     t_blocks, s_blocks = _slices(teacher, TEACHER_ENDS), _slices(student, STUDENT_ENDS)
@@ -243,13 +293,13 @@ def test_every_runtime_equals_blockwise_distillation_by_hand(runtime, options):
         torch.testing.assert_close(ours, ref)
 
 
-def test_latest_queue_trains_a_later_stage_again_while_it_waits():
+def test_reuse_queue_trains_a_later_stage_again_while_it_waits():
     c = _compiled()
     slow = c.student_blocks[0]
     forward = slow.forward
     slow.forward = lambda *v: (time.sleep(0.05), forward(*v))[1]
     batches = _batches(6)
-    with c.trainer(optimizer=_sgd, runtime="threads", queue="latest") as trainer:
+    with c.trainer(optimizer=_sgd, runtime="threads", queue="reuse") as trainer:
         for x in batches:
             trainer.step(x)
     assert trainer.reused[0] == 0 and 0 < trainer.reused[1] <= len(batches)
@@ -266,9 +316,10 @@ def test_evaluate_gives_each_blocks_mean_loss():
     x = torch.cat([x for x, _ in data])
     expected = []
     with torch.no_grad():
-        for tb, sb in zip(t_blocks, s_blocks):
-            y = tb(x)
-            expected.append(float(F.mse_loss(sb(x), y)))
+        for k, (tb, sb) in enumerate(zip(t_blocks, s_blocks)):
+            y = tb(x)  # the last block under the default policy (pipebd): the soft-target cross-entropy
+            expected.append(float(F.mse_loss(sb(x), y) if k < 3 else -(F.softmax(y, 1) * F.log_softmax(sb(x), 1))
+                                  .sum(1).mean()))
             x = y
     assert result["samples"] == 13
     assert result["block_loss"] == pytest.approx(expected, rel=1e-5)
@@ -307,9 +358,10 @@ def test_trainer_options_that_do_not_fit_distillation_are_refused():
     with pytest.raises(ValueError, match=re.escape("a pipebd plan trains on the distillation losses of its policy; "
                                                    "drop loss=")):
         c.trainer(optimizer=_sgd, loss=F.cross_entropy)
-    with pytest.raises(ValueError, match=re.escape('decoupled=False (a barrier after every batch) applies to the '
-                                                   'pipelined runtimes')):
-        c.trainer(optimizer=_sgd, runtime="dna", decoupled=False)
+    for runtime in ("dna", "dna-per-block"):
+        with pytest.raises(ValueError, match=re.escape('decoupled=False (a barrier of all the stages before every '
+                                                       'optimizer step) applies to the pipelined runtimes')):
+            c.trainer(optimizer=_sgd, runtime=runtime, decoupled=False)
     ppll = ppll_compile.compile(conv_student(), 2, example_inputs=(X,))
     with pytest.raises(ValueError, match=re.escape("runtime='dna' is not known; choose one of sequential, threads, "
                                                    "distributed")):

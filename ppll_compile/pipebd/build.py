@@ -22,7 +22,7 @@ from ..plan import BlockPlan, HeadSpec, Plan, TensorSpec
 from ..profile import first_device, time_blocks
 from ..trace import module_path
 from .align import Blocks, align, output_spec, stage_ends
-from .policy import DistillPolicy, distill_loss, load_distill_policy
+from .policy import LOGIT_LOSSES, DistillPolicy, distill_loss, load_distill_policy
 
 __all__ = ["PipeBD", "plan_pipebd", "compile_pipebd"]
 
@@ -115,10 +115,19 @@ def _checked_options(opts: PlanOptions) -> None:
                          f"partitioner={opts.partitioner!r} (drop it)")
 
 
+def _default_rules(output: TensorSpec, notes: list[str]) -> DistillPolicy:
+    """The policy ``auto``: Pipe-BD's own (``pipebd``) when the models return N x C logits, else ``mse``."""
+    if len(output.shape) == 2:
+        return load_distill_policy("pipebd")
+    notes.append(f"policy auto: the models return shape {list(output.shape)}, not N x C logits, so the last block "
+                 f"learns under mse like the others (policy 'mse'); Pipe-BD's soft-target cross-entropy needs logits")
+    return load_distill_policy("mse")
+
+
 def _loss_configs(rules: DistillPolicy, n: int, output: TensorSpec) -> list[dict[str, Any]]:
-    if rules.last["type"] == "kl" and len(output.shape) != 2:
-        raise PolicyError(f"policy {rules.name!r} compares the last block's outputs with kl, which needs N x C "
-                          f"logits; the models return shape {list(output.shape)} (use policy='mse')")
+    if rules.last["type"] in LOGIT_LOSSES and len(output.shape) != 2:
+        raise PolicyError(f"policy {rules.name!r} compares the last block's outputs with {rules.last['type']}, which "
+                          f"needs N x C logits; the models return shape {list(output.shape)} (use policy='mse')")
     return [dict(rules.loss)] * (n - 1) + [dict(rules.last)]
 
 
@@ -129,16 +138,19 @@ def plan_pipebd(student: nn.Module, teacher: nn.Module, example_inputs: Sequence
 
     Both models are traced; their block ends are matched in order by boundary shape, or named with
     ``blocks=[(teacher_module, student_module), ...]``. Student block ``k`` takes the teacher's output of
-    block ``k - 1`` and learns the teacher's output of block ``k`` under the policy's loss (``mse``, or
-    ``kl`` on the last block's logits). The exact replica partitioner groups blocks into stages and chooses
+    block ``k - 1`` and learns the teacher's output of block ``k`` under the policy's loss (``mse``; on the last
+    block's logits also ``kl`` or ``soft_ce``). The default policy is Pipe-BD's own, ``pipebd`` (``mse`` on every
+    block, the soft-target cross-entropy on the last block's N x C logits), or ``mse`` on every block when the
+    models return no N x C logits. The exact replica partitioner groups blocks into stages and chooses
     how many devices replicate each (``replicas=False``: none; an int caps it; a tuple fixes it per stage;
     ``split_points`` names the student block ends where stages end). The teacher is put in eval mode
     with ``requires_grad=False``.
     """
     _checked_options(opts)
     notes: list[str] = []
-    rules = load_distill_policy("mse" if opts.policy == "auto" else opts.policy)
+    chosen = None if opts.policy == "auto" else load_distill_policy(opts.policy)
     t, s, output = _analysed_pair(student, teacher, example_inputs, example_kwargs, opts)
+    rules = chosen or _default_rules(output, notes)
     b = align(t, s, blocks, notes)
     loss_cfg = _loss_configs(rules, len(b.ends) + 1, output)
     losses = [distill_loss(c) for c in loss_cfg]

@@ -1,4 +1,5 @@
-"""Pipe-BD's loss policy: the distillation loss of every block (``mse``, ``smooth_l1``) and of the last (``kl`` too)."""
+"""Pipe-BD's loss policy: the distillation loss of every block (``mse``, ``smooth_l1``) and of the last (``kl`` and
+``soft_ce`` too)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,19 @@ import policies as _policies
 from ..errors import PolicyError
 from ..policy import read_yaml
 
-__all__ = ["DistillPolicy", "load_distill_policy", "distill_loss", "LOSSES"]
+__all__ = ["DistillPolicy", "load_distill_policy", "distill_loss", "LOSSES", "LOGIT_LOSSES"]
 
-LOSSES: dict[str, dict[str, float]] = {"mse": {}, "smooth_l1": {"beta": 1.0}, "kl": {"temperature": 1.0}}
-"""Distillation losses by type, with their options and defaults; ``kl`` compares N x C logits."""
+LOSSES: dict[str, dict[str, float]] = {"mse": {}, "smooth_l1": {"beta": 1.0}, "kl": {"temperature": 1.0},
+                                       "soft_ce": {"temperature": 1.0}}
+"""Distillation losses by type, with their options and defaults; ``kl`` and ``soft_ce`` compare N x C logits.
+
+``kl`` is the KL divergence from the teacher's to the student's class distribution, ``soft_ce`` the cross-entropy
+with the teacher's class distribution as soft targets (what Pipe-BD's and DNA's code train the last block on:
+``nn.CrossEntropyLoss()(student, teacher.softmax(1))``). They differ by the teacher's entropy, a constant for the
+student, so at the same temperature they give the same gradients; both are scaled by ``temperature ** 2``."""
+
+LOGIT_LOSSES = ("kl", "soft_ce")
+"""The losses that compare class logits (N x C): they fit only the last block."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,7 +64,7 @@ def _check_loss(d: Any, source: str, at: str) -> dict[str, Any]:
 
 
 def load_distill_policy(policy: str | os.PathLike | Mapping[str, Any] | DistillPolicy) -> DistillPolicy:
-    """A :class:`DistillPolicy` from a shipped name (``mse``, ``kl``), a YAML file, or a mapping."""
+    """A :class:`DistillPolicy` from a shipped name (``pipebd``, ``mse``, ``kl``), a YAML file, or a mapping."""
     if isinstance(policy, DistillPolicy):
         return policy
     if isinstance(policy, Mapping):
@@ -82,16 +92,20 @@ def load_distill_policy(policy: str | os.PathLike | Mapping[str, Any] | DistillP
         raise PolicyError(f"{source}: unknown key(s) {unknown}; a distillation policy has name, description, "
                           f"loss and last")
     loss = _check_loss(data.get("loss", {"type": "mse"}), source, "loss")
-    if loss["type"] == "kl":
-        raise PolicyError(f"{source}: loss.type kl compares class logits and fits only the last block; use mse "
-                          f"or smooth_l1 for 'loss' and put kl under 'last'")
+    if loss["type"] in LOGIT_LOSSES:
+        raise PolicyError(f"{source}: loss.type {loss['type']} compares class logits and fits only the last block; "
+                          f"use mse or smooth_l1 for 'loss' and put {loss['type']} under 'last'")
     last = _check_loss(data.get("last", loss), source, "last")
     name = policy if isinstance(policy, str) and policy in _policies.distill_names() else str(data.get("name", source))
     return DistillPolicy(name=name, loss=loss, last=last)
 
 
 def distill_loss(config: Mapping[str, Any]) -> Callable[[Tensor, Tensor], Tensor]:
-    """``fn(student_out, teacher_out) -> loss``, a mean over the batch, for a loss config of a policy."""
+    """``fn(student_out, teacher_out) -> loss``, a mean over the batch, for a loss config of a policy.
+
+    With temperature ``T``, ``kl`` is ``KL(softmax(t/T) || softmax(s/T)) * T**2`` and ``soft_ce`` is
+    ``-(softmax(t/T) * log_softmax(s/T)).sum(1).mean() * T**2``, both averaged over the N rows of N x C logits.
+    """
     kind = config["type"]
     if kind == "mse":
         return F.mse_loss
@@ -99,6 +113,10 @@ def distill_loss(config: Mapping[str, Any]) -> Callable[[Tensor, Tensor], Tensor
         beta = float(config["beta"])
         return lambda s, t: F.smooth_l1_loss(s, t, beta=beta)
     temperature = float(config["temperature"])
+    if kind == "soft_ce":
+        def soft_ce(s: Tensor, t: Tensor) -> Tensor:
+            return F.cross_entropy(s / temperature, F.softmax(t / temperature, dim=1)) * temperature ** 2
+        return soft_ce
 
     def kl(s: Tensor, t: Tensor) -> Tensor:
         return F.kl_div(F.log_softmax(s / temperature, dim=1), F.log_softmax(t / temperature, dim=1),

@@ -1,10 +1,17 @@
-"""The DNA baseline of blockwise distillation: each block re-runs the teacher from the input, data-parallel."""
+"""The DNA baselines of blockwise distillation: every block re-runs the teacher from the input, data-parallel.
+
+Two schedules: ``dna`` trains every block on each batch in turn (data read once per batch); ``dna-per-block``
+is DNA as published, each block trained over all the epochs before the next, the data read again per block.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import math
 import os
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -12,28 +19,34 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..errors import PPLLError
 from ..lowered import Lowered, move
 from ..plan import Plan
 from ..timeline import span
 from .base import Counts, Losses, Runtime
 from .config import TrainConfig
 from .group import init_group, rank_device
-from .messages import Message
+from .inputs import batch_message, loader_pair
+from .messages import TRAIN, Message
 from .pipebd import Students, teacher_pass
+from .rng import StageRNG, stream_seed
+from .runner import Runner
 from .runners import make_runners
 
-__all__ = ["DNARuntime"]
+__all__ = ["DNARuntime", "DNAPerBlockRuntime", "DNA_RUNTIMES"]
 
 
 class DNARuntime(Runtime):
-    """The DNA-style baseline: every block re-runs the teacher from the input; all processes data-parallel.
+    """Data-parallel blockwise distillation, the teacher re-run per block (``runtime="dna"``): a baseline.
 
     For each batch and each block ``k`` in turn, the teacher runs blocks ``0..k`` from the input and student
-    block ``k`` trains on the pair (the teacher work grows with the block index, as in DNA). Under torchrun
-    every process reads the same batches, trains on its slice of each, and all-reduces each block's
-    gradients with DDP. Interleaving the blocks per batch gives the same parameters as training them one
-    after another over the data, because each block depends only on the frozen teacher. A stage's blocks
-    draw their randomness from one stream per batch, in block order, as the pipelined runtimes draw it.
+    block ``k`` trains on the pair (the teacher work grows with the block index, as in DNA). The data is read
+    once per batch for all the blocks; DNA as published trains the blocks one after another over whole epochs
+    and reads the data again per block: that is :class:`DNAPerBlockRuntime`. Under torchrun every process
+    reads the same batches, trains on its slice of each, and all-reduces each block's gradients with DDP.
+    Interleaving the blocks per batch gives the same parameters as training them one after another over the
+    data, because each block depends only on the frozen teacher. A stage's blocks draw their randomness from
+    one stream per batch, in block order, as the pipelined runtimes draw it.
     """
 
     def __init__(self, plan: Plan, lowered: Lowered, config: TrainConfig, *, timeout: float) -> None:
@@ -51,7 +64,8 @@ class DNARuntime(Runtime):
         for r in self.runners:
             r.replica = self.rank  # each process trains its own slice: its own random stream
         self._teacher = [t for r in self.runners for t in r.teacher]
-        self._parts = []  # per block: its stage's runner, its index there, the module the gradients go through
+        self._parts: list[tuple[Runner, int, nn.Module]] = []
+        """Per block: its stage's runner, its index there, the module the gradients go through."""
         for r in self.runners:
             for i, block in enumerate(r.student):
                 net: nn.Module = Students([block], [r.losses[i]])
@@ -68,6 +82,18 @@ class DNARuntime(Runtime):
         return Message(index=msg.index, values=tuple(take(v) for v in msg.values), target=take(msg.target),
                        kind=msg.kind, whole=msg.size)
 
+    def _train_block(self, k: int, msg: Message, values: tuple[Any, ...],
+                     rng: Callable[[list[Any]], contextlib.AbstractContextManager] | None = None) -> float:
+        """Block ``k`` trained on this process's slice ``msg`` (inputs ``values``), the teacher run from the input;
+        its loss. ``rng(acts)``, if given, is the context of the student's forward (given the teacher's activations)."""
+        r, i, net = self._parts[k]
+        with span(r.recorder, "forward", msg.index), r.autocast():
+            acts = teacher_pass(self._teacher[:k + 1], values)  # the teacher again from the input
+            with rng(acts) if rng is not None else contextlib.nullcontext():
+                loss = net(acts[-2:]).sum()
+        r.update(loss, msg.size * self.world / msg.whole if msg.whole else 1.0, [i], batch=msg.index)
+        return float(loss.detach())
+
     def step(self, msg: Message | None) -> Losses:
         """Train every block on this process's slice of ``msg``, the teacher re-run from the input for each."""
         assert msg is not None
@@ -77,12 +103,8 @@ class DNARuntime(Runtime):
         k = 0
         for r, parts in itertools.groupby(self._parts, key=lambda part: part[0]):
             with r.randomness(msg):  # one stream per stage over its blocks in order, as DistillRunner draws it
-                for _, i, net in parts:
-                    with span(r.recorder, "forward", msg.index), r.autocast():
-                        acts = teacher_pass(self._teacher[:k + 1], values)  # the teacher again from the input
-                        loss = net(acts[-2:]).sum()
-                    r.update(loss, msg.size * self.world / msg.whole if msg.whole else 1.0, [i], batch=msg.index)
-                    losses[r.index] += float(loss.detach())
+                for _ in parts:
+                    losses[r.index] += self._train_block(k, msg, values)
                     k += 1
         for r in self.runners:
             r.steps += 1
@@ -123,3 +145,126 @@ class DNARuntime(Runtime):
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False
+
+
+class DNAPerBlockRuntime(DNARuntime):
+    """DNA's published schedule (``runtime="dna-per-block"``): block after block, each over every epoch.
+
+    :meth:`fit` trains block 0 over all the epochs, then block 1, and so on; for every block and epoch it
+    iterates the loader again, and the teacher runs blocks ``0..k`` from the input for student block ``k``.
+    Data-parallel under torchrun as ``dna``. It needs the whole data at once, so :meth:`step` refuses.
+
+    A block's training sees exactly the batches, batch indices and random streams it sees under ``dna``, so
+    both give the same parameters when the loader yields the same batches on every pass (a shuffling loader
+    draws another order per pass, as DNA's own loaders do). A stage's blocks share one random stream per
+    batch, drawn in block order: to continue it where the earlier blocks of its stage left off, a block
+    replays their forwards first (without gradients, their buffers restored), when they draw random numbers.
+    Replaying advances the generator as the first draw did if the number of random values drawn depends only
+    on the shapes (dropout, drop-path), not on the values.
+    """
+
+    def __init__(self, plan: Plan, lowered: Lowered, config: TrainConfig, *, timeout: float) -> None:
+        super().__init__(plan, lowered, config, timeout=timeout)
+        self._plan, self._lowered, self._seed = plan, lowered, config.seed
+        self._rngs = [StageRNG(self.device) for _ in self._parts]
+        """Per block: its seeded forwards (which find out whether the block draws random numbers)."""
+
+    def step(self, msg: Message | None) -> Losses:
+        """Refused: this schedule trains each block over every epoch before the next."""
+        raise PPLLError('runtime="dna-per-block" trains each block over all the epochs before the next, so it needs '
+                        'the whole data at once: call trainer.fit(loader, epochs) instead of step(), or use '
+                        'runtime="dna" (every block on each batch in turn, the same parameters)')
+
+    @contextlib.contextmanager
+    def _randomness(self, k: int, msg: Message, acts: list[Any]) -> Iterator[None]:
+        """Block ``k``'s forward on ``msg``: its stage's stream, advanced past the stage's earlier blocks."""
+        r, i, _ = self._parts[k]
+        rng = self._rngs[k]
+        if self._seed is None or rng.draws_random is False:
+            yield
+            return
+        with rng.seeded(stream_seed(self._seed, r.index, msg.index, replica=r.replica)):
+            for j in range(k - i, k):  # the earlier blocks of the stage, done with every epoch: draws known
+                if self._rngs[j].draws_random:
+                    _replay(self._parts[j][0].student[self._parts[j][1]], acts[j])
+            yield
+
+    def _block_pass(self, k: int, loader: Iterable[Any], first: int, bar: Any) -> list[tuple[int, float]]:
+        """Block ``k`` trained on one pass over ``loader``, its batches numbered from ``first``; per batch its
+        size (the whole batch's) and the block's loss (on this process's slice)."""
+        r, i, _ = self._parts[k]
+        out = []
+        for n, item in enumerate(loader):
+            inputs, target = loader_pair(item)
+            whole = batch_message(self._plan, self._lowered, inputs, target, index=first + n, kind=TRAIN,
+                                  carry_raw=self._lowered.carries_input)
+            msg = self._slice(whole)
+            loss = self._train_block(k, msg, move(msg.values, self.device),
+                                     lambda acts, msg=msg: self._randomness(k, msg, acts))
+            if i == len(r.student) - 1:  # the stage's last block: the stage is done with this batch
+                r.steps += 1
+            out.append((whole.size, loss))
+            if bar is not None:
+                bar.update(1)
+        return out
+
+    def fit(self, loader: Iterable[Any], epochs: int, *, first: int = 0,
+            progress: bool = False) -> tuple[list[dict[str, Any]], int]:
+        """Train every block in turn over ``epochs`` passes of ``loader``; per epoch the record that
+        :meth:`Trainer.fit` gives, and the batch count after (batches are numbered from ``first``).
+
+        An epoch's record sums over the blocks: ``seconds`` of their passes of that epoch, ``samples`` of one
+        pass, and per stage the mean over batches of its blocks' summed losses (as under ``dna``).
+        """
+        stages = self.num_stages
+        sums = [[0.0] * stages for _ in range(epochs)]
+        counts = [[0] * stages for _ in range(epochs)]
+        samples, seconds, batches = [0] * epochs, [0.0] * epochs, []
+        total = len(loader) if hasattr(loader, "__len__") else None  # type: ignore[arg-type]
+        for k, (r, i, _) in enumerate(self._parts):
+            for e in range(epochs):
+                bar = _progress(total, f"block {k + 1}/{len(self._parts)}, epoch {e + 1}/{epochs}",
+                                progress and self.is_main)
+                start = time.perf_counter()
+                try:
+                    done = self._block_pass(k, loader, first + sum(batches[:e]), bar)
+                finally:
+                    if bar is not None:
+                        bar.close()
+                seconds[e] += time.perf_counter() - start
+                if k == 0:
+                    batches.append(len(done))
+                    samples[e] = sum(size for size, _ in done)
+                elif len(done) != batches[e]:
+                    raise PPLLError(f'runtime="dna-per-block" reads the loader again for every block and epoch; in '
+                                    f'epoch {e + 1} it gave {len(done)} batches to block {k} but {batches[e]} to '
+                                    f'block 0. Use a loader that yields the same batches on every pass (a list or a '
+                                    f'DataLoader, not a generator), or runtime="dna" (every block on each batch in '
+                                    f'turn)')
+                sums[e][r.index] += sum(loss for _, loss in done)
+                counts[e][r.index] += len(done) if i == 0 else 0
+        history = [{"epoch": e + 1, "samples": samples[e], "seconds": seconds[e],
+                    "samples_per_s": samples[e] / seconds[e] if seconds[e] > 0 else math.nan,
+                    "loss": [sums[e][j] / counts[e][j] if counts[e][j] else None for j in range(stages)]}
+                   for e in range(epochs)]
+        return history, first + sum(batches)
+
+
+@torch.no_grad()
+def _replay(block: nn.Module, inputs: tuple[Any, ...]) -> None:
+    """Run ``block`` in training mode for its random draws only: no gradients, its buffers restored after."""
+    saved = [b.detach().clone() for b in block.buffers()]
+    block(*(v.clone() if isinstance(v, Tensor) else v for v in inputs))
+    for b, value in zip(block.buffers(), saved):
+        b.copy_(value)
+
+
+def _progress(total: int | None, desc: str, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc=desc, unit="batch", dynamic_ncols=True)
+
+
+DNA_RUNTIMES: dict[str, type[DNARuntime]] = {"dna": DNARuntime, "dna-per-block": DNAPerBlockRuntime}
+"""The DNA baselines by runtime name (``pipebd`` plans only)."""

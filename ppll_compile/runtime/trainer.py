@@ -22,10 +22,11 @@ from . import checkpoint
 from .base import Losses, Runtime
 from .config import TrainConfig
 from .distributed import DistributedRuntime
-from .dna import DNARuntime
+from .dna import DNA_RUNTIMES, DNAPerBlockRuntime
 from .inputs import batch_message, loader_pair
 from .messages import EVAL, TRAIN, Message
 from .runner import Runner
+from .momentum import link_local
 from .runners import make_runners
 from .sequential import SequentialRuntime
 from .threads import ThreadsRuntime
@@ -47,20 +48,20 @@ def _check_options(plan: Plan, *, runtime: str, queue: str, optimizer: Any, queu
                    decoupled: bool, trace: Any, seed: Any) -> None:
     """The trainer's options, each alone and together with the others and the plan's kind."""
     distill = plan.mode == "pipebd"
-    _check_choice("runtime", runtime, RUNTIMES + (("dna",) if distill else ()))
+    _check_choice("runtime", runtime, RUNTIMES + (tuple(DNA_RUNTIMES) if distill else ()))
     _check_choice("queue", queue, QUEUES)
     if not callable(optimizer):
         raise TypeError(f"optimizer must be a factory fn(params) -> torch.optim.Optimizer, e.g. "
                         f"lambda p: torch.optim.SGD(p, lr=0.1); got {optimizer!r}")
     if not (isinstance(queue_depth, int) and queue_depth >= 1):
         raise ValueError(f"queue_depth must be an integer >= 1, got {queue_depth!r}")
-    if queue != "fifo" and runtime in ("sequential", "dna"):
+    if queue != "fifo" and runtime in ("sequential", *DNA_RUNTIMES):
         raise ValueError(f'queue="{queue}" needs a pipelined runtime ("threads" or "distributed"); the '
                          f'{runtime} runtime never waits')
     if distill and loss is not None:
         raise ValueError("a pipebd plan trains on the distillation losses of its policy; drop loss= and "
-                         "compile with policy=... (mse, kl or your YAML file) instead")
-    if not decoupled and (queue != "fifo" or runtime in ("sequential", "dna")):
+                         "compile with policy=... (pipebd, mse, kl or your YAML file) instead")
+    if not decoupled and (queue != "fifo" or runtime in ("sequential", *DNA_RUNTIMES)):
         raise ValueError('decoupled=False (a barrier of all the stages before every optimizer step) applies to the '
                          'pipelined runtimes "threads" and "distributed" with queue="fifo"')
     if not isinstance(trace, bool):
@@ -88,10 +89,11 @@ def _make_runtime(name: str, plan: Plan, lowered: Lowered, config: TrainConfig, 
     if name == "distributed":
         return DistributedRuntime(plan, lowered, config, depth=depth, queue=queue, timeout=timeout,
                                   decoupled=decoupled)
-    if name == "dna":
-        return DNARuntime(plan, lowered, config, timeout=timeout)
+    if name in DNA_RUNTIMES:
+        return DNA_RUNTIMES[name](plan, lowered, config, timeout=timeout)
     k = plan.num_stages
     runners = make_runners(plan, lowered, config, range(k), [torch.device(d) for d in plan.devices])
+    link_local(runners, lowered)
     if name == "sequential":
         return SequentialRuntime(runners)
     share = threads_per_stage or max(1, (os.cpu_count() or 1) // k)
@@ -229,19 +231,26 @@ class Trainer:
             return None
         return (self._message(*loader_pair(item), kind) for item in loader)
 
-    def fit(self, loader: Iterable[Any], epochs: int = 1, progress: bool = True) -> list[dict[str, Any]]:
+    def fit(self, loader: Iterable[Any], epochs: int = 1, progress: bool | str = True) -> list[dict[str, Any]]:
         """Train ``epochs`` passes over ``loader`` (``(inputs, target)`` pairs); per epoch, losses and throughput.
+
+        ``progress``: a tqdm bar per epoch, labelled ``epoch k/epochs``; a string labels the bars instead (a loop
+        that calls ``fit(loader, 1, progress=f"epoch {k}/{n}")`` once per epoch); ``False``: none.
 
         Each epoch's record holds ``epoch``, ``samples``, ``seconds``, ``samples_per_s`` and ``loss`` (every
         stage's mean loss; under ``distributed`` gathered from all ranks at the end of the epoch).
         """
+        if isinstance(self._runtime, DNAPerBlockRuntime):  # block after block, each over every epoch
+            history, self.batches = self._runtime.fit(loader, epochs, first=self.batches, progress=progress)
+            return history
         history = []
         total = len(loader) if hasattr(loader, "__len__") else None  # type: ignore[arg-type]
         for epoch in range(epochs):
             sums = [0.0] * self.plan.num_stages
             counts = [0] * self.plan.num_stages
             seen = [0]
-            bar = _progress(total, f"epoch {epoch + 1}/{epochs}", progress and self.is_main)
+            label = progress if isinstance(progress, str) else f"epoch {epoch + 1}/{epochs}"
+            bar = _progress(total, label, bool(progress) and self.is_main)
             start = time.perf_counter()
 
             def on_step(losses: Losses, size: int) -> None:
