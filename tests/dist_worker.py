@@ -25,7 +25,7 @@ import ppll_compile  # noqa: E402
 from models import Residual, conv_student, conv_teacher  # noqa: E402
 
 __all__ = ["Trap", "Chain", "SizedResidual", "fifo_pipeline", "fifo_program", "fifo_fit", "chain_pipeline",
-           "stage_states", "distill_pipeline", "distill_program", "replicated_chain", "main", "launch"]
+           "stage_states", "distill_pipeline", "distill_program", "replicated_chain", "gated_sgd", "main", "launch"]
 
 warnings.simplefilter("ignore")  # the CPU fallback note of compile()
 
@@ -193,7 +193,7 @@ def replicated_program(trainer: Any) -> dict[str, Any]:
             "timeline": [(e.stage, e.replica, e.batch, e.kind, e.start, e.end) for e in trainer.timeline().events]}
 
 
-# ---- faults and queue="latest" ----------------------------------------------------------------------
+# ---- faults, queues, early forwarding ----------------------------------------------------------------------
 
 def chain_pipeline(k: int, runtime: str, trap: Trap | None, trap_stage: int, **options: Any) -> Any:
     torch.manual_seed(0)
@@ -202,7 +202,7 @@ def chain_pipeline(k: int, runtime: str, trap: Trap | None, trap_stage: int, **o
                                     split_points=[f"blocks.{i}" for i in range(k - 1)], leaf_modules=(Trap,))
     if trap is not None:
         trap.armed = True
-    return compiled.trainer(optimizer=_sgd, runtime=runtime, timeout=60, **options)
+    return compiled.trainer(**{"optimizer": _sgd, "runtime": runtime, "timeout": 60, **options})
 
 
 def _fault(out: Path, k: int, mode: str, trap_stage: int, **options: Any) -> None:
@@ -258,15 +258,68 @@ def _stay(out: Path, replicated: bool) -> None:
     (out / f"error-{rank}.json").write_text(json.dumps(record))
 
 
-def _latest(out: Path) -> None:
+def _reuse(out: Path) -> None:
     rank = int(os.environ["RANK"])
-    trainer = chain_pipeline(3, "distributed", Trap("sleep", 0.03), 0, queue="latest")
+    trainer = chain_pipeline(3, "distributed", Trap("sleep", 0.03), 0, queue="reuse")
     with trainer:
         history = trainer.fit(_batches(5, [8] * 9 + [5], (8,), 4), epochs=2, progress=False)
         accuracy = trainer.evaluate(_batches(6, [8, 8], (8,), 4))
-    (out / f"latest-{rank}.json").write_text(json.dumps({"steps": trainer.steps, "reused": trainer.reused,
-                                                         "loss": [h["loss"] for h in history],
-                                                         "accuracy": accuracy}))
+    (out / f"reuse-{rank}.json").write_text(json.dumps({"steps": trainer.steps, "reused": trainer.reused,
+                                                        "loss": [h["loss"] for h in history],
+                                                        "accuracy": accuracy}))
+
+
+def _wait_for(path: Path, what: str) -> None:
+    deadline = time.monotonic() + 20
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.01)
+
+
+def gated_sgd(trainer_stage: int, gate: Callable[[], None]) -> Callable[[list[nn.Parameter]], Any]:
+    """An SGD factory whose optimizer calls ``gate()`` before every step (in the process of ``trainer_stage``)."""
+    rank = int(os.environ.get("RANK", "0"))
+
+    class Gated(torch.optim.SGD):
+        def step(self, closure: Any = None) -> Any:
+            if rank == trainer_stage:
+                gate()
+            return super().step(closure)
+
+    return lambda params: Gated(params, lr=0.05, momentum=0.9)
+
+
+def _newest(out: Path) -> None:
+    """queue="latest", 2 ranks: stage 1's first step waits until rank 0 fed all 8 batches and finished the epoch
+    (it never waits for room), then stage 1 trains on the newest, batch 7, and drops 1 .. 6."""
+    rank = int(os.environ["RANK"])
+    fed = out / "fed"
+    trainer = chain_pipeline(2, "distributed", None, 0, queue="latest", queue_depth=1, trace=True,
+                             optimizer=gated_sgd(1, lambda: _wait_for(fed, "rank 0 never fed every batch")))
+    with trainer:
+        if rank == 0:
+            for x, y in _batches(7, [8] * 8, (8,), 4):
+                trainer.step(x, y)
+        trainer.finish()  # rank 0: every batch and the end of the epoch sent, and taken by rank 1's inbox
+        if rank == 0:
+            fed.touch()
+        torch.save({"trained": [e.batch for r in trainer.runners for e in r.recorder.events if e.kind == "forward"],
+                    "steps": trainer.steps, "dropped": trainer.dropped, "states": stage_states(trainer)},
+                   out / f"newest-{rank}.pt")
+
+
+def _early(out: Path) -> None:
+    """FIFO, 2 ranks: stage 0's first optimizer step waits until stage 1 began its forward on batch 0."""
+    rank = int(os.environ["RANK"])
+    begun = out / "begun"
+    trainer = chain_pipeline(2, "distributed", None, 0,
+                             optimizer=gated_sgd(0, lambda: _wait_for(begun, "stage 1 never received batch 0")))
+    if rank == 1:
+        trainer.lowered.modules[1].register_forward_pre_hook(lambda *_: begun.touch())
+    with trainer:
+        trainer.fit(_batches(8, [8] * 3, (8,), 4), epochs=1, progress=False)
+    (out / f"early-{rank}.json").write_text(json.dumps({"steps": trainer.steps}))
 
 
 def _plans(out: Path) -> None:
@@ -330,8 +383,12 @@ def main(argv: list[str]) -> None:
         _stay(out, replicated=False)
     elif scenario == "stay-replica":
         _stay(out, replicated=True)
-    elif scenario == "latest":
-        _latest(out)
+    elif scenario == "reuse":
+        _reuse(out)
+    elif scenario == "newest":
+        _newest(out)
+    elif scenario == "early":
+        _early(out)
     elif scenario == "plans":
         _plans(out)
     else:

@@ -161,12 +161,12 @@ def test_a_killed_process_is_named_by_the_others(tmp_path):
         assert e["text"].startswith("stage 1 failed: lost contact with the process of stage 1 (rank 1)"), e["text"]
 
 
-# ---- queue="latest" ----------------------------------------------------------------------------------------
+# ---- queues, early forwarding ------------------------------------------------------------------------------
 
-def test_latest_reuses_inputs_by_the_threads_rules(tmp_path):
-    codes, text = _launch(3, "latest", tmp_path)
+def test_reuse_trains_inputs_again_by_the_threads_rules(tmp_path):
+    codes, text = _launch(3, "reuse", tmp_path)
     assert codes == [0, 0, 0], text[-3000:]
-    stats = [json.loads((tmp_path / f"latest-{r}.json").read_text()) for r in range(3)]
+    stats = [json.loads((tmp_path / f"reuse-{r}.json").read_text()) for r in range(3)]
     batches = 2 * 10
     for r, s in enumerate(stats):
         steps, reused = s["steps"][str(r)], s["reused"][str(r)]
@@ -176,6 +176,33 @@ def test_latest_reuses_inputs_by_the_threads_rules(tmp_path):
     assert stats[0]["reused"]["0"] == 0
     assert all(s["accuracy"] == stats[0]["accuracy"] and s["accuracy"]["samples"] == 16 for s in stats)
     assert stats[1]["reused"]["1"] > 0  # stage 0 sleeps: stage 1 trains again instead of waiting
+
+
+def test_latest_takes_the_newest_input_and_the_sender_never_waits(tmp_path):
+    """Stage 1's first step waits until rank 0 fed all 8 batches (queue_depth=1); then it trains on batch 7 and
+    drops 1 .. 6. Its parameters equal a hand-run reference: stage 0 on every batch, stage 1 on batches 0 and 7."""
+    codes, text = _launch(2, "newest", tmp_path)
+    assert codes == [0, 0], text[-3000:]
+    first, last = (torch.load(tmp_path / f"newest-{r}.pt") for r in range(2))
+    assert first["trained"] == list(range(8)) and first["steps"] == {0: 8} and first["dropped"] == {0: 0}
+    assert last["trained"] == [0, 7] and last["steps"] == {1: 2} and last["dropped"] == {1: 6}
+    with w.chain_pipeline(2, "sequential", None, 0) as ref:
+        s0, s1 = ref.runners
+        for b, (x, y) in enumerate(w._batches(7, [8] * 8, (8,), 4)):
+            out, _ = s0.train_step(ref.message(x, y))
+            if b in (0, 7):
+                s1.train_step(out)
+        states = w.stage_states(ref)
+    _assert_states(first["states"], states, 0)
+    _assert_states(last["states"], states, 1)
+
+
+def test_a_stage_sends_its_output_before_its_backward_and_step(tmp_path):
+    """Stage 0's first optimizer step waits until stage 1 began its forward on batch 0 (else a 20 s timeout)."""
+    codes, text = _launch(2, "early", tmp_path)
+    assert codes == [0, 0], text[-3000:]
+    assert [json.loads((tmp_path / f"early-{r}.json").read_text())["steps"] for r in range(2)] == \
+        [{"0": 3}, {"1": 3}]
 
 
 def test_ranks_with_different_plans_are_refused(tmp_path):
