@@ -150,7 +150,7 @@ def throughput(model: str, k: int, *, steps: int, warmup: int, rounds: int, micr
     best = max(out["torch"].values(), key=lambda r: r["samples_per_s"])["samples_per_s"]
     n = steps + warmup
     out["predicted"] = {
-        "sequential": ppll_compile.simulate(plan_obj, steps=n, decoupled=False, link_bandwidth=LOCAL_LINK).throughput,
+        "sequential": plan_obj.batch_size / plan_obj.sequential_cost,
         "threads": ppll_compile.simulate(plan_obj, steps=n, link_bandwidth=LOCAL_LINK).throughput,
         "distributed": ppll_compile.simulate(plan_obj, steps=n, link_bandwidth=bandwidth).throughput,
     }

@@ -5,25 +5,38 @@ The model, per batch ``b = 0 .. steps-1`` and stage ``j`` (all times in seconds 
 - *Work per batch.* A stage's :attr:`~ppll_compile.plan.StagePlan.compute_cost` is its per-replica compute plus
   the ring all-reduce of its gradients, ``sync = 2 (r-1)/r * sync_bytes / plan.link_bandwidth`` with ``r`` its
   replicas and ``sync_bytes`` its backbone gradient bytes (plus ``4 * head.param_count`` for a PPLL stage that
-  is not the last). Compute alone, ``compute_cost - sync``, is split into forward and backward by FLOP shares
-  (forward: backbone + head forward FLOPs, under Pipe-BD the teacher's forward FLOPs ``aux_flops`` too; all of
-  it forward when the stage counts no FLOPs). At the simulated bandwidth ``B`` the all-reduce takes
-  ``2 (r-1)/r * sync_bytes / B`` and the send ``boundary bytes / B / r`` (0 for the last stage), so at the
-  plan's bandwidth a stage's work per batch is its ``cost``. The optimizer step is not modelled: the plan
-  does not cost it.
-- *Receive.* Batch ``b`` arrives at stage 0 at once (the caller is infinitely fast); with ``decoupled=False``
-  (a barrier after every batch) only when every stage has finished batch ``b-1``. It arrives at stage
-  ``j+1`` when stage ``j``'s send of it ends. ``start[j][b] = max(arrival, end[j][b-1])`` (FIFO).
-- *Compute.* Forward, backward, then the all-reduce when ``r > 1``: ``done = start + forward + backward + sync``.
-  The replicas of a stage work in lockstep on slices of the same batch, so every replica lane gets the same
-  spans.
-- *Send.* The queue to stage ``j+1`` holds ``queue_depth`` batches: the put of batch ``b`` waits until stage
-  ``j+1`` has started batch ``b - queue_depth`` (*blocked*), then the transfer keeps stage ``j`` busy for
-  ``send`` seconds: ``end[j][b] = max(done, start[j+1][b - queue_depth]) + send``. The last stage ends a batch
-  when it is done computing it.
+  is not the last). Compute alone, ``compute_cost - sync``, is split by FLOP shares into ``early`` (the forward
+  until the stage's output exists: PPLL the block's forward ``flops_fwd``, Pipe-BD the teacher blocks'
+  ``aux_flops``), ``late`` (the rest of the forward: PPLL the head and loss, Pipe-BD the student blocks and
+  loss) and the backward; a stage that counts no FLOPs is all ``early``. At the simulated bandwidth ``B`` the
+  all-reduce takes ``2 (r-1)/r * sync_bytes / B`` and the send ``boundary bytes / B / r`` (0 for the last
+  stage), so at the plan's bandwidth a stage's work per batch is its ``cost``. The optimizer step takes no
+  time: the plan does not cost it.
+- *Receive.* Batch ``b`` is at stage 0 at once (the caller is infinitely fast); it arrives at stage ``j+1``
+  when stage ``j``'s send of it ends. ``start[j][b] = max(arrival, end[j][b-1])`` (FIFO).
+- *Early forwarding.* The output exists at ``out = start + early``. The queue to stage ``j+1`` holds
+  ``queue_depth`` batches: it has room for batch ``b`` once stage ``j+1`` has started batch ``b - queue_depth``
+  (``room``). If ``room <= out`` the stage sends at once, a transfer that keeps it busy ``send`` seconds, then
+  runs the rest: ``done = out + send + late + backward + sync``. Otherwise the send is *deferred*, as the
+  threads runtime does (it never waits for room in the middle of a step): ``done = start + early + late +
+  backward + sync``, then the put waits for room (*blocked*) and the transfer follows,
+  ``end[j][b] = max(done, room) + send``. The batch arrives at stage ``j+1`` when the send ends. The last
+  stage sends nothing. The replicas of a stage work in lockstep on slices of the same batch, so every replica
+  lane gets the same spans.
+- *Barrier* (``decoupled=False``). Every stage's optimizer step on batch ``b`` waits until every stage is
+  ``done`` with it: ``end[j][b] = max_k done[k][b]``. The stages still overlap within a batch (early sends), and
+  a send is never deferred: a stage starts batch ``b`` after the barrier of ``b-1``, by which stage ``j+1`` has
+  started batch ``b-1``, so the queue has room. Without the barrier (``decoupled=True``), ``end[j][b] = done``
+  unless the send was deferred.
 
 These equations are the event schedule of the system, evaluated batch by batch in stage order (every time
-they read belongs to an earlier batch or an earlier stage).
+they read belongs to an earlier batch, an earlier stage, or, for the barrier, the same batch's ``done``).
+
+The timeline has a ``receive`` span for a wait for input, ``forward`` spans (two around an early send when the
+forward has a rest: ``start .. out`` and after the send), ``backward``, ``allreduce`` (replicated stages) and
+``send`` (a deferred one from ``done``, waiting for room included). The wait at the barrier has no span, as in
+a runtime's trace (the runtimes wait between the ``backward`` and ``step`` spans): it is a gap in the lane,
+counted in :attr:`StageSimulation.barrier`.
 """
 
 from __future__ import annotations
@@ -55,7 +68,10 @@ class StageSimulation:
     send: float
     """Seconds spent transferring outputs to the next stage (0 for the last stage), over all batches."""
     blocked: float
-    """Seconds spent waiting for room in the queue to the next stage, over all batches."""
+    """Seconds a deferred send spent waiting for room in the queue to the next stage, over all batches."""
+    barrier: float
+    """Seconds spent waiting at the barrier before the optimizer step (``decoupled=False``; else 0), over all
+    batches."""
     idle: float
     """Seconds spent waiting for input over ``[0, makespan]``, warm-up and drain included."""
     utilisation: float
@@ -73,11 +89,12 @@ class Simulation:
     link_bandwidth: float
     """Bytes per second of the links (sends and all-reduces)."""
     decoupled: bool
-    """Whether stages run without a barrier between batches (``False``: stage 0 waits for the whole pipeline)."""
+    """Whether every stage steps without waiting for the others (``False``: a barrier of all the stages before
+    every optimizer step; the stages still overlap within a batch)."""
     batch_size: int
     """Samples per batch (the plan's)."""
     makespan: float
-    """Seconds until the last stage finishes the last batch."""
+    """Seconds until every stage has finished the last batch."""
     step_time: float
     """Steady-state seconds per batch: the last stage's mean finish interval over the second half of the batches
     (the makespan when ``steps == 1``)."""
@@ -101,16 +118,18 @@ class Simulation:
 
     def table(self) -> str:
         """Per-stage time shares as an aligned text table, then a summary line."""
-        header = ["stage", "replicas", "busy ms", "send ms", "blocked ms", "idle ms", "util %"]
+        header = ["stage", "replicas", "busy ms", "send ms", "blocked ms", "barrier ms", "idle ms", "util %"]
         rows = [[str(s.index), str(s.replicas), f"{(s.compute + s.allreduce) * 1e3:.3f}", f"{s.send * 1e3:.3f}",
-                 f"{s.blocked * 1e3:.3f}", f"{s.idle * 1e3:.3f}", f"{s.utilisation * 100:.1f}"] for s in self.stages]
+                 f"{s.blocked * 1e3:.3f}", f"{s.barrier * 1e3:.3f}", f"{s.idle * 1e3:.3f}",
+                 f"{s.utilisation * 100:.1f}"] for s in self.stages]
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
                  for r in [header, ["-" * w for w in widths], *rows]]
         lines.append(f"throughput {self.throughput:.1f} samples/s (plan predicts {self.predicted:.1f})  step time "
                      f"{self.step_time * 1e3:.3f} ms  warm-up {self.warmup * 1e3:.3f} ms  makespan "
                      f"{self.makespan * 1e3:.3f} ms  {self.steps} steps  queue depth {self.queue_depth}  bandwidth "
-                     f"{format_bytes(self.link_bandwidth)}/s  {'decoupled' if self.decoupled else 'barrier per batch'}")
+                     f"{format_bytes(self.link_bandwidth)}/s  "
+                     f"{'decoupled' if self.decoupled else 'barrier before each step'}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -121,8 +140,10 @@ class Simulation:
 class _Work:
     """Seconds one stage replica spends on each part of one batch."""
 
-    forward: float
-    """Forward share of the compute."""
+    early: float
+    """The forward until the output exists (PPLL: the block; Pipe-BD: the teacher blocks)."""
+    late: float
+    """The rest of the forward (PPLL: the head and loss; Pipe-BD: the student blocks and loss)."""
     backward: float
     """Backward share of the compute."""
     allreduce: float
@@ -130,51 +151,75 @@ class _Work:
     send: float
     """Transfer of this replica's slice of the boundary at the simulated bandwidth."""
 
+    @property
+    def forward(self) -> float:
+        return self.early + self.late
+
 
 def simulate(plan: Plan, *, steps: int = 64, queue_depth: int = 2, link_bandwidth: float | None = None,
              decoupled: bool = True) -> Simulation:
     """Simulate ``steps`` batches through ``plan`` with FIFO queues of ``queue_depth`` (model: module docstring).
 
-    ``link_bandwidth`` (bytes/s) replaces the plan's for sends and all-reduces; ``decoupled=False`` puts a
-    barrier after every batch (no pipelining).
+    Every stage sends its output on as soon as its forward made it (early forwarding) when the queue has room,
+    else once its work on the batch is done. ``link_bandwidth`` (bytes/s) replaces the plan's for sends and
+    all-reduces; ``decoupled=False`` puts a barrier of all the stages before every optimizer step (the stages
+    still overlap within a batch; Pipe-BD's teacher relaying without decoupled updates).
     """
     bandwidth = _check(plan, steps, queue_depth, link_bandwidth)
     work = [_work(plan, s, bandwidth) for s in plan.stages]
     n = len(work)
     start = [[0.0] * steps for _ in range(n)]
     end = [[0.0] * steps for _ in range(n)]
-    blocked, idle = [0.0] * n, [0.0] * n
+    blocked, barrier, idle = [0.0] * n, [0.0] * n, [0.0] * n
     events: list[Event] = []
     for b in range(steps):
+        arrival = 0.0  # of batch b at stage j: at once at stage 0, then when stage j-1's send of it ends
+        done = [0.0] * n
+        lanes: list[list[tuple[str, float, float]]] = [[] for _ in range(n)]
         for j, w in enumerate(work):
-            if j > 0:
-                arrival = end[j - 1][b]
-            else:
-                arrival = 0.0 if decoupled or b == 0 else max(end[k][b - 1] for k in range(n))
+            spans = lanes[j]
             free = end[j][b - 1] if b > 0 else 0.0
             begin = start[j][b] = max(arrival, free)
-            forward = begin + w.forward
-            backward = forward + w.backward
-            done = backward + w.allreduce
-            room = start[j + 1][b - queue_depth] if j < n - 1 and b >= queue_depth else 0.0
-            put = max(done, room)
-            end[j][b] = put + w.send if j < n - 1 else done
-            blocked[j] += put - done
             idle[j] += begin - free
-            spans = [("receive", free, begin)] if begin > free else []
-            spans += [("forward", begin, forward), ("backward", forward, backward)]
-            spans += [("allreduce", backward, done)] if plan.stages[j].replicas > 1 else []
-            spans += [("send", done, end[j][b])] if j < n - 1 else []
-            events += [Event(stage=j, replica=r, batch=b, kind=kind, start=t0, end=t1)
-                       for r in range(plan.stages[j].replicas) for kind, t0, t1 in spans]
-    makespan = end[-1][-1]
+            spans += [("receive", free, begin)] if begin > free else []
+            out = begin + w.early
+            room = start[j + 1][b - queue_depth] if j < n - 1 and b >= queue_depth else 0.0
+            early = j < n - 1 and room <= out
+            if early:
+                arrival = t = out + w.send
+                spans += [("forward", begin, out), ("send", out, t)]
+                spans += [("forward", t, t + w.late)] if w.late > 0 else []
+                t += w.late
+            else:
+                t = begin + w.forward
+                spans.append(("forward", begin, t))
+            spans.append(("backward", t, t + w.backward))
+            spans += [("allreduce", t + w.backward, t + w.backward + w.allreduce)] if plan.stages[j].replicas > 1 \
+                else []
+            done[j] = end[j][b] = t + w.backward + w.allreduce
+            if j < n - 1 and not early:
+                # never with the barrier: stage j began batch b after the barrier of b-1, by which stage j+1 had
+                # started b-1 >= b - queue_depth, so room <= start[j][b] <= out
+                assert decoupled, "a deferred send under the barrier would deadlock"
+                put = max(done[j], room)
+                blocked[j] += put - done[j]
+                arrival = end[j][b] = put + w.send
+                spans.append(("send", done[j], arrival))
+        if not decoupled:
+            step = max(done)  # every stage's optimizer step on batch b waits for every stage's backward on it
+            for j in range(n):
+                barrier[j] += step - done[j]
+                end[j][b] = step
+        events += [Event(stage=j, replica=r, batch=b, kind=kind, start=t0, end=t1)
+                   for j in range(n) for r in range(plan.stages[j].replicas) for kind, t0, t1 in lanes[j]]
+    makespan = max(e[-1] for e in end)
     last = end[-1]
     half = steps // 2
     step_time = makespan if steps == 1 else (last[-1] - last[half - 1]) / (steps - half)
     results = tuple(StageSimulation(
         index=j, replicas=s.replicas, cost=w.forward + w.backward + w.allreduce + w.send,
         compute=steps * (w.forward + w.backward), allreduce=steps * w.allreduce, send=steps * w.send,
-        blocked=blocked[j], idle=idle[j] + makespan - end[j][-1],
+        blocked=blocked[j], barrier=barrier[j], idle=idle[j] + makespan - end[j][-1],
         utilisation=steps * (w.forward + w.backward + w.allreduce) / makespan if makespan > 0 else 0.0)
         for j, (s, w) in enumerate(zip(plan.stages, work)))
     timeline = Timeline.of(events, source="simulated", model=plan.model, mode=plan.mode, batch_size=plan.batch_size,
@@ -187,18 +232,20 @@ def simulate(plan: Plan, *, steps: int = 64, queue_depth: int = 2, link_bandwidt
 
 
 def _work(plan: Plan, stage: StagePlan, bandwidth: float) -> _Work:
-    """Forward, backward, all-reduce and send seconds of one replica of ``stage`` per batch (module docstring)."""
+    """Early and late forward, backward, all-reduce and send seconds of one replica of ``stage`` per batch
+    (module docstring)."""
     compute = max(0.0, stage.compute_cost - plan.allreduce_cost(stage))
     if plan.mode == "ppll":
-        fwd = stage.flops_fwd + stage.head.flops_fwd
+        first, fwd = stage.flops_fwd, stage.flops_fwd + stage.head.flops_fwd
         total = fwd + stage.flops_bwd + stage.head.flops_bwd
     else:
-        fwd = stage.aux_flops + stage.flops_fwd
+        first, fwd = stage.aux_flops, stage.aux_flops + stage.flops_fwd
         total = fwd + stage.flops_bwd
+    early = compute * first / total if total > 0 else compute
     forward = compute * fwd / total if total > 0 else compute
     send = 0.0 if stage.is_last else sum(t.bytes for t in stage.boundary) / bandwidth / stage.replicas
-    return _Work(forward=forward, backward=compute - forward, allreduce=plan.allreduce_cost(stage, bandwidth),
-                 send=send)
+    return _Work(early=early, late=forward - early, backward=compute - forward,
+                 allreduce=plan.allreduce_cost(stage, bandwidth), send=send)
 
 
 def _check(plan: Any, steps: Any, queue_depth: Any, link_bandwidth: Any) -> float:

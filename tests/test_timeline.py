@@ -51,10 +51,14 @@ def test_every_stage_traces_each_batch_once_in_order(runtime):
             assert f.start <= f.end <= b.start <= b.end <= s.start <= s.end
         for before, after in zip(spans["step"], spans["forward"][1:]):
             assert before.end <= after.start  # a stage works on one batch at a time
-    for j in (0, 1):  # stage j+1 runs batch b only after stage j finished computing it
-        for s, f in zip(_by(timeline, j, "step"), _by(timeline, j + 1, "forward")):
-            assert s.end <= f.start
-    if runtime == "threads":
+    if runtime == "sequential":  # stage j+1 runs batch b after stage j finished it
+        for j in (0, 1):
+            for s, f in zip(_by(timeline, j, "step"), _by(timeline, j + 1, "forward")):
+                assert s.end <= f.start
+    if runtime == "threads":  # stage j+1 runs batch b after stage j sent it (early forwarding: before its step)
+        for j in (0, 1):
+            for send, f in zip(_by(timeline, j, "send"), _by(timeline, j + 1, "forward")):
+                assert send.start <= f.start
         assert [e.batch for e in _by(timeline, 0, "send")] == list(range(5))
         assert [e.batch for e in _by(timeline, 2, "receive")] == list(range(5))
         assert not _by(timeline, 2, "send")
