@@ -25,6 +25,7 @@ SECTIONS = {
     "distill": "Pipe-BD against the DNA baseline, and each technique's share",
     "accuracy": "accuracy on scikit-learn digits: E2E against PPLL with dgl and infopro heads",
     "zoo": "timm and Hugging Face models compiled unmodified: cuts, balance, front end, eval and threads checks",
+    "heads": "deeper heads: PPLL vs torch pipelining as the ViT head deepens; digits accuracy per head type",
 }
 MODULES = {"throughput": "runtime"}
 """Section name -> module of ``benchmarks`` when they differ."""

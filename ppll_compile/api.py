@@ -15,8 +15,8 @@ from .analysis import Analysis, analyse
 from .cuts import Cut
 from .assemble import assemble_ppll
 from .errors import PlanError, PolicyError
-from .heads import head_spec
-from .lower import lower_ppll
+from .heads import copied_blocks, head_spec
+from .lower import lower_ppll, next_blocks
 from .options import SavedPlan, check_no_blocks, read_saved_plan, resolve_mode, resolve_options
 from .options import PlanOptions
 from .partition import StageRequest, ppll_layout, segment_costs, stage_request
@@ -106,9 +106,10 @@ def _plan_ppll(model: nn.Module, example_inputs: Sequence[Any] | None, example_k
     if saved is not None:
         a.check_saved_cuts(saved.cuts, saved.source)
     _drop_unusable_cuts(a, policy, opts.tied, type(model).__name__)
+    _drop_blockless_cuts(a, policy, model)
     notes = list(a.notes)
     request = stage_request(a, opts, saved)
-    heads = _heads(a, request, saved, policy, opts.optimizer)
+    heads = _heads(a, request, saved, policy, opts.optimizer, model)
     costs = segment_costs(a, heads, policy, opts, notes)
     layout = ppll_layout(costs, request, opts)
     result = assemble_ppll(type(model).__name__, a, heads, costs, layout, opts, policy.name, notes)
@@ -138,6 +139,29 @@ def _drop_unusable_cuts(a: Analysis, policy: Policy, tied: str, model: str) -> N
     a.keep_cuts(unread, f"no head of policy {policy.name!r} reads their tensors")
 
 
+def _copied(a: Analysis, policy: Policy, cut: Cut, config: Any, model: nn.Module) -> list[nn.Module] | None:
+    """The model's blocks after ``cut`` that its head (``config``, or the policy's) copies or follows; None if none."""
+    if config is None:
+        spec = a.boundary(cut)[0]
+        config = policy.config_for(spec, a.per_token) if policy.builder is None and policy.fits(spec, a.per_token) \
+            else {}
+    depth = copied_blocks(config)
+    return [m for _, m in next_blocks(model, a.nodes, cut.node, depth, config=config)] if depth else None
+
+
+def _drop_blockless_cuts(a: Analysis, policy: Policy, model: nn.Module) -> None:
+    """Take out of ``a.cuts`` those after which no block begins, where the policy's head copies or follows the
+    next blocks (a ``transformer`` head with ``init: copy``, a ``momentum`` head)."""
+    def blockless(cut: Cut) -> str | None:
+        try:
+            _copied(a, policy, cut, None, model)
+        except PolicyError as e:
+            return str(e)
+        return None
+
+    a.keep_cuts(blockless, f"policy {policy.name!r} copies or follows the blocks after a cut, and too few begin there")
+
+
 def _untied(a: Analysis, plan: Plan) -> list[str]:
     """Notes on the parameters stages use on both sides of a chosen cut (``tied='untie'``)."""
     order = {n.name: i for i, n in enumerate(a.nodes)}
@@ -152,7 +176,7 @@ def _untied(a: Analysis, plan: Plan) -> list[str]:
 
 
 def _heads(a: Analysis, request: StageRequest, saved: SavedPlan | None, policy: Policy,
-           optimizer: str) -> dict[int, HeadSpec]:
+           optimizer: str, model: nn.Module) -> dict[int, HeadSpec]:
     """The head at every cut the partitioner may choose: the policy's, or the saved plan's (possibly edited)."""
     configs = dict(zip(request.manual, saved.heads)) if saved is not None and request.manual else {}
     candidates = request.manual if request.manual is not None else range(len(a.cuts))
@@ -162,11 +186,15 @@ def _heads(a: Analysis, request: StageRequest, saved: SavedPlan | None, policy: 
     for i in candidates:
         spec = a.boundary(a.cuts[i])[0]
         config = configs.get(i)
-        key = (spec.shape, spec.dtype, spec.layout, repr(config))
+        try:
+            blocks = _copied(a, policy, a.cuts[i], config, model)
+        except PolicyError as e:
+            raise PolicyError(f"cut after {a.cuts[i].node!r}: {e}") from None
+        key = (spec.shape, spec.dtype, spec.layout, repr(config), tuple(map(id, blocks or ())))
         if key not in measured:
             try:
                 measured[key] = head_spec(policy, config, spec, a.num_classes, input_shape, optimizer,
-                                          per_token=a.per_token)
+                                          per_token=a.per_token, blocks=blocks)
             except PolicyError as e:
                 raise PolicyError(f"cut after {a.cuts[i].node!r}: {e}") from None
         heads[i] = measured[key]

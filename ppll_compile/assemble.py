@@ -15,7 +15,7 @@ import torch.fx as fx
 from partitioners.replicas import allreduce_seconds
 
 from .analysis import Analysis, Summary
-from .heads import model_head
+from .heads import head_notes, model_head, stage_head
 from .options import PlanOptions
 from .partition import Costs, StageLayout
 from .plan import HeadSpec, Plan, StagePlan, TensorSpec
@@ -51,20 +51,46 @@ class StageParts:
 
 
 def stage_devices(n: int, requested: Sequence[str] | None, notes: list[str]) -> tuple[str, ...]:
-    """One device per stage: ``requested`` or ``cuda:0..n-1``, falling back to the CPU (with one warning)."""
+    """One device per stage replica (``n`` in all): ``requested`` or ``cuda:0..n-1``, or every one the CPU when
+    this machine lacks a CUDA device asked for. :func:`assemble`, which knows the stages, notes and warns of that
+    fallback; ``notes`` is not written here (kept for the callers that pass it)."""
     if requested is not None and len(requested) != n:
         raise ValueError(f"devices lists {len(requested)} device(s) for {n} stages; give one per stage")
-    wanted = [torch.device(d) for d in requested] if requested is not None else \
+    wanted = _wanted(n, requested)
+    return ("cpu",) * n if _missing_cuda(wanted) else tuple(str(d) for d in wanted)
+
+
+def _wanted(n: int, requested: Sequence[str] | None) -> list[torch.device]:
+    return [torch.device(d) for d in requested] if requested is not None else \
         [torch.device("cuda", i) for i in range(n)]
+
+
+def _missing_cuda(wanted: Sequence[torch.device]) -> list[str]:
+    """The CUDA devices in ``wanted`` that this machine does not have."""
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    missing = [str(d) for d in wanted if d.type == "cuda" and (d.index or 0) >= have]
+    return [str(d) for d in wanted if d.type == "cuda" and (d.index or 0) >= have]
+
+
+def _fallback_message(missing: Sequence[str], stages: int, devices: int) -> str:
+    """What a plan of ``stages`` stages on ``devices`` devices says when the CUDA devices ``missing`` are absent."""
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    placed = "the stage" if stages == 1 else f"all {stages} stages"
+    if devices > stages:
+        placed += f" ({devices} replicas)"
+    return (f"this machine has {have} CUDA device(s), so {', '.join(missing)} cannot be used; {placed} "
+            f"{'runs' if stages == 1 else 'run'} on the CPU (pass devices=[...] to choose)")
+
+
+def _note_cpu_fallback(layout: StageLayout, opts: PlanOptions, notes: list[str]) -> None:
+    """Note, and warn once (on the first process of a machine under torchrun), that the stages run on the CPU."""
+    n = sum(layout.replicas)
+    missing = _missing_cuda(_wanted(n, opts.devices[:n] if opts.devices else None))
     if not missing:
-        return tuple(str(d) for d in wanted)
-    msg = (f"this machine has {have} CUDA device(s), so {', '.join(missing)} cannot be used; all {n} stages "
-           "run on the CPU (pass devices=[...] to choose)")
-    warnings.warn(msg, stacklevel=_caller_level())
+        return
+    msg = _fallback_message(missing, len(layout.ends), n)
     notes.append(msg)
-    return ("cpu",) * n
+    if os.environ.get("LOCAL_RANK", "0") == "0":  # torchrun starts a process per stage: the first one says it
+        warnings.warn(msg, stacklevel=_caller_level())
 
 
 def _caller_level() -> int:
@@ -81,6 +107,7 @@ def assemble(layout: StageLayout, devices: Sequence[str], parts: Callable[[int, 
              notes: list[str], **kind: Any) -> Plan:
     """The validated plan of ``layout``: ``parts(j, start, end, replicas)`` describes stage ``j`` over units
     ``start .. end - 1``; ``kind`` holds the plan kind's own fields (``mode``, ``teacher``, ``blocks``, ...)."""
+    _note_cpu_fallback(layout, opts, notes)
     stages = []
     start = offset = 0
     for j, (end, r) in enumerate(zip(layout.ends, layout.replicas)):
@@ -119,10 +146,11 @@ def assemble_ppll(model: str, a: Analysis, heads: Mapping[int, HeadSpec], costs:
         s = a.summary(nodes, opts.optimizer)
         last = j == last_stage
         cut = None if last else a.cuts[end - 1]
-        head = model_head() if last else heads[end - 1]
+        head = model_head() if last else stage_head(heads[end - 1], j, last_stage + 1)
         sync = allreduce_seconds(s.grad_bytes + (0 if last else head_grad[end - 1]), r, opts.link_bandwidth)
         compute = (sum(costs.compute[start:end]) + (0.0 if last else head_time[end - 1])) / layout.speeds[j] / r + sync
         send = 0.0 if last else costs.comm[end - 1] / r
+        notes.extend([] if last else head_notes(head, j, opts.link_bandwidth))
         if cut is not None and cut.node in multi:
             notes.append(f"stage {j} sends {len(cut.boundary)} values ({', '.join(cut.boundary)}); its aux head "
                          f"reads the first")

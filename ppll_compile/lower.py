@@ -15,16 +15,16 @@ from torch.fx.passes.split_module import split_module
 
 from .analysis import Analysis
 from .cuts import Cut
-from .errors import PlanError
+from .errors import PlanError, PolicyError
 from .capture import BUFFER_OWNERS
 from .export import OUTPUT_SPEC
-from .heads import head_for
+from .heads import MomentumHead, copied_blocks, head_for
 from .lowered import SOURCE_NAME, Inputs, Lowered, Stage
 from .plan import Plan
 from .policy import Policy
-from .trace import attribute, quiet
+from .trace import attribute, module_path, quiet
 
-__all__ = ["split_stages", "model_inputs", "lower_ppll"]
+__all__ = ["split_stages", "model_inputs", "lower_ppll", "next_blocks"]
 
 
 def split_stages(gm: fx.GraphModule, cuts: Sequence[Cut], *, untie: bool = False) -> list[Stage]:
@@ -136,16 +136,92 @@ def model_inputs(model: nn.Module, gm: fx.GraphModule, fixed: dict[str, Any]) ->
 def lower_ppll(model: nn.Module, plan: Plan, a: Analysis, policy: Policy, *, untie: bool = False) -> Lowered:
     """The stage modules of a ``ppll`` plan and the auxiliary head of every stage but the last, on their devices.
 
-    ``untie``: a parameter used on both sides of a cut is copied into the later stage (``tied='untie'``).
+    ``untie``: a parameter used on both sides of a cut is copied into the later stage (``tied='untie'``). A head that
+    copies or follows the blocks after its cut (``transformer`` with ``init: copy``, ``momentum``) gets deep copies of
+    the model's own block modules; a momentum head also learns which parameters of the next stage it follows.
     """
     by_name = {c.node: c for c in a.cuts}
     stages = split_stages(a.gm, [by_name[c] for c in plan.cuts], untie=untie)
     input_shape = a.inputs[0].shape if a.inputs else None
-    heads: list[nn.Module | None] = []
     for st, sp in zip(stages, plan.stages):
         st.to(sp.device)
-        heads.append(None if sp.is_last else
-                     head_for(policy, sp.head.config, sp.boundary[0], a.num_classes, input_shape,
-                              per_token=a.per_token)[0].to(sp.device))
+    heads: list[nn.Module | None] = []
+    for i, sp in enumerate(plan.stages):
+        if sp.is_last:
+            heads.append(None)
+            continue
+        depth = copied_blocks(sp.head.config)
+        blocks = next_blocks(model, a.nodes, plan.cuts[i], depth, stage=i, config=sp.head.config) if depth else []
+        head = head_for(policy, sp.head.config, sp.boundary[0], a.num_classes, input_shape, per_token=a.per_token,
+                        blocks=[m for _, m in blocks] if depth else None)[0]
+        if isinstance(head, MomentumHead):
+            head.mirrors = _mirrors(blocks, stages[i + 1], i, plan.cuts[i])
+        heads.append(head.to(sp.device))
     return Lowered(modules=tuple(stages), heads=tuple(heads), devices=tuple(torch.device(d) for d in plan.devices),
                    inputs=model_inputs(model, a.gm, a.fixed_args))
+
+
+def _head_text(config: Any, stage: int | None) -> tuple[str, str, str]:
+    """How errors name stage ``stage``'s head (``None``: no stage chosen yet), what it does with the blocks, and the
+    way out without them."""
+    depth, whose = config.get("depth", 1), "the" if stage is None else f"stage {stage}'s"
+    if config.get("type") == "momentum":
+        return (f"{whose} momentum head (depth {depth})", "follows",
+                "a momentum head needs blocks of a ModuleList or Sequential right after its cut; use another head type")
+    return f"{whose} transformer head (init: copy, depth {depth})", "copies", "use init: fresh"
+
+
+def next_blocks(model: nn.Module, nodes: Sequence[fx.Node], cut: str, depth: int, *, stage: int | None = None,
+                config: Any = None) -> list[tuple[str, nn.Module]]:
+    """The ``depth`` blocks of ``model`` that follow the cut after node ``cut`` of the traced ``nodes``, with their
+    module paths: the child of a ``ModuleList`` or ``Sequential`` that holds the first module after the cut and
+    begins there, and its next ``depth - 1`` siblings. The outermost such container counts (a timm ``blocks.k``, a
+    Hugging Face ``layer.k``, a torchvision ``layer2.k``), so a block's own inner Sequential does not.
+
+    ``stage`` (None while planning) and ``config`` (the head's) only word the errors: no block begins at the cut, or
+    too few follow it.
+    """
+    what, verb, way_out = _head_text(config or {}, stage)
+    order = [n.name for n in nodes]
+    at = order.index(cut)
+    before = module_path(nodes[at])
+    first = next((module_path(n) for n in nodes[at + 1:] if n.op not in ("placeholder", "output") and module_path(n)),
+                 "")
+    parts = first.split(".") if first else []
+    for k in range(1, len(parts) + 1):
+        path, parent = ".".join(parts[:k]), ".".join(parts[:k - 1])
+        try:
+            container = model.get_submodule(parent)
+        except AttributeError:  # a path the capture names that the module tree does not have: no container here
+            continue
+        inside = before == path or before.startswith(path + ".")
+        if isinstance(container, (nn.ModuleList, nn.Sequential)) and not inside:
+            names = list(dict(container.named_children()))
+            left = names[names.index(parts[k - 1]):]
+            if len(left) < depth:
+                full = [f"{parent}.{n}" if parent else n for n in left]
+                raise PolicyError(
+                    f"{what} {verb} the {depth} blocks after cut {cut!r}, but only {len(left)} block(s) of "
+                    f"{parent or type(model).__name__!r} follow it ({', '.join(full)}); use depth: {len(left)} or "
+                    f"less, cut earlier, or {way_out.split('; ')[-1]}")
+            return [(f"{parent}.{n}" if parent else n, container.get_submodule(n)) for n in left[:depth]]
+    where = f"the next module, {first!r}," if first else "the nodes after it belong to no submodule, so nothing"
+    raise PolicyError(f"{what} {verb} the {depth} block(s) after cut {cut!r}, but no block begins there: {where} is "
+                      f"not a child of a ModuleList or Sequential that begins at the cut; {way_out}")
+
+
+def _mirrors(blocks: Sequence[tuple[str, nn.Module]], following: Stage, stage: int, cut: str) -> list[str]:
+    """The names, in ``following``'s ``named_parameters()``, of the blocks' parameters, in the order a momentum
+    head keeps their EMA (``named_parameters()`` of the blocks in a list: a shared weight once)."""
+    names = {id(p): n for n, p in following.named_parameters()}
+    out = []
+    for pname, p in nn.ModuleList([m for _, m in blocks]).named_parameters():
+        if id(p) not in names:
+            index, _, rest = pname.partition(".")
+            raise PolicyError(
+                f"stage {stage}'s momentum head follows the {len(blocks)} block(s) after cut {cut!r}, but "
+                f"{blocks[int(index)][0]}.{rest} is not trained by stage {stage + 1} (a momentum head follows the next "
+                f"stage's parameters only); use a smaller depth, or give stage {stage + 1} more blocks "
+                f"(split_points=...)")
+        out.append(names[id(p)])
+    return out

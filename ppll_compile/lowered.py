@@ -166,8 +166,19 @@ class Lowered:
         """Whether a head reconstructs the model's raw input (InfoPro), so messages carry it."""
         return any(getattr(h, "needs_input", False) for h in self.heads)
 
+    def mirrors(self, index: int) -> list[nn.Parameter]:
+        """The parameters of stage ``index + 1`` that stage ``index``'s momentum head follows by EMA, in the order of
+        its ``pull``: what stage ``index + 1`` publishes every ``head.every`` steps; empty for any other head."""
+        head = self.heads[index] if 0 <= index < len(self.heads) else None
+        names = getattr(head, "mirrors", None)
+        if not names:
+            return []
+        params = dict(self.modules[index + 1].named_parameters())
+        return [params[n] for n in names]
+
     def stage_parameters(self, stage: StagePlan) -> list[nn.Parameter]:
-        """Parameters ``stage`` trains: its modules' (every block of a ``pipebd`` stage) and its head's."""
+        """Parameters ``stage`` trains: its modules' (every block of a ``pipebd`` stage) and its head's (a momentum
+        head's EMA trunk is buffers, so not among them)."""
         own = stage.blocks or (stage.index,)
         return [p for k in own for m in (self.modules[k], self.heads[k]) if m is not None for p in m.parameters()]
 

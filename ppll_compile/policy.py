@@ -19,7 +19,8 @@ import policies as _policies
 from .errors import PolicyError
 from .plan import TensorSpec
 
-__all__ = ["KINDS", "HEAD_TYPES", "tensor_kind", "Policy", "load_policy", "validate_policy", "check_head_config"]
+__all__ = ["KINDS", "HEAD_TYPES", "CIFAR_MEAN", "CIFAR_STD", "tensor_kind", "Policy", "load_policy", "validate_policy",
+           "check_head_config"]
 
 KINDS = ("feature_map", "channels_last", "sequence", "vector")
 _KIND_OF_RANK = {4: "feature_map", 3: "sequence", 2: "vector"}
@@ -58,6 +59,35 @@ def _choice(default: str | None, *choices: str) -> _Opt:
     return _Opt(default, "one of " + ", ".join(choices), lambda v: isinstance(v, str) and v in choices)
 
 
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _positive(default: float) -> _Opt:
+    return _Opt(default, "a number > 0", lambda v: _is_number(v) and v > 0)
+
+
+def _fraction(default: float) -> _Opt:
+    return _Opt(default, "a number in [0, 1)", lambda v: _is_number(v) and 0 <= v < 1)
+
+
+def _ramp(default: tuple[float, float]) -> _Opt:
+    return _Opt(default, "a pair [first, last] of numbers >= 0",
+                lambda v: isinstance(v, (list, tuple)) and len(v) == 2 and all(_is_number(x) and x >= 0 for x in v))
+
+
+def _per_channel(default: tuple[float, ...], positive: bool = False) -> _Opt:
+    return _Opt(default, f"a non-empty list of numbers{' > 0' if positive else ''} (one per channel, or one for all)",
+                lambda v: isinstance(v, (list, tuple)) and len(v) > 0
+                and all(_is_number(x) and (x > 0 or not positive) for x in v))
+
+
+CIFAR_MEAN = (0.491373, 0.482353, 0.446667)
+"""CIFAR's per-channel mean, as InfoPro's code has it (125.3, 123.0, 113.9 over 255): infopro's default ``mean``."""
+CIFAR_STD = (0.247059, 0.243529, 0.261569)
+"""CIFAR's per-channel standard deviation (63.0, 62.1, 66.7 over 255): infopro's default ``std``."""
+
+
 class _HeadType(NamedTuple):
     kinds: tuple[str, ...]
     """The boundary tensor kinds the head can read."""
@@ -67,6 +97,8 @@ class _HeadType(NamedTuple):
     """Whether the head gives N x L x C scores for per-token labels (else N x C, one label per example)."""
     fixed: Mapping[str, Mapping[str, Any]] = {}
     """Kind -> options that have one possible value on that kind (the default there, any other an error)."""
+    derived: Mapping[str, _Opt] = {}
+    """Figures planning computes into the head config (a saved plan carries them; a policy file cannot set them)."""
 
 
 # The one table that drives validation and defaults of every head config.
@@ -74,23 +106,43 @@ _HEADS: dict[str, _HeadType] = {
     "conv": _HeadType(("feature_map", "channels_last"), {  # channels_last: permuted to N x C x H x W first
         "width": _int(128),          # channels of each conv3x3 layer; 0 = the input's channels
         "max_width": _int(0),        # cap on those channels; 0 = no cap
-        "depth": _int(1),            # conv3x3-BN-ReLU layers
+        "depth": _int(1),            # conv3x3-BN-ReLU layers: 0 (pool + linear only), 1, 2 (DGL), 3, 4, ...
         "pool": _int(2, 1),          # adaptive average pool output size
         "hidden": _int(0),           # MLP hidden width after pooling; 0 = one linear layer
     }),
-    "infopro": _HeadType(("feature_map",), {
-        "width": _int(12, 1),        # decoder channels
-        "output": _choice("identity", "identity", "sigmoid"),  # decoder output activation
-        "cls_width": _int(64),       # classifier conv1x1 channels; 0 = the input's channels
-        "hidden": _int(128, 1),      # classifier MLP hidden width
+    "infopro": _HeadType(("feature_map",), {  # InfoPro (Wang et al., ICLR 2021), as its code builds it
+        "width": _int(12, 1),        # decoder: upsample to the image, conv3x3 to `width`, BN, ReLU, conv3x3 to it
+        "upsample": _choice("bilinear", "bilinear", "nearest"),  # the decoder's first layer (bilinear: align_corners)
+        "reconstruction": _choice("bce", "bce", "mse"),  # bce: sigmoid + BCE against the de-normalised input;
+        #                              mse: MSE of the decoder's raw output against the input as given
+        "mean": _per_channel(CIFAR_MEAN),        # the input's normalisation, undone for bce: x * std + mean
+        "std": _per_channel(CIFAR_STD, positive=True),
+        "lambda1": _ramp((5.0, 0.5)),  # reconstruction weight at the first and the last auxiliary head
+        "lambda2": _ramp((0.5, 1.0)),  # classification weight at the first and the last auxiliary head
+        "cls_width": _int(0),        # classifier conv3x3 channels; 0 = the paper's: twice the input's, at most 64
+        "cls_stride": _int(0),       # its stride; 0 = the paper's: 2 on maps of under 64 channels, else 1
+        "hidden": _int(128, 1),      # classifier MLP hidden width (the paper's feature_dim)
     }),
     "mlp": _HeadType(KINDS, {
         "hidden": _int(256, 1),      # width of each hidden layer
         "depth": _int(1),            # hidden Linear-ReLU layers
     }),
+    "momentum": _HeadType(("feature_map", "sequence"), {  # MAN: an EMA of the next stage's first blocks
+        "depth": _int(1, 1),         # blocks of the next stage the trunk follows (not trained by gradient)
+        "momentum": _fraction(0.99),  # ema = momentum * ema + (1 - momentum) * next stage's weights
+        "every": _int(1, 1),         # steps between two weight transfers from the next stage
+        "pool": _choice("mean", "cls", "mean"),  # then pool (CLS token or mean) and one trained linear layer
+    }, fixed={"feature_map": {"pool": "mean"}}, derived={"mirror_bytes": _int(0)}),
     "token": _HeadType(("sequence", "channels_last"), {
         "pool": _choice("cls", "cls", "mean"),  # CLS token (index 0) or the mean over tokens
     }, fixed={"channels_last": {"pool": "mean"}}),  # a map has no CLS token: LayerNorm(C), mean over H x W
+    "transformer": _HeadType(("sequence",), {
+        "depth": _int(1),            # transformer blocks before LayerNorm, pool, linear (0 = the 'token' head)
+        "init": _choice("fresh", "fresh", "copy"),  # fresh pre-norm blocks, or copies of the next stage's first blocks
+        "heads": _int(0),            # attention heads of fresh blocks; 0 = D / 64, lowered to a divisor of D
+        "mlp_ratio": _positive(4.0),  # MLP width of fresh blocks over D
+        "pool": _choice("cls", "cls", "mean"),  # CLS token (index 0) or the mean over tokens
+    }),
     "lm": _HeadType(("sequence",), {
         "rank": _int(64),            # 0: LayerNorm, Linear(D, C); r > 0: LayerNorm, Linear(D, r), Linear(r, C)
     }, per_token=True),
@@ -145,9 +197,10 @@ def _labels(per_token: bool) -> str:
 
 
 def _check_head(config: Any, source: str, at: str, kind: str, tensors: str, per_token: bool = False,
-                extra: tuple[str, ...] = (), hint: str = "") -> dict:
+                extra: tuple[str, ...] = (), hint: str = "", derived: bool = False) -> dict:
     """Validate one head config for ``kind`` tensors (described as ``tensors``) and per-example or per-token
-    labels; return it with defaults filled in. ``hint`` ends the error of a head that gives the other scores."""
+    labels; return it with defaults filled in. ``hint`` ends the error of a head that gives the other scores;
+    ``derived``: the config comes from a plan, which may carry the figures planning computed into it."""
     config = _mapping(config, source, at or "a head config")
     head_type = _fill(config, {"type": _TYPE}, source, at)["type"]
     spec = _HEADS[head_type]
@@ -159,10 +212,12 @@ def _check_head(config: Any, source: str, at: str, kind: str, tensors: str, per_
         scores = "per-token scores (N x L x C)" if spec.per_token else "one score vector per example (N x C)"
         raise PolicyError(f"{source}: {_join(at, 'type')} {head_type!r} gives {scores}, but {at or tensors} serves "
                           f"{_labels(per_token)}; use type {fitting}{hint}")
-    _check_keys(config, ("type", *spec.options, *extra), source, at)
+    computed = spec.derived if derived else {}
+    _check_keys(config, ("type", *spec.options, *computed, *extra), source, at)
     fixed = spec.fixed.get(kind, {})
     options = {**spec.options, **{k: _Opt(v, f"{v!r} on {tensors}", lambda x, v=v: x == v) for k, v in fixed.items()}}
-    return {"type": head_type, **_fill(config, options, source, at)}
+    given = {k: o for k, o in computed.items() if k in config}
+    return {"type": head_type, **_fill(config, options, source, at), **_fill(config, given, source, at)}
 
 
 def _rank_kind(spec: TensorSpec) -> str | None:
@@ -244,7 +299,11 @@ class Policy:
                 f"policy {self.name!r} has no head for {kind} tensors ({_LAYOUT[kind]}), needed for {where}; "
                 f"it has heads for: {', '.join(self.heads)}. "
                 f"Use policy='auto', or add a '{kind}:' entry under 'heads:' in {self.source or 'the policy file'}")
-        return {**self.heads[kind], "loss": dict(self.loss)}
+        config = {**self.heads[kind], "loss": dict(self.loss)}
+        if config["type"] == "infopro":  # weighted by lambda1 and lambda2: here at the first head, in a plan per stage
+            config["loss"].update(reconstruction_weight=config["lambda1"][0],
+                                  classification_weight=config["lambda2"][0])
+        return config
 
 
 def validate_policy(data: Any, source: str) -> Policy:
@@ -330,5 +389,5 @@ def check_head_config(config: Mapping[str, Any], spec: TensorSpec,
                           f"({_LAYOUT[kind]}) cannot serve labels per token (N x L): per-token heads read sequences "
                           f"(N x L x D); cut where the boundary is a sequence, or pass a policy callable")
     options = _check_head(config, source, "", kind, f"the {kind} boundary {spec.name!r} of shape {tuple(spec.shape)}",
-                          per_token=per_token, extra=("loss",))
+                          per_token=per_token, extra=("loss",), derived=True)
     return options, _check_loss(config.get("loss", {}), source, "loss")

@@ -322,6 +322,23 @@ def _early(out: Path) -> None:
     (out / f"early-{rank}.json").write_text(json.dumps({"steps": trainer.steps}))
 
 
+def _momentum(out: Path) -> None:
+    """A momentum head (m = 0, every step) on stage 0 over 2 epochs with an evaluation between them: rank 1
+    records every copy of the weights it publishes, rank 0 the trunk it ends with and how many copies it took."""
+    from test_momentum import momentum_pipeline, recording_sgd
+
+    rank = int(os.environ["RANK"])
+    compiled = momentum_pipeline(0.0, 1)
+    snapshots: list[Any] = []
+    with compiled.trainer(optimizer=recording_sgd(compiled, snapshots), runtime="distributed", timeout=60) as trainer:
+        data = _batches(3, [4] * 6, (3, 8, 8), 5)
+        trainer.fit(data, epochs=1, progress=False)
+        trainer.evaluate(data[:2])
+        trainer.fit(data, epochs=1, progress=False)
+    record = {"snapshots": snapshots} if rank == 1 else {"trunk": compiled.lowered.heads[0].ema_tensors()}
+    torch.save(record, out / f"momentum-{rank}.pt")
+
+
 def _plans(out: Path) -> None:
     """Each rank cuts a 3-block chain elsewhere: the runtime must refuse before any batch moves."""
     rank = int(os.environ["RANK"])
@@ -389,6 +406,8 @@ def main(argv: list[str]) -> None:
         _newest(out)
     elif scenario == "early":
         _early(out)
+    elif scenario == "momentum":
+        _momentum(out)
     elif scenario == "plans":
         _plans(out)
     else:

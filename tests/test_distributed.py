@@ -205,6 +205,20 @@ def test_a_stage_sends_its_output_before_its_backward_and_step(tmp_path):
         [{"0": 3}, {"1": 3}]
 
 
+def test_a_momentum_head_pulls_whole_copies_sent_back_by_the_next_stage(tmp_path):
+    """Stage 1 sends a copy of the block stage 0's head follows after every step (m = 0: the trunk becomes the copy);
+    over 2 epochs with an evaluation between them, the trunk ends as exactly one of those copies. Stage 0 starts
+    the second epoch's receiving thread only after the first one took the epoch's end marker, which stage 1 sends
+    after its last copy of that epoch: so the trunk is that copy (the 6th) or a later one."""
+    codes, text = _launch(2, "momentum", tmp_path)
+    assert codes == [0, 0], text[-3000:]
+    trunk = torch.load(tmp_path / "momentum-0.pt")["trunk"]
+    snapshots = torch.load(tmp_path / "momentum-1.pt")["snapshots"]
+    assert len(snapshots) == 12
+    same = [k for k, snap in enumerate(snapshots) if all(torch.equal(a, b) for a, b in zip(trunk, snap))]
+    assert same and same[0] >= 5
+
+
 def test_ranks_with_different_plans_are_refused(tmp_path):
     codes, text = _launch(2, "plans", tmp_path)
     assert codes == [0, 0], text[-3000:]

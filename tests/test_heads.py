@@ -13,11 +13,11 @@ import policies
 from ppll_compile.errors import PolicyError
 from ppll_compile.heads import AuxHead, InfoProHead, build_head, head_loss, make_head
 from ppll_compile.plan import TensorSpec
-from ppll_compile.policy import KINDS, Policy, load_policy, tensor_kind, validate_policy
+from ppll_compile.policy import CIFAR_MEAN, CIFAR_STD, KINDS, Policy, load_policy, tensor_kind, validate_policy
 
 SHAPES = {"feature_map": (8, 64, 16, 16), "channels_last": (8, 16, 16, 64), "sequence": (8, 17, 96), "vector": (8, 256)}
 INPUT_SHAPE = (8, 3, 32, 32)
-SHIPPED = ["auto", "dgl", "infopro", "lm", "mlp", "vit"]
+SHIPPED = ["auto", "dgl", "infopro", "lm", "man", "mlp", "vit", "vit_deep"]
 
 
 def spec(shape, name="h", layout=""):
@@ -62,9 +62,14 @@ def test_shipped_policies_cover_the_kinds_they_promise():
     assert kinds["vit"] == {"feature_map": "mlp", "channels_last": "token", "sequence": "token", "vector": "mlp"}
     assert kinds["auto"] == {"feature_map": "conv", "channels_last": "token", "sequence": "token", "vector": "mlp"}
     assert kinds["lm"] == {"sequence": "token", "vector": "mlp"}
+    assert kinds["man"] == {"feature_map": "momentum", "channels_last": "mlp", "sequence": "momentum",
+                            "vector": "mlp"}
+    assert kinds["vit_deep"] == {"feature_map": "mlp", "channels_last": "token", "sequence": "transformer",
+                                 "vector": "mlp"}
     assert {n: (p.per_token or {}).get("type") for n, p in map(lambda n: (n, load_policy(n)), SHIPPED)} == {
-        "auto": "lm", "dgl": None, "infopro": None, "lm": "lm", "mlp": None, "vit": None}
-    assert load_policy("infopro").loss["reconstruction_weight"] > 0
+        "auto": "lm", "dgl": None, "infopro": None, "lm": "lm", "man": None, "mlp": None, "vit": None,
+        "vit_deep": None}
+    assert load_policy("infopro").heads["feature_map"]["lambda1"][0] > 0
 
 
 @pytest.mark.parametrize("name,kind", [(n, k) for n in SHIPPED for k in SHAPES if k in load_policy(n).heads])
@@ -91,12 +96,13 @@ def test_infopro_loss_is_the_weighted_sum_of_reconstruction_and_cross_entropy():
     head, config = make_head(policy, spec(SHAPES["feature_map"]), 10, INPUT_SHAPE)
     assert isinstance(head, InfoProHead) and head.needs_input
     head.eval()
-    h, x, y = torch.randn(SHAPES["feature_map"]), torch.rand(INPUT_SHAPE), torch.randint(0, 10, (8,))
-    recon = head.decoder(h)
-    assert recon.shape == INPUT_SHAPE
-    w = config["loss"]
-    expected = (w["reconstruction_weight"] * ((recon - x) ** 2).mean()
-                + w["classification_weight"] * F.cross_entropy(head.net(h), y))
+    h, x, y = torch.randn(SHAPES["feature_map"]), torch.randn(INPUT_SHAPE), torch.randint(0, 10, (8,))
+    recon = head.reconstruct(h)
+    assert recon.shape == INPUT_SHAPE and 0 <= recon.min() and recon.max() <= 1
+    w = config["loss"]  # outside a plan: the weights of the first auxiliary head
+    assert (w["reconstruction_weight"], w["classification_weight"]) == (5.0, 0.5)
+    image = (x * torch.tensor(CIFAR_STD).view(1, 3, 1, 1) + torch.tensor(CIFAR_MEAN).view(1, 3, 1, 1)).clamp(0, 1)
+    expected = 5.0 * F.binary_cross_entropy(recon, image) + 0.5 * F.cross_entropy(head.net(h), y)
     torch.testing.assert_close(head.loss(h, y, x), expected)
     with pytest.raises(PolicyError, match="input=None"):
         head.loss(h, y)
@@ -111,7 +117,7 @@ def test_loss_weights_of_a_hand_edited_config_scale_each_term(policy):
     h, x, y = torch.randn(SHAPES["feature_map"]), torch.randn(INPUT_SHAPE), torch.randint(0, 10, (8,))
     expected = 0.3 * F.cross_entropy(head.net(h), y)
     if policy == "infopro":  # only InfoPro's heads reconstruct the input
-        expected = expected + 2.5 * F.mse_loss(head.decoder(h), x)
+        expected = expected + 2.5 * head.reconstruction_loss(h, x)
     torch.testing.assert_close(head_loss(head, h, y, x), expected)
     torch.testing.assert_close(head.loss(h, y, x), expected)
 
@@ -187,14 +193,16 @@ def test_wrong_option_values_say_what_was_expected(tmp_path):
 
 def test_unknown_or_misplaced_head_type(tmp_path):
     msg, path = error(tmp_path, {"heads": {"feature_map": {"type": "foo"}}})
-    assert msg == f"{path}: heads.feature_map.type must be one of conv, infopro, lm, mlp, token, got 'foo'"
+    assert msg == (f"{path}: heads.feature_map.type must be one of conv, infopro, lm, mlp, momentum, token, "
+                   f"transformer, got 'foo'")
     msg, path = error(tmp_path, {"heads": {"feature_map": {"width": 3}}})
-    assert msg == f"{path}: heads.feature_map.type must be one of conv, infopro, lm, mlp, token, got None"
+    assert msg == (f"{path}: heads.feature_map.type must be one of conv, infopro, lm, mlp, momentum, token, "
+                   f"transformer, got None")
     msg, path = error(tmp_path, {"heads": {"sequence": {"type": "conv"}}})
     assert msg == (f"{path}: heads.sequence.type 'conv' cannot read sequence tensors (N x L x D) "
-                   f"(it reads feature_map, channels_last); use type mlp or token")
-    msg, path = error(tmp_path, {"heads": {"feature_map": {"type": "infopro", "output": "tanh"}}})
-    assert msg == f"{path}: heads.feature_map.output must be one of identity, sigmoid, got 'tanh'"
+                   f"(it reads feature_map, channels_last); use type mlp or momentum or token or transformer")
+    msg, path = error(tmp_path, {"heads": {"feature_map": {"type": "infopro", "reconstruction": "l1"}}})
+    assert msg == f"{path}: heads.feature_map.reconstruction must be one of bce, mse, got 'l1'"
 
 
 def test_unknown_kind_and_malformed_sections(tmp_path):
@@ -228,8 +236,8 @@ def test_bad_yaml_names_the_file(tmp_path):
 def test_unknown_policy_name_lists_the_shipped_ones():
     with pytest.raises(PolicyError) as e:
         load_policy("nope")
-    assert str(e.value) == ("unknown policy 'nope': not a shipped policy (auto, dgl, infopro, lm, mlp, vit) nor a "
-                            "file; "
+    assert str(e.value) == ("unknown policy 'nope': not a shipped policy (auto, dgl, infopro, lm, man, mlp, vit, "
+                            "vit_deep) nor a file; "
                             "pass a shipped name, the path to a policy YAML file, or a callable "
                             "fn(spec, num_classes) -> nn.Module")
     with pytest.raises(PolicyError, match="got 3"):
@@ -279,7 +287,8 @@ def test_hand_edited_configs_are_validated_by_build_head():
     with pytest.raises(PolicyError) as e:
         build_head({"type": "token"}, s, 10)
     assert str(e.value) == ("head config: type 'token' cannot read the feature_map boundary 'h' of shape "
-                            "(8, 64, 16, 16) (it reads sequence, channels_last); use type conv or infopro or mlp")
+                            "(8, 64, 16, 16) (it reads sequence, channels_last); use type conv or infopro or "
+                            "mlp or momentum")
     with pytest.raises(PolicyError) as e:
         build_head({"type": "conv", "loss": {"classification_weight": "high"}}, s, 10)
     assert str(e.value) == "head config: loss.classification_weight must be a number >= 0, got 'high'"

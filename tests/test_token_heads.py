@@ -250,7 +250,7 @@ def test_head_for_builds_a_saved_lm_config_and_checks_it_against_the_labels():
     assert got == config and head(torch.randn(SEQ.shape)).shape == (N_, L, 11)
     assert error(head_for, lm_policy(0), config, SEQ, 11, None) == (
         "head config: type 'lm' gives per-token scores (N x L x C), but the sequence boundary 'h' of shape "
-        "(3, 7, 24) serves labels of one class per example (N); use type mlp or token")
+        "(3, 7, 24) serves labels of one class per example (N); use type mlp or momentum or token or transformer")
 
 
 
@@ -327,13 +327,13 @@ def test_per_token_labels_on_a_boundary_that_is_not_a_sequence():
 def test_an_lm_head_on_a_feature_map_or_a_per_example_sequence_is_refused():
     assert error(validate_policy, {"heads": {"feature_map": {"type": "lm"}}}, "p.yaml") == (
         "p.yaml: heads.feature_map.type 'lm' cannot read feature_map tensors (N x C x H x W) (it reads sequence); "
-        "use type conv or infopro or mlp")
+        "use type conv or infopro or mlp or momentum")
     assert error(build_head, {"type": "lm"}, spec((8, 64, 4, 4)), 10) == (
         "head config: type 'lm' cannot read the feature_map boundary 'h' of shape (8, 64, 4, 4) (it reads sequence); "
-        "use type conv or infopro or mlp")
+        "use type conv or infopro or mlp or momentum")
     assert error(validate_policy, {"heads": {"sequence": {"type": "lm"}}}, "p.yaml") == (
         "p.yaml: heads.sequence.type 'lm' gives per-token scores (N x L x C), but heads.sequence serves labels of one "
-        "class per example (N); use type mlp or token (a per-token head goes under per_token:)")
+        "class per example (N); use type mlp or momentum or token or transformer (a per-token head goes under per_token:)")
 
 
 def test_the_per_token_entry_is_validated_like_every_head_config():
@@ -343,7 +343,7 @@ def test_the_per_token_entry_is_validated_like_every_head_config():
     assert msg({"type": "lm", "rnak": 8}) == "p.yaml: unknown key 'rnak' at per_token (allowed: rank, type)"
     assert msg({"type": "lm", "rank": -1}) == "p.yaml: per_token.rank must be an integer >= 0, got -1"
     assert msg({"type": "lm", "rank": "64"}) == "p.yaml: per_token.rank must be an integer >= 0, got '64'"
-    assert msg({"rank": 8}) == "p.yaml: per_token.type must be one of conv, infopro, lm, mlp, token, got None"
+    assert msg({"rank": 8}) == "p.yaml: per_token.type must be one of conv, infopro, lm, mlp, momentum, token, transformer, got None"
     assert msg("lm") == "p.yaml: per_token must be a mapping, got 'lm'"
     assert msg({"type": "mlp"}) == ("p.yaml: per_token.type 'mlp' gives one score vector per example (N x C), but "
                                     "per_token serves labels of one class per token (N x L); use type lm")
@@ -360,11 +360,14 @@ MLP = {"type": "mlp", "hidden": 256, "depth": 1}
 
 
 def test_existing_kinds_keep_their_head_configs_in_every_shipped_policy():
+    # infopro: the paper's decoder and loss (see policies/infopro.yaml)
     before = {
         "auto": {"feature_map": {**CONV, "max_width": 256, "depth": 1}, "sequence": {"type": "token", "pool": "mean"},
                  "vector": MLP},
         "dgl": {"feature_map": CONV, "sequence": MLP, "vector": MLP},
-        "infopro": {"feature_map": {"type": "infopro", "width": 12, "output": "identity", "cls_width": 64,
+        "infopro": {"feature_map": {"type": "infopro", "width": 12, "upsample": "bilinear", "reconstruction": "bce",
+                                    "mean": [0.491373, 0.482353, 0.446667], "std": [0.247059, 0.243529, 0.261569],
+                                    "lambda1": [5.0, 0.5], "lambda2": [0.5, 1.0], "cls_width": 0, "cls_stride": 0,
                                     "hidden": 128}, "vector": MLP},
         "mlp": {"feature_map": MLP, "sequence": MLP, "vector": MLP},
         "vit": {"feature_map": MLP, "sequence": {"type": "token", "pool": "cls"}, "vector": MLP},

@@ -19,12 +19,16 @@ from .faults import ERROR_KEY, Faults
 from .group import abort, check_same_plan, check_world, init_group, place, rank_device, release, stage_group
 from .inbox import Failure, Inbox
 from .latest import Recent
+from .momentum import WeightsReceiver, WeightsSender, check_distributed, momentum_pairs
 from .messages import EVAL, TRAIN, Message, add_counts, dtype_of
 from .outbox import Outbox
 from .runners import make_runners
 from .wire import END, Stop, Wire, check_splittable, split
 
 __all__ = ["DistributedRuntime", "ERROR_KEY"]
+
+_STORE_POLL = 0.25  # seconds between looks at the store while waiting for a thread
+_WEIGHTS_WAIT = 5.0  # seconds close() waits for a momentum head's receiving thread to take the end marker
 
 
 class DistributedRuntime(Runtime):
@@ -95,6 +99,9 @@ class DistributedRuntime(Runtime):
         """This rank's groups: the default one (``None``), its stage's replicas, the barrier of ``decoupled=False``."""
         self.device = rank_device(self.rank)
         self.runners = make_runners(plan, lowered, config, [self.stage], [self.device], [group])
+        check_distributed(lowered, [s.replicas for s in plan.stages])
+        self._pairs = momentum_pairs(lowered)
+        """(stage, momentum head, the next stage's parameters it follows) of every momentum head of the plan."""
         self.runners[0].replica = self.replica  # a replica trains its own slice: its own random stream
         if self._sync is not None:
             sync = self._sync
@@ -114,6 +121,17 @@ class DistributedRuntime(Runtime):
         self._faults = Faults(rank=self.rank, stage=self.stage, stage_of=p.stage_of, receivers=self._receivers,
                               wire=self._wire)
         self._outbox = Outbox(rank=self.rank, depth=self._depth, faults=self._faults)
+        self._sender: WeightsSender | None = None
+        self._receiver: WeightsReceiver | None = None
+        self._weights_open = False  # this epoch's receiving thread of a momentum head runs
+        for i, head, mirrored in self._pairs:
+            if self.stage == i + 1:
+                self._sender = WeightsSender(mirrored, p.ranks[i][0], comm)
+                self.runner.publish_weights = self._sender.publish
+                self.runner.publish_every = head.every
+            if self.stage == i:
+                self._receiver = WeightsReceiver(head, p.ranks[i + 1][0], comm)
+                self.runner.take_weights = self._receiver.board.take
         self._data_specs: tuple[TensorSpec, ...] = plan.inputs
         self._out_specs: tuple[TensorSpec, ...] = plan.stages[self.stage].boundary
         self._planned = plan.batch_size
@@ -241,6 +259,10 @@ class DistributedRuntime(Runtime):
             abort(self._groups)
         else:
             self._outbox.settle()
+            if self._sender is not None:
+                self._sender.settle()
+            if self._receiver is not None:
+                self._receiver.join(_WEIGHTS_WAIT)
         if self._owns_group:
             release()
 
@@ -256,6 +278,11 @@ class DistributedRuntime(Runtime):
             raise PPLLError("this distributed runtime was closed; build a new trainer")
 
     def _train(self, msg: Message, reused: bool) -> float:
+        if self._receiver is not None and not self._weights_open:
+            self._weights_open = True
+            self._receiver.start(self._wait_thread)
+        if self._sender is not None:
+            self._sender.trained = True
         _, loss = self._faults.guard(msg.index, lambda: self.runner.train_step(msg, None if reused else self._relay))
         self.runner.reused += reused
         return float(loss)
@@ -290,7 +317,13 @@ class DistributedRuntime(Runtime):
         end = self._wire.end()
         self._outbox.post([(dst, end) for dst in self._receivers])
         self._outbox.drain(self._receivers)
-        self._open = False
+        self._open = self._weights_open = False
+        if self._sender is not None:
+            peer = self._place.ranks[self.stage - 1][0]
+            try:
+                self._sender.end()
+            except Exception as e:  # noqa: BLE001 - a send fails when the peer is gone
+                self._faults.lost(e, peer, "sending weights to")
 
     def _feed(self, messages: Iterable[Message]) -> Iterator[Message]:
         """Rank 0's batches; a loader that raises stops the other ranks before the error propagates."""
@@ -372,6 +405,12 @@ class DistributedRuntime(Runtime):
         else:
             self._open = True
         return item
+
+    def _wait_thread(self, thread: Any) -> None:
+        """Wait for the last epoch's receiving thread of the momentum head, looking for failures meanwhile."""
+        while thread.is_alive():
+            thread.join(_STORE_POLL)
+            self._faults.check_store()
 
     def _alarm(self, alarm: Stop | Failure) -> NoReturn:
         self._inbox = None

@@ -83,6 +83,10 @@ class StageRunner(Runner):
         correct = _correct(logits, target)
         return (None if self.is_last else self._send(msg, out, None)), None if correct is None else (correct,)
 
+    def pull(self, weights: list[Tensor]) -> None:
+        """One EMA step of the momentum head towards the next stage's ``weights``."""
+        self.head.pull(weights)  # type: ignore[union-attr]
+
     def _state(self) -> dict[str, Any]:
         return {"backbone": self.stage.state_dict(), "head": self.head.state_dict() if self.head is not None else None}
 

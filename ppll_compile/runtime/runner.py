@@ -49,6 +49,12 @@ class Runner:
     copy_sent: bool = False
     """Send copies of the output tensors: the next stage runs in this process while this one's backward may still
     read them (early forwarding), and it may write into its input (an in-place ReLU after the cut)."""
+    take_weights: Callable[[], list[Tensor] | None] | None = None
+    """Set on a stage with a momentum head: the next stage's newest published weights, if new (see :mod:`.momentum`)."""
+    publish_weights: Callable[[], None] | None = None
+    """Set on a stage whose predecessor has a momentum head: publish the weights it follows."""
+    publish_every: int = 1
+    """Optimizer steps between two calls of :attr:`publish_weights`."""
     before_step: Callable[[], None] | None = None
     """Called after every backward, before the optimizer steps (``decoupled=False``: a barrier over the stages)."""
 
@@ -188,6 +194,8 @@ class Runner:
         forward output exists, before the loss's backward and the optimizer step. It holds the same tensors
         it would hold afterwards, so FIFO runs stay the same computation as sequential ones.
         """
+        if self.take_weights is not None and (weights := self.take_weights()) is not None:
+            self.pull(weights)
         values, target, raw = self._receive(msg)
         sent: list[Message] = []
 
@@ -203,7 +211,13 @@ class Runner:
         self.update(loss, msg.size * self.plan.replicas / msg.whole if msg.whole else 1.0, batch=msg.index,
                     schedule=not msg.reused or self.config.schedule_reused)
         self.steps += 1
+        if self.publish_weights is not None and self.steps % self.publish_every == 0:
+            self.publish_weights()
         return (sent[0] if sent else None), loss.detach()
+
+    def pull(self, weights: list[Tensor]) -> None:
+        """One EMA step of this stage's momentum head towards the next stage's ``weights``."""
+        raise NotImplementedError
 
     def update(self, loss: Tensor, scale: float = 1.0, parts: Sequence[int] | None = None, *,
                batch: int = -1, schedule: bool = True) -> None:

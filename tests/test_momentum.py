@@ -1,0 +1,67 @@
+"""Momentum (MAN) heads at run time: the next stage publishes copies of the weights the head follows, the head pulls."""
+
+import pytest
+import torch
+
+from tests.test_deep_heads import CNN, IMG, compile_quietly, policy
+from tests.test_runtime import _data
+
+pytestmark = pytest.mark.usefixtures("one_thread_quietly")
+
+BATCHES = 6
+
+
+def momentum_pipeline(momentum: float, every: int):
+    """The 4-block CNN in 2 stages (cut after its second block); stage 0's head follows block 2 (stage 1's first)."""
+    torch.manual_seed(0)
+    head = {"type": "momentum", "depth": 1, "momentum": momentum, "every": every}
+    return compile_quietly(CNN(), IMG, gpus=2, split_points=["relu_3"], policy=policy(feature_map=head))
+
+
+def recording_sgd(compiled, snapshots: list):
+    """SGD whose optimizer of stage 1 records a copy of the weights stage 0's head follows after every step."""
+    mirrored = compiled.lowered.mirrors(0)
+    ids = {id(p) for p in mirrored}
+
+    class Recording(torch.optim.SGD):
+        def step(self, closure=None):
+            out = super().step(closure)
+            if any(id(p) in ids for g in self.param_groups for p in g["params"]):
+                snapshots.append([p.detach().clone() for p in mirrored])
+            return out
+
+    return lambda params: Recording(params, lr=0.05, momentum=0.9)
+
+
+def test_sequential_pulls_the_copy_published_after_every_nth_step():
+    """m = 0.5, every 2: stage 1 publishes after its steps 2, 4, 6 (batches 1, 3, 5); stage 0 pulls before batches 2
+    and 4, so its trunk is 0.5 (0.5 w0 + 0.5 s1) + 0.5 s3 with s_b stage 1's weights after batch b."""
+    compiled = momentum_pipeline(0.5, 2)
+    head = compiled.lowered.heads[0]
+    initial = [t.clone() for t in head.ema_tensors()]
+    snapshots: list = []
+    with compiled.trainer(optimizer=recording_sgd(compiled, snapshots), runtime="sequential") as trainer:
+        for x, y in _data(BATCHES):
+            trainer.step(x, y)
+    expected = initial
+    for b in (1, 3):
+        expected = [0.5 * e + 0.5 * s for e, s in zip(expected, snapshots[b])]
+    assert len(snapshots) == BATCHES
+    for got, want in zip(head.ema_tensors(), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-7)
+
+
+def test_threads_pull_a_whole_published_copy_never_a_half_stepped_one():
+    """m = 0: the trunk is the last copy pulled. Stage 0 starts batch 4 only after stage 1 took batch 1 (queues of
+    2), so it has pulled at least once; what it holds is exactly one copy stage 1 published after a step."""
+    compiled = momentum_pipeline(0.0, 1)
+    head = compiled.lowered.heads[0]
+    initial = [t.clone() for t in head.ema_tensors()]
+    snapshots: list = []
+    with compiled.trainer(optimizer=recording_sgd(compiled, snapshots), runtime="threads") as trainer:
+        for x, y in _data(BATCHES):
+            trainer.step(x, y)
+        trainer.finish()
+    final = head.ema_tensors()
+    assert not all(torch.equal(a, b) for a, b in zip(final, initial))
+    assert any(all(torch.equal(a, b) for a, b in zip(final, snap)) for snap in snapshots)
