@@ -47,7 +47,8 @@ def run_seed(seed: int, epochs: int, order: list[tuple[str, int, str | None]]) -
             if method == "e2e":
                 result = digits.train_e2e(model, train, test, epochs, LR)
             else:
-                result = digits.train_ppll(model, k, policy, train, test, epochs, LR, "sequential")
+                result = digits.train_ppll(model, k, digits.head_policy(policy, seed), train, test, epochs, LR,
+                                           "sequential")
         out[_name(method, k, policy)] = result
         print(f"  seed {seed} {_name(method, k, policy)}: test accuracy {result['accuracy']:.3f} "
               f"({result['train_s']:.1f} s)", flush=True)

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # resnet32.py sits next to this file
@@ -38,7 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     torchrun = "WORLD_SIZE" in os.environ  # torchrun sets it for every process it starts
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     data = p.add_mutually_exclusive_group(required=True)
-    data.add_argument("--synthetic", action="store_true", help="random images with learnable labels")
+    data.add_argument("--synthetic", action="store_true",
+                      help="generated images: a smooth colour pattern per class, shifted, plus noise")
     data.add_argument("--data-dir", type=Path, help="folder with train.pt and test.pt (see the module docstring)")
     p.add_argument("--runtime", choices=["sequential", "threads", "distributed"],
                    default="distributed" if torchrun else "threads")
@@ -48,23 +50,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--steps-per-epoch", type=int, default=None,
-                   help="batches per epoch (default: 50 with --synthetic, the whole training set otherwise)")
+                   help="batches per epoch (default: 20 with --synthetic, the whole training set otherwise)")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--checkpoint", type=Path, default=None, help="folder: saved after every epoch, resumed from")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
 
+def synthetic_data(n: int, seed: int = 1234, noise: float = 1.0) -> TensorDataset:
+    """``n`` CIFAR-shaped images a CNN can learn: each class has its own smooth colour pattern (a random 3 x 4 x 4
+    map upsampled to 32 x 32), and every image is its class's pattern, shifted by up to 4 pixels, plus Gaussian
+    noise. The same ``seed`` gives the same patterns (and images) on every process."""
+    g = torch.Generator().manual_seed(seed)
+    patterns = F.interpolate(torch.randn(NUM_CLASSES, 3, 4, 4, generator=g), size=(40, 40), mode="bilinear",
+                             align_corners=False)
+    y = torch.randint(0, NUM_CLASSES, (n,), generator=g)
+    dx, dy = torch.randint(0, 9, (2, n), generator=g)
+    x = torch.stack([patterns[c, :, i:i + 32, j:j + 32] for c, i, j in zip(y.tolist(), dy.tolist(), dx.tolist())])
+    return TensorDataset(x + noise * torch.randn(x.shape, generator=g), y)
+
+
 def load_data(args: argparse.Namespace) -> tuple[Dataset, Dataset]:
     """The training and test sets. Put your own loading here (torchvision.datasets.CIFAR10, ...)."""
     if args.synthetic:
-        steps = args.steps_per_epoch or 50
+        steps = args.steps_per_epoch or 20
         n_train, n_test = steps * args.batch_size, max(args.batch_size, steps * args.batch_size // 5)
-        g = torch.Generator().manual_seed(1234)  # the same data on every process
-        x = torch.randn(n_train + n_test, 3, 32, 32, generator=g)
-        rule = torch.randn(3 * 32 * 32, NUM_CLASSES, generator=g)  # a fixed linear rule: learnable labels
-        y = (x.flatten(1) @ rule).argmax(1)
-        return TensorDataset(x[:n_train], y[:n_train]), TensorDataset(x[n_train:], y[n_train:])
+        data = synthetic_data(n_train + n_test)
+        return Subset(data, range(n_train)), Subset(data, range(n_train, n_train + n_test))
     train, test = (TensorDataset(*torch.load(args.data_dir / f"{name}.pt")) for name in ("train", "test"))
     if args.steps_per_epoch is not None:
         train = Subset(train, range(min(len(train), args.steps_per_epoch * args.batch_size)))
@@ -112,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
             print(compiled.plan.table(), flush=True)
         first = resume(trainer, args.checkpoint, len(train)) if args.checkpoint is not None else 0
         for epoch in range(first, args.epochs):
-            record = trainer.fit(train, epochs=1, progress=True)[0]
+            record = trainer.fit(train, epochs=1, progress=f"epoch {epoch + 1}/{args.epochs}")[0]
             if args.checkpoint is not None:
                 trainer.save(args.checkpoint)
             if trainer.is_main:

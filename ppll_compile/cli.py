@@ -3,7 +3,7 @@
 Example::
 
     ppll-plan examples/resnet32.py --gpus 4 --policy infopro --memory-limit 16GiB --yaml plan.yaml
-    ppll-plan examples/resnet32.py --plan plan.yaml --show      # re-apply a (hand-edited) plan
+    ppll-plan examples/resnet32.py --plan plan.yaml --show      # re-apply a (hand-edited) plan, costs as saved
     ppll-plan examples/pipebd_mobilenet.py --mode pipebd --gpus 4 # blockwise distillation
     ppll-plan examples/resnet32.py --gpus 4 --simulate --plot cost.png --graph graph.svg --gantt gantt.png
     ppll-plan --gantt measured.png --trace trace.json               # a timeline recorded with trace=True
@@ -25,7 +25,8 @@ from typing import Any, TextIO
 
 from .api import compile, plan
 from .cost import OPTIMIZER_STATES
-from .errors import PPLLError
+from .draw.graph import DETAILS, MAX_NODES
+from .errors import PlanError, PPLLError
 from .model_file import load_model
 from .options import PROFILES, TIED, TRACERS, PlanOptions, read_saved_plan
 from .plan import Plan
@@ -38,7 +39,8 @@ examples:
   ppll-plan examples/resnet32.py --gpus 4
   ppll-plan examples/vit_small.py --gpus 4 --policy vit --json -
   ppll-plan examples/resnet50.py --gpus 4 --memory-limit 16GiB --optimizer adam --yaml plan.yaml
-  ppll-plan examples/resnet50.py --plan plan.yaml --show    # re-apply a hand-edited plan
+  ppll-plan examples/resnet50.py --plan plan.yaml --show    # re-apply a saved plan (costs as saved)
+  ppll-plan examples/resnet50.py --plan plan.yaml --remeasure   # ... with its costs measured here
   ppll-plan examples/pipebd_mobilenet.py --mode pipebd --gpus 4 --policy kl
   ppll-plan examples/resnet32.py --gpus 4 --simulate --plot cost.png --graph graph.svg --gantt gantt.png
   ppll-plan --gantt measured.png --trace trace.json   # draw a timeline recorded with trainer(trace=True)
@@ -154,8 +156,9 @@ def _parser() -> argparse.ArgumentParser:
                    "(blockwise distillation from MODEL.py's build_teacher())")
     g.add_argument("--blocks", type=_pairs, metavar="T:S,...", help="pipebd: name the aligned block ends, "
                    "teacher:student module pairs")
-    g.add_argument("--policy", metavar="NAME|FILE", help="aux-head policy: a shipped name (auto, dgl, infopro, "
-                   "mlp, vit) or a YAML file; pipebd: the distillation loss (mse, kl) or a YAML file")
+    g.add_argument("--policy", metavar="NAME|FILE", help="aux-head policy: a shipped name (auto, dgl, infopro, lm, "
+                   "man, mlp, vit, vit_deep) or a YAML file; pipebd: the distillation losses (pipebd, mse, kl) or a "
+                   "YAML file")
     g.add_argument("--batch-size", type=_positive_int, metavar="B", help="batch size to plan for")
     g.add_argument("--partitioner", metavar="NAME", help="exact (default) or a baseline: uniform, greedy, params")
     g.add_argument("--profile", choices=PROFILES, help="count FLOPs on fake tensors (default) or time on the device")
@@ -167,8 +170,11 @@ def _parser() -> argparse.ArgumentParser:
                    "default) or untie (each stage its own copy)")
     g.add_argument("--bake-train-mode", action="store_true", default=None,
                    help="accept a forward that branches on self.training: keep the train branch in eval too")
-    g.add_argument("--plan", metavar="PLAN.yaml", help="re-apply a saved (possibly hand-edited) plan; a pipebd "
-                   "plan also loads MODEL.py's teacher")
+    g.add_argument("--plan", metavar="PLAN.yaml", help="re-apply a saved (possibly hand-edited) plan to MODEL.py, "
+                   "keeping its costs as saved unless it was edited, a planning flag is given or --remeasure; a "
+                   "pipebd plan also loads MODEL.py's teacher")
+    g.add_argument("--remeasure", action="store_true", help="with --plan: measure the saved plan's costs again on "
+                   "this machine (its profile: FLOPs, or times with profile time)")
     g = p.add_argument_group("output (default: --show)")
     g.add_argument("--show", action="store_true", help="print the stage table")
     g.add_argument("--json", metavar="PATH|-", help="write the plan as JSON to PATH, or to stdout with -")
@@ -184,6 +190,9 @@ def _parser() -> argparse.ArgumentParser:
                    "communication) with the bottleneck marked")
     g.add_argument("--graph", metavar="PATH.svg|png", help="draw the traced graph (a module-level summary for "
                    "big graphs) coloured by stage, cuts marked; graphviz's dot if installed, else matplotlib")
+    g.add_argument("--graph-detail", choices=DETAILS, help=f"with --graph: a box per module path above "
+                   f"{MAX_NODES} nodes, else per node (auto, default), always per module path (modules), or "
+                   f"always per node (nodes)")
     g.add_argument("--gantt", metavar="PATH.png", help="draw the simulated timeline per stage, or with --trace "
                    "a measured one")
     g.add_argument("--trace", metavar="TRACE.json", help="with --gantt: a timeline saved by "
@@ -213,6 +222,11 @@ def _check_outputs(args: argparse.Namespace) -> None:
     """Refuse before the (slow) model load what could not be written or drawn."""
     if args.trace is not None and args.gantt is None:
         raise _UsageError("--trace names a recorded timeline to draw; add --gantt PATH.png")
+    if args.graph_detail is not None and args.graph is None:
+        raise _UsageError("--graph-detail chooses what the --graph picture shows; add --graph PATH.svg")
+    if args.remeasure and args.plan is None:
+        raise _UsageError("--remeasure measures a saved plan's costs again; add --plan PLAN.yaml (without --plan "
+                          "every plan is measured)")
     for flag, suffixes in (("plot", _PICTURES), ("graph", _PICTURES), ("gantt", _PICTURES)):
         target = getattr(args, flag)
         if target is not None and Path(target).suffix.lower() not in suffixes:
@@ -239,8 +253,8 @@ def _draw_trace(args: argparse.Namespace, err: TextIO) -> None:
     err.write(f"{_PROG}: wrote {args.gantt} ({timeline.source} timeline of {len(timeline.lanes)} lanes)\n")
 
 
-def _pictures(args: argparse.Namespace, result: Plan, compiled: Any, out: TextIO, err: TextIO) -> None:
-    """The simulation, plots and graph the flags ask for."""
+def _pictures(args: argparse.Namespace, result: Plan, gm: Any, out: TextIO, err: TextIO) -> None:
+    """The simulation, plots and graph (of the traced graph module ``gm``) the flags ask for."""
     from .simulate import simulate
     if args.simulate:
         out.write("\n" + simulate(result, steps=args.steps or 64, queue_depth=args.queue_depth).table() + "\n")
@@ -250,8 +264,10 @@ def _pictures(args: argparse.Namespace, result: Plan, compiled: Any, out: TextIO
         err.write(f"{_PROG}: wrote {args.plot} (cost per stage, bottleneck stage {result.bottleneck_stage})\n")
     if args.graph is not None:
         from .draw import draw_graph
-        draw_graph(compiled, args.graph)
-        err.write(f"{_PROG}: wrote {args.graph} (the traced graph by stage)\n")
+        desc = draw_graph((gm, result), args.graph, detail=args.graph_detail or "auto").description
+        boxes = f"{len(desc.nodes)} boxes grouping {len(gm.graph.nodes)} nodes by module" if desc.summary else \
+            f"a box per node, {len(desc.nodes)}"
+        err.write(f"{_PROG}: wrote {args.graph} (the traced graph by stage: {boxes})\n")
     if args.gantt is not None and args.trace is None:
         from .draw import draw_gantt
         steps = args.steps or 4 * result.num_stages
@@ -280,9 +296,8 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
     model, inputs, kwargs, teacher = load_model(path, teacher=distill)
     extra = {"teacher": teacher, "blocks": args.blocks} if distill else {}
     with warnings.catch_warnings(record=True) as caught:
-        build = compile if args.graph is not None else plan  # the graph drawing needs the traced graph
-        made = build(model, example_inputs=inputs, example_kwargs=kwargs, plan=args.plan, **extra, **options)
-    result: Plan = made.plan if args.graph is not None else made
+        made, result, remark = _planned(args, options, model=model, example_inputs=inputs, example_kwargs=kwargs,
+                                        plan=args.plan, **extra)
 
     show = args.show or (args.json is None and args.yaml is None)
     if to_stdout:
@@ -293,14 +308,64 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
     for message in dict.fromkeys(str(w.message) for w in caught):
         if message not in shown:
             err.write(f"{_PROG}: warning: {message}\n")
+    if remark is not None:
+        err.write(f"{_PROG}: {remark}\n")
     for flag, text in (("json", result.to_json), ("yaml", result.to_yaml)):
         target = getattr(args, flag)
         if target is not None and target != "-":
             _write(target, text())
             err.write(f"{_PROG}: wrote {target} ({result.num_stages} stages, imbalance {result.imbalance:.3f})\n")
-    _pictures(args, result, made, out if not to_stdout else err, err)
+    _pictures(args, result, made.graph_module if args.graph is not None else None, out if not to_stdout else err, err)
     if args.trace is not None:
         _draw_trace(args, err)
+
+
+def _planned(args: argparse.Namespace, options: dict[str, Any], **call: Any) -> tuple[Any, Plan, str | None]:
+    """``plan(**call, **options)``, or ``compile`` when the graph is drawn (it needs the traced graph): what it
+    made, its plan, and a remark on a saved plan's costs.
+
+    A ``--plan`` file is shown with its costs as saved (a time profile is not re-timed: it is re-applied with FLOPs
+    only, to check it against the model) unless ``--remeasure`` or a planning flag asks for new ones, or it was
+    edited: its stages then differ from what re-applying it gives, and it is measured afresh.
+    """
+    build = compile if args.graph is not None else plan
+
+    def made_and_plan(**more: Any) -> tuple[Any, Plan]:
+        made = build(**call, **options, **more)
+        return made, (made.plan if args.graph is not None else made)
+
+    if args.plan is None or args.remeasure or options or args.blocks is not None:
+        return (*made_and_plan(), None)
+    kept, edited = _saved_as_is(args.plan)
+    made, result = made_and_plan(profile="flops") if kept is not None else made_and_plan()
+    if kept is not None:
+        edits = _edits(kept, result)
+        if not edits:
+            return made, kept, (f"costs as saved in {args.plan} ({kept.profile} profile); --remeasure measures "
+                                f"them on this machine")
+        edited = f"it differs from what re-applying it gives in {', '.join(edits)}"
+        if kept.profile != "flops":
+            made, result = made_and_plan()
+    return made, result, f"{args.plan} was edited ({edited}), so its costs are measured afresh"
+
+
+def _saved_as_is(path: str) -> tuple[Plan | None, str | None]:
+    """The saved plan at ``path`` with its costs, or ``None`` and why not, when it no longer reads as a whole plan
+    (its derived fields disagree after a hand edit, e.g. a moved ``last_node``): such a plan is measured afresh."""
+    try:
+        return Plan.load(path), None
+    except PlanError as e:
+        return None, str(e).removeprefix(f"{path}: ")
+
+
+def _edits(saved: Plan, fresh: Plan) -> list[str]:
+    """The fields in which ``saved`` differs from ``fresh``, the plan re-applying it gives (``[]``: the costs saved
+    still describe it): the inputs, and every stage's nodes, replicas, boundary and head (its config, and what
+    that config builds)."""
+    if (saved.mode, saved.inputs, saved.num_stages) != (fresh.mode, fresh.inputs, fresh.num_stages):
+        return ["the mode, the inputs or the number of stages"]
+    return [f"stages[{s.index}].{name}" for s, f in zip(saved.stages, fresh.stages)
+            for name in ("nodes", "replicas", "boundary", "head") if getattr(s, name) != getattr(f, name)]
 
 
 _USER_ERRORS = (_UsageError, PPLLError, ValueError, TypeError)

@@ -5,14 +5,21 @@ import json
 import re
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from torch import nn
 
+import ppll_compile
 from ppll_compile import Plan
 from ppll_compile.cli import _options, _parse_size, _parser, main
+
+from models import Residual, conv_student, conv_teacher
+
+X = torch.randn(4, 3, 16, 16)
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 RESNET32 = str(EXAMPLES / "resnet32.py")
@@ -197,7 +204,8 @@ def test_build_model_that_raises(tmp_path, capsys):
 
 def test_model_file_without_a_model(tmp_path, capsys):
     path = _file(tmp_path, "x = 1\n")
-    _expect_exit_2(capsys, [path, "--gpus", "2"], "defines neither build_model() nor model; define build_model() returning")
+    _expect_exit_2(capsys, [path, "--gpus", "2"],
+                   "defines neither build_model() nor model; define build_model() returning")
 
 
 def test_model_that_is_not_a_module(tmp_path, capsys):
@@ -267,7 +275,89 @@ def test_saved_plan_reapplies_unchanged(saved, capsys):
     original = yaml.safe_load(saved.read_text())
     d = _apply(capsys, saved)
     assert [s["nodes"] for s in d["stages"]] == [s["nodes"] for s in original["stages"]]
-    assert d["batch_size"] == 8 and d["partitioner"] == "manual"
+    assert d["batch_size"] == 8
+    assert Plan.from_dict(d) == Plan.load(saved)  # shown as saved: its partitioner and costs too
+
+
+def _capture_pictures(monkeypatch) -> dict:
+    """Record the plan the --plot and --graph pictures are drawn from (and draw nothing)."""
+    import ppll_compile.draw as draw
+    drawn: dict = {}
+    monkeypatch.setattr(draw, "plot_costs", lambda plan, path: drawn.setdefault("plot", plan))
+
+    def graph(source, path, **kw):
+        drawn["graph"] = source[1]
+        return draw.GraphPicture(path=Path(path), engine="none", description=draw.describe_graph(*source, **kw))
+    monkeypatch.setattr(draw, "draw_graph", graph)
+    return drawn
+
+
+BENCHMARK_PLAN = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "plan-resnet32-2.json"
+
+
+def test_a_time_profiled_plan_is_shown_and_drawn_with_its_saved_costs(tmp_path, capsys, monkeypatch):
+    drawn = _capture_pictures(monkeypatch)
+    saved = Plan.load(BENCHMARK_PLAN)
+    assert saved.profile == "time"
+    argv = [RESNET32, "--plan", str(BENCHMARK_PLAN), "--show", "--plot", str(tmp_path / "cost.png"),
+            "--graph", str(tmp_path / "graph.svg"), "--json", str(tmp_path / "shown.json")]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert Plan.load(tmp_path / "shown.json") == saved
+    assert drawn["plot"] == saved and drawn["graph"] == saved
+    assert _stage_rows(out) == _stage_rows(saved.table())  # the file's 289 / 335 ms, not a new timing
+    assert (f"ppll-plan: costs as saved in {BENCHMARK_PLAN} (time profile); --remeasure measures them on this "
+            f"machine") in err.splitlines()
+
+
+def _scaled_costs(saved: Path, tmp_path: Path) -> Path:
+    """``saved`` with every stage's costs times 1000, as if measured on a much slower machine."""
+    d = yaml.safe_load(saved.read_text())
+    for s in d["stages"]:
+        for key in ("compute_cost", "comm_cost", "cost"):
+            s[key] *= 1000
+    path = tmp_path / "slow.yaml"
+    path.write_text(yaml.safe_dump(d))
+    return path
+
+
+def test_remeasure_or_a_planning_flag_measures_a_saved_plan_again(saved, tmp_path, capsys):
+    slow = _scaled_costs(saved, tmp_path)
+    costs = [s.cost for s in Plan.load(slow).stages]
+    fresh = [s.cost for s in Plan.load(saved).stages]
+    assert [_apply(capsys, slow)["stages"][i]["cost"] for i in range(4)] == costs
+    for extra in (["--remeasure"], ["--optimizer", "sgd"]):
+        assert main([RESNET32, "--plan", str(slow), *extra, "--json", "-"]) == 0
+        out, err = capsys.readouterr()
+        assert [s["cost"] for s in json.loads(out)["stages"]] == fresh
+        assert "costs as saved" not in err
+
+
+def test_an_edited_plan_is_measured_afresh_and_says_why(saved, tmp_path, capsys):
+    d = yaml.safe_load(saved.read_text())
+    d["stages"][0]["head"]["config"]["width"] = 4
+    edited = tmp_path / "edited.yaml"
+    edited.write_text(yaml.safe_dump(d))
+    assert main([RESNET32, "--plan", str(edited), "--json", "-"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["stages"][0]["aux_flops"] < d["stages"][0]["aux_flops"]
+    assert (f"ppll-plan: {edited} was edited (it differs from what re-applying it gives in stages[0].head), so its "
+            f"costs are measured afresh") in err.splitlines()
+    d = yaml.safe_load(saved.read_text())
+    d["stages"][0]["last_node"] = d["legal_cuts"][d["legal_cuts"].index(d["stages"][0]["last_node"]) + 1]
+    edited.write_text(yaml.safe_dump(d))
+    assert main([RESNET32, "--plan", str(edited), "--json", "-"]) == 0
+    assert (f"ppll-plan: {edited} was edited (stage 0: first_node/last_node must be the first/last of its nodes), "
+            f"so its costs are measured afresh") in capsys.readouterr().err.splitlines()
+
+
+def test_remeasure_and_graph_detail_need_their_flags(tmp_path, capsys):
+    model = _file(tmp_path, TINY)
+    _expect_exit_2(capsys, [model, "--remeasure"], "ppll-plan: error: --remeasure measures a saved plan's costs "
+                   "again; add --plan PLAN.yaml (without --plan every plan is measured)")
+    _expect_exit_2(capsys, [model, "--graph-detail", "nodes"], "ppll-plan: error: --graph-detail chooses what the "
+                   "--graph picture shows; add --graph PATH.svg")
+    _expect_exit_2(capsys, [model, "--graph", "g.svg", "--graph-detail", "all"], "invalid choice: 'all'")
 
 
 def test_plan_with_edited_device_and_head(saved, tmp_path, capsys):
@@ -309,6 +399,54 @@ def test_plan_with_an_illegal_cut(saved, tmp_path, capsys):
 
 def test_missing_plan_file(tmp_path, capsys):
     _expect_exit_2(capsys, [RESNET32, "--plan", str(tmp_path / "none.yaml")], "none.yaml", "does not exist")
+
+
+# ---- the CPU-fallback warning ------------------------------------------------------------
+
+def _fallback(devices: list[str], stages: int, replicas: int | None = None) -> str:
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    placed = "the stage runs" if stages == 1 else f"all {stages} stages run"
+    if replicas is not None:
+        placed = placed.replace(" run", f" ({replicas} replicas) run")
+    return (f"this machine has {have} CUDA device(s), so {', '.join(devices)} cannot be used; {placed} on the CPU "
+            f"(pass devices=[...] to choose)")
+
+
+def _warned(build) -> tuple[list[str], object]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        made = build()
+    return [str(w.message) for w in caught if "CUDA" in str(w.message)], made
+
+
+MISSING = ["cuda:60", "cuda:61", "cuda:62"]  # no machine has them
+
+
+@pytest.mark.parametrize("stages", [1, 3])
+def test_the_cpu_fallback_counts_the_stages(stages, monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    devices = MISSING[:stages]
+    messages, p = _warned(lambda: ppll_compile.plan(Residual(), devices=devices, example_inputs=(X,)))
+    assert messages == [_fallback(devices, stages)] and p.notes == (_fallback(devices, stages),)
+    assert p.devices == ("cpu",) * stages
+
+
+def test_the_cpu_fallback_of_replicated_stages_counts_stages_and_replicas(monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    messages, p = _warned(lambda: ppll_compile.plan(
+        conv_student(), teacher=conv_teacher(), devices=MISSING, split_points=["5"], replicas=(2, 1),
+        example_inputs=(torch.randn(8, 3, 16, 16),)))
+    assert p.num_stages == 2 and p.world_size == 3
+    assert messages == [_fallback(MISSING, 2, replicas=3)]
+    assert [n for n in p.notes if "CUDA" in n] == messages
+
+
+def test_under_torchrun_only_the_first_process_of_a_machine_warns(monkeypatch):
+    for local_rank, expected in (("1", 0), ("0", 1)):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        messages, p = _warned(lambda: ppll_compile.plan(Residual(), devices=MISSING[:2], example_inputs=(X,)))
+        assert len(messages) == expected
+        assert p.notes == (_fallback(MISSING[:2], 2),)  # every process's plan records it
 
 
 # ---- sizes -------------------------------------------------------------------------------
@@ -375,8 +513,21 @@ def test_pictures_are_written_and_reported(tmp_path, capsys):
     assert cost.read_bytes().startswith(PNG) and graph.read_bytes().startswith(PNG)
     assert b"<svg" in gantt.read_bytes()[:2000]
     assert f"wrote {cost} (cost per stage, bottleneck stage " in err
-    assert f"wrote {graph} (the traced graph by stage)" in err
+    assert f"wrote {graph} (the traced graph by stage: a box per node, 7)" in err
     assert f"wrote {gantt} (simulated timeline of 8 batches)" in err  # 4 batches per stage by default
+
+
+def test_graph_detail_chooses_the_boxes(tmp_path, capsys):
+    graph = tmp_path / "graph.svg"
+    assert main([RESNET32, "--gpus", "2", *SMALL, "--graph", str(graph)]) == 0
+    assert f"wrote {graph} (the traced graph by stage: 23 boxes grouping 130 nodes by module)" in \
+        capsys.readouterr().err
+    assert main([RESNET32, "--gpus", "2", *SMALL, "--graph", str(graph), "--graph-detail", "nodes"]) == 0
+    assert f"wrote {graph} (the traced graph by stage: a box per node, 130)" in capsys.readouterr().err
+    model = _file(tmp_path, TINY)
+    assert main([model, "--gpus", "2", "--graph", str(graph), "--graph-detail", "modules"]) == 0
+    assert f"wrote {graph} (the traced graph by stage: 7 boxes grouping 7 nodes by module)" in \
+        capsys.readouterr().err
 
 
 def test_gantt_of_a_recorded_trace_needs_no_model(tmp_path, capsys):

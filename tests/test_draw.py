@@ -1,16 +1,18 @@
 """Pictures of plans: cost bars that add up to the stage costs, graphs coloured by stage with the cuts, Gantt charts."""
 
 import dataclasses
+import importlib.util
 import re
 import shutil
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 import ppll_compile
 from ppll_compile import PPLLError
-from ppll_compile.draw import cost_bars, describe_graph, draw_gantt, draw_graph, plot_costs
+from ppll_compile.draw import MAX_NODES, cost_bars, describe_graph, draw_gantt, draw_graph, plot_costs
 from ppll_compile.timeline import Event, Timeline
 
 from models import Masked, Residual, conv_student, conv_teacher
@@ -170,6 +172,49 @@ def test_large_graphs_are_summarised_by_module(tmp_path):
         describe_graph(gm, plan, max_nodes=2)
     picture = draw_graph(compiled, tmp_path / "summary.png", max_nodes=12, engine="matplotlib")
     assert _is_png(picture.path) and picture.description == desc
+
+
+def _png_size(path) -> tuple[int, int]:
+    """(width, height) in pixels, from the PNG header."""
+    head = path.read_bytes()[:24]
+    assert head.startswith(PNG)
+    return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+
+
+@pytest.fixture(scope="module")
+def resnet32():
+    """ResNet-32 in 2 stages: 130 traced nodes in one long chain."""
+    spec = importlib.util.spec_from_file_location("resnet32", Path(__file__).parents[1] / "examples" / "resnet32.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return _quietly(lambda: ppll_compile.compile(module.build_model(), 2,
+                                                 example_inputs=(torch.randn(2, 3, 32, 32),)))
+
+
+def test_a_long_graph_is_drawn_as_its_module_summary_by_default(resnet32, tmp_path):
+    gm, plan = resnet32.graph_module, resnet32.plan
+    assert len(gm.graph.nodes) == 130 > MAX_NODES
+    desc = describe_graph(gm, plan)
+    assert desc.summary and desc.depth == 2 and len(desc.nodes) == 23  # conv1, bn1, relu, 15 blocks, ...
+    assert [n.label for n in desc.nodes[4:6]] == ["layer1.0\n8 nodes", "layer1.1\n8 nodes"]
+    assert describe_graph(gm, plan, detail="modules") == desc
+    nodes = describe_graph(gm, plan, detail="nodes")
+    assert not nodes.summary and len(nodes.nodes) == 130
+    summary = draw_graph(resnet32, tmp_path / "summary.png", engine="matplotlib")
+    every = draw_graph(resnet32, tmp_path / "nodes.png", engine="matplotlib", detail="nodes")
+    assert summary.description == desc and every.description == nodes
+    (w, h), (_, h_nodes) = _png_size(summary.path), _png_size(every.path)
+    assert h < 2500 and h < 4 * w  # the one-column node picture is about 10,000 pixels tall
+    assert h_nodes > 4 * h
+
+
+def test_detail_modules_summarises_a_small_graph_and_bad_details_are_named(residual):
+    gm, plan = residual.graph_module, residual.plan
+    assert not describe_graph(gm, plan).summary
+    modules = describe_graph(gm, plan, detail="modules")
+    assert modules.summary and [m for n in modules.nodes for m in n.members] == [n.name for n in gm.graph.nodes]
+    with pytest.raises(ValueError, match=re.escape("detail 'all' is not known; details: auto, modules, nodes")):
+        describe_graph(gm, plan, detail="all")
 
 
 @pytest.mark.skipif(shutil.which("dot") is None, reason="the Graphviz `dot` program is not installed")

@@ -14,7 +14,8 @@ from __future__ import annotations
 from .costs import CostBars, cost_bars, plot_costs
 from .figure import SUFFIXES
 from .gantt import Gantt, draw_gantt
-from .graph import ENGINES, GraphDescription, GraphEdge, GraphNode, GraphPicture, describe_graph, draw_graph
+from .graph import (DETAILS, ENGINES, MAX_NODES, GraphDescription, GraphEdge, GraphNode, GraphPicture, describe_graph,
+                    draw_graph)
 
-__all__ = ["SUFFIXES", "ENGINES", "CostBars", "GraphNode", "GraphEdge", "GraphDescription", "GraphPicture", "Gantt",
-           "cost_bars", "describe_graph", "plot_costs", "draw_graph", "draw_gantt"]
+__all__ = ["SUFFIXES", "ENGINES", "DETAILS", "MAX_NODES", "CostBars", "GraphNode", "GraphEdge", "GraphDescription",
+           "GraphPicture", "Gantt", "cost_bars", "describe_graph", "plot_costs", "draw_graph", "draw_gantt"]

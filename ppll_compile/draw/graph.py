@@ -12,10 +12,18 @@ from ..plan import Plan
 from ..trace import module_path
 from .figure import figure, output_path, save
 
-__all__ = ["ENGINES", "GraphNode", "GraphEdge", "GraphDescription", "GraphPicture", "describe_graph", "draw_graph"]
+__all__ = ["ENGINES", "DETAILS", "MAX_NODES", "GraphNode", "GraphEdge", "GraphDescription", "GraphPicture",
+           "describe_graph", "draw_graph"]
 
 ENGINES = ("auto", "graphviz", "matplotlib")
 """Ways :func:`draw_graph` can lay out a graph; ``auto`` picks graphviz when its ``dot`` program is installed."""
+DETAILS = ("auto", "modules", "nodes")
+"""What a box of the graph stands for: ``nodes`` one traced node each, ``modules`` consecutive nodes of one module
+path and stage (at the deepest depth giving at most ``max_nodes`` boxes), ``auto`` nodes up to ``max_nodes`` of
+them, else modules."""
+MAX_NODES = 60
+"""Boxes a graph picture holds by default: a chain of more is too long to read (ResNet-32's 130 nodes drawn one
+per box make a picture some 10,000 pixels tall), so ``detail='auto'`` summarises such graphs by module."""
 
 _STAGE_COLORS = ("#80b1d3", "#fdb462", "#b3de69", "#bebada", "#fb8072", "#8dd3c7", "#fccde5", "#ffed6f",
                  "#bc80bd", "#ccebc5")
@@ -56,7 +64,8 @@ class GraphDescription:
     stage_labels: tuple[str, ...]
     title: str
     summary: bool
-    """True when consecutive nodes are grouped by module path (the graph had more than ``max_nodes`` nodes)."""
+    """True when consecutive nodes are grouped by module path (``detail='modules'``, or ``auto`` with more than
+    ``max_nodes`` nodes)."""
     depth: int | None
     """Module-path depth of the summary groups (``None`` when every node is drawn)."""
 
@@ -160,23 +169,26 @@ def _staged(gm: Any, plan: Plan) -> _Staged:
                    colors=tuple(_STAGE_COLORS[j % len(_STAGE_COLORS)] for j in range(plan.num_stages)))
 
 
-def describe_graph(gm: Any, plan: Plan, *, max_nodes: int = 150) -> GraphDescription:
+def describe_graph(gm: Any, plan: Plan, *, max_nodes: int = MAX_NODES, detail: str = "auto") -> GraphDescription:
     """Boxes, edges and colours for the traced graph ``gm`` of ``plan``, without drawing anything.
 
     Nodes take the colour of the stage whose ``nodes`` list them (inputs, outputs and parameters a neutral
     grey). An edge is a cut when its producer's stage is earlier than its consumer's; it is labelled with the
-    boundary shape. With more than ``max_nodes`` nodes, consecutive nodes of one stage and one module path
-    (truncated to the deepest depth that gives at most ``max_nodes`` groups) become one box.
+    boundary shape. ``detail`` (one of :data:`DETAILS`): ``nodes`` draws a box per node; ``modules`` makes
+    consecutive nodes of one stage and one module path (truncated to the deepest depth that gives at most
+    ``max_nodes`` groups) one box; ``auto`` (default) is ``nodes`` up to ``max_nodes`` nodes, else ``modules``.
     """
     if max_nodes < 1:
         raise ValueError(f"max_nodes must be at least 1, got {max_nodes}")
+    if detail not in DETAILS:
+        raise ValueError(f"detail {detail!r} is not known; details: {', '.join(DETAILS)}")
     staged = _staged(gm, plan)
     stage_labels = tuple(f"stage {s.index}: {s.device}" + (f" x {s.replicas}" if s.replicas > 1 else "")
                          for s in plan.stages)
     teacher = f" (student of {plan.teacher})" if plan.teacher else ""
     title = f"{plan.model}{teacher}: {plan.mode.upper()}, {plan.num_stages} stages, cuts in red"
     common: dict[str, Any] = dict(stage_colors=staged.colors, stage_labels=stage_labels, title=title)
-    if len(staged.nodes) <= max_nodes:
+    if detail == "nodes" or (detail == "auto" and len(staged.nodes) <= max_nodes):
         boxes, edges = _box_per_node(staged)
         return GraphDescription(nodes=boxes, edges=edges, summary=False, depth=None, **common)
     runs, depth = _runs(staged, max_nodes)
@@ -253,12 +265,14 @@ def _unpack(compiled: Any) -> tuple[Any, Plan]:
                     f"(graph_module, plan), got {type(compiled).__name__}")
 
 
-def draw_graph(compiled: Any, path: str | Path, *, max_nodes: int = 150, engine: str = "auto") -> GraphPicture:
+def draw_graph(compiled: Any, path: str | Path, *, max_nodes: int = MAX_NODES, engine: str = "auto",
+               detail: str = "auto") -> GraphPicture:
     """Draw the traced graph of a compiled pipeline (or ``(graph_module, plan)``) coloured by stage, cuts in red.
 
     ``engine``: ``graphviz`` (needs the ``dot`` program), ``matplotlib`` (a layered top-to-bottom layout), or
-    ``auto`` (graphviz when ``dot`` is installed). Graphs with more than ``max_nodes`` nodes are drawn as a
-    module-level summary (see :func:`describe_graph`).
+    ``auto`` (graphviz when ``dot`` is installed). ``detail``: graphs with more than ``max_nodes`` nodes are
+    drawn as a module-level summary (``auto``), or always (``modules``), or never (``nodes``); see
+    :func:`describe_graph`.
     """
     path = output_path(path)
     if engine not in ENGINES:
@@ -268,7 +282,7 @@ def draw_graph(compiled: Any, path: str | Path, *, max_nodes: int = 150, engine:
     if engine == "graphviz" and not has_dot:
         raise PPLLError("engine='graphviz' needs the Graphviz `dot` program, which is not on PATH; install Graphviz "
                         "(`apt-get install graphviz` or `brew install graphviz`) or pass engine='matplotlib'")
-    desc = describe_graph(gm, plan, max_nodes=max_nodes)
+    desc = describe_graph(gm, plan, max_nodes=max_nodes, detail=detail)
     if engine == "matplotlib" or (engine == "auto" and not has_dot):
         _graph_matplotlib(desc, path)
         return GraphPicture(path=path, engine="matplotlib", description=desc)
