@@ -22,7 +22,7 @@ SECTIONS = {
     "compiler": "compile time against model size, and the partitioner's own speed",
     "quality": "partition quality of exact against the uniform, greedy and params baselines",
     "throughput": "PPLL runtimes against E2E, sequential local learning and torch pipelining; simulated vs measured",
-    "distill": "Pipe-BD against the DNA baseline, and each technique's share",
+    "distill": "Pipe-BD against the strongest 2-process baseline (DDP; DNA two ways), and each technique's share",
     "accuracy": "accuracy on scikit-learn digits: E2E against PPLL with dgl and infopro heads",
     "zoo": "timm and Hugging Face models compiled unmodified: cuts, balance, front end, eval and threads checks",
     "heads": "deeper heads: PPLL vs torch pipelining as the ViT head deepens; digits accuracy per head type",

@@ -134,14 +134,24 @@ def compare(*, steps: int, warmup: int, rounds: int) -> dict:
             layouts[name] = [[list(s.blocks), s.replicas] for s in p.stages]
             predicted[name] = BATCH / p.bottleneck_cost
         runs: dict[str, list[float]] = {name: [] for name in ("sequential", *RUNS)}
+        failures: list[str] = []
         for _ in range(rounds):
             runs["sequential"].append(_sequential(paths["two-stages"], steps, warmup))
             for name, (runtime, plan, options) in RUNS.items():
-                runs[name].append(spawn(_worker, 2, (runtime, paths[plan], options, steps, warmup),
-                                        timeout=900)["samples_per_s"])
+                for attempt in (1, 2):  # a rank that dies (e.g. aborts in gloo) gets one retry, counted
+                    try:
+                        done = spawn(_worker, 2, (runtime, paths[plan], options, steps, warmup), timeout=900)
+                        break
+                    except RuntimeError as e:
+                        failures.append(f"{name}: {e}")
+                        if attempt == 2:
+                            raise RuntimeError(f"run {name!r} ({runtime}, plan {plan}, {options}) failed twice: "
+                                               f"{failures[-2:]}") from e
+                runs[name].append(done["samples_per_s"])
     out: dict[str, Any] = {name: statistics.median(v) for name, v in runs.items()}
     best = max(BASELINES, key=lambda name: out[name])
-    out |= {"runs": runs, "layouts": layouts, "predicted_samples_per_s": predicted, "best_baseline": best}
+    out |= {"runs": runs, "layouts": layouts, "predicted_samples_per_s": predicted, "best_baseline": best,
+            "failed_attempts": failures}
     out["ratios"] = {"pipebd/best-baseline": out["pipebd"] / out[best],
                      **{f"pipebd/{name}": out["pipebd"] / out[name] for name in BASELINES},
                      "decoupled/relay": out["relay+decoupled"] / out["relay"],
@@ -195,6 +205,8 @@ def _markdown(r: dict) -> str:
               f"as chosen over relaying + decoupled {ratios['pipebd/relay+decoupled']:.2f}x"
               + (" (the planner chose no replicas here: the same layout, 1.00x up to noise)."
                  if layouts["as-planned"] == layouts["two-stages"] else "."), ""]
+    if r["failed_attempts"]:
+        lines += [f"Runs retried after a rank died: {'; '.join(r['failed_attempts'])}.", ""]
     return "\n".join(lines)
 
 

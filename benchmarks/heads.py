@@ -23,7 +23,7 @@ import ppll_compile
 from ppll_compile.heads import MomentumHead
 from ppll_compile.policy import Policy, load_policy, validate_policy
 
-from .launch import load_example, one_thread
+from .launch import load_example, one_thread, timed_steps
 from .pipelining import best_pipelining
 from .report import Section, standalone
 
@@ -69,20 +69,6 @@ def _compiled(policy: Policy | str) -> ppll_compile.CompiledPipeline:
                                     policy=policy, split_points=[VIT_CUT])
 
 
-def _timed_threads(compiled: ppll_compile.CompiledPipeline, data: list, warmup: int) -> float:
-    """Samples per second of the threads runtime (one thread per stage) after ``warmup`` batches, drained at both
-    ends."""
-    with compiled.trainer(optimizer=_sgd, runtime="threads", threads_per_stage=1) as trainer:
-        for x, y in data[:warmup]:
-            trainer.step(x, y)
-        trainer.finish()
-        start = time.perf_counter()
-        for x, y in data[warmup:]:
-            trainer.step(x, y)
-        trainer.finish()
-        return (len(data) - warmup) * BATCH / (time.perf_counter() - start)
-
-
 def throughput(*, steps: int, warmup: int, rounds: int, microbatches: tuple[int, ...]) -> dict:
     """PPLL threads (2 stages, one thread each) with a transformer head of every depth in :data:`DEPTHS`, against
     the best torch pipelining schedule on the same split (which has no head, so it is measured once). Each round
@@ -95,7 +81,8 @@ def throughput(*, steps: int, warmup: int, rounds: int, microbatches: tuple[int,
     with one_thread():
         for _ in range(rounds):
             for d in DEPTHS:
-                runs[d].append(_timed_threads(_compiled(_transformer(d)), data, warmup))
+                runs[d].append(timed_steps(_compiled(_transformer(d)).trainer(optimizer=_sgd, runtime="threads",
+                                                                          threads_per_stage=1), data, warmup))
     vit = load_example("vit_small")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the CPU fallback
@@ -326,7 +313,7 @@ def _markdown(res: dict) -> str:
 def section(*, quick: bool, out: Path) -> Section:
     """Throughput against head depth, then digits accuracy per head type (about 5 minutes; ``quick``: about 2)."""
     out = Path(out)
-    steps, warmup, rounds = (3, 1, 1) if quick else (6, 2, 2)
+    steps, warmup, rounds = (3, 1, 1) if quick else (12, 3, 3)
     epochs, seeds = (2, (0,)) if quick else (8, (0, 1))
     start = time.perf_counter()
     res: dict[str, Any] = {"throughput": throughput(steps=steps, warmup=warmup, rounds=rounds,

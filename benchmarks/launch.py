@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["EXAMPLES", "load_example", "one_thread", "spawn"]
+__all__ = ["EXAMPLES", "load_example", "one_thread", "spawn", "timed_steps"]
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -28,6 +28,20 @@ def load_example(name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # type: ignore[union-attr]
     return module
+
+
+def timed_steps(trainer: Any, data: list, warmup: int) -> float:
+    """Samples per second of ``trainer`` over the ``(x, y)`` batches of ``data`` after ``warmup`` of them, the
+    pipeline drained at both ends; the trainer is closed afterwards."""
+    with trainer:
+        for x, y in data[:warmup]:
+            trainer.step(x, y)
+        trainer.finish()
+        start = time.perf_counter()
+        for x, y in data[warmup:]:
+            trainer.step(x, y)
+        trainer.finish()
+        return sum(len(y) for _, y in data[warmup:]) / (time.perf_counter() - start)
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ import ppll_compile
 from ppll_compile.draw import draw_gantt
 from ppll_compile.plan import format_bytes
 
-from .launch import load_example, one_thread, spawn
+from .launch import load_example, one_thread, spawn, timed_steps
 from .pipelining import best_pipelining
 from .report import Section, standalone
 
@@ -49,19 +49,6 @@ def _batches(n: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g))
             for _ in range(n)]
-
-
-def _timed_fit(trainer: Any, data: list, warmup: int) -> float:
-    """Samples per second of ``trainer`` over ``data`` after ``warmup`` batches, pipeline drained at both ends."""
-    with trainer:
-        for x, y in data[:warmup]:
-            trainer.step(x, y)
-        trainer.finish()
-        start = time.perf_counter()
-        for x, y in data[warmup:]:
-            trainer.step(x, y)
-        trainer.finish()
-        return (len(data) - warmup) * BATCH / (time.perf_counter() - start)
 
 
 def _e2e(model: str, data: list, warmup: int) -> float:
@@ -135,9 +122,9 @@ def throughput(model: str, k: int, *, steps: int, warmup: int, rounds: int, micr
         runs: dict[str, list[float]] = {name: [] for name in RUNTIMES}
         for _ in range(rounds):
             runs["e2e"].append(_e2e(model, data, warmup))
-            runs["sequential"].append(_timed_fit(_compiled(model, k, plan=plan).trainer(optimizer=sgd), data,
+            runs["sequential"].append(timed_steps(_compiled(model, k, plan=plan).trainer(optimizer=sgd), data,
                                                  warmup))
-            runs["threads"].append(_timed_fit(_compiled(model, k, plan=plan).trainer(
+            runs["threads"].append(timed_steps(_compiled(model, k, plan=plan).trainer(
                 optimizer=sgd, runtime="threads", threads_per_stage=1), data, warmup))
             runs["distributed"].append(spawn(_distributed_worker, k, (model, steps, warmup, plan),
                                              timeout=300 + 20 * (steps + warmup))["samples_per_s"])

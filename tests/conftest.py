@@ -15,3 +15,12 @@ def one_thread_quietly():
         warnings.simplefilter("ignore")
         yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread, as every worker process runs: the same reduction order in the reference and the workers."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -34,13 +34,7 @@ for _key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
     ENV.pop(_key, None)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The sequential reference runs with one thread, like every worker, so the arithmetic is the same."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _free_port() -> int:

@@ -132,13 +132,7 @@ def _assert_equal(ours: list[torch.Tensor], ref: list[torch.Tensor]) -> None:
         torch.testing.assert_close(a, b)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread: the same reduction order in every runtime and in the workers."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---- the DNA schedules ---------------------------------------------------------------------------------

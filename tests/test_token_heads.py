@@ -333,7 +333,8 @@ def test_an_lm_head_on_a_feature_map_or_a_per_example_sequence_is_refused():
         "use type conv or infopro or mlp or momentum")
     assert error(validate_policy, {"heads": {"sequence": {"type": "lm"}}}, "p.yaml") == (
         "p.yaml: heads.sequence.type 'lm' gives per-token scores (N x L x C), but heads.sequence serves labels of one "
-        "class per example (N); use type mlp or momentum or token or transformer (a per-token head goes under per_token:)")
+        "class per example (N); use type mlp or momentum or token or transformer (a per-token head goes under "
+        "per_token:)")
 
 
 def test_the_per_token_entry_is_validated_like_every_head_config():
@@ -343,7 +344,8 @@ def test_the_per_token_entry_is_validated_like_every_head_config():
     assert msg({"type": "lm", "rnak": 8}) == "p.yaml: unknown key 'rnak' at per_token (allowed: rank, type)"
     assert msg({"type": "lm", "rank": -1}) == "p.yaml: per_token.rank must be an integer >= 0, got -1"
     assert msg({"type": "lm", "rank": "64"}) == "p.yaml: per_token.rank must be an integer >= 0, got '64'"
-    assert msg({"rank": 8}) == "p.yaml: per_token.type must be one of conv, infopro, lm, mlp, momentum, token, transformer, got None"
+    assert msg({"rank": 8}) == ("p.yaml: per_token.type must be one of conv, infopro, lm, mlp, momentum, token, "
+                                "transformer, got None")
     assert msg("lm") == "p.yaml: per_token must be a mapping, got 'lm'"
     assert msg({"type": "mlp"}) == ("p.yaml: per_token.type 'mlp' gives one score vector per example (N x C), but "
                                     "per_token serves labels of one class per token (N x L); use type lm")

@@ -9,7 +9,7 @@ from ..errors import StageError
 from .messages import Message, add_counts
 from .runner import Runner
 
-__all__ = ["Runtime", "Losses", "Counts"]
+__all__ = ["Runtime", "Losses", "Counts", "progress_bar"]
 
 Losses = list[list[float]]
 """Per stage, the losses of the batches it finished since the last call, in order."""
@@ -93,3 +93,11 @@ class Runtime:
 
     def abandon(self) -> None:
         """Its trainer is gone without :meth:`close`: let worker threads end on their own, without waiting."""
+
+
+def progress_bar(total: int | None, desc: str, enabled: bool) -> Any:
+    """A tqdm bar of ``total`` batches labelled ``desc`` (``None`` when not ``enabled``)."""
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc=desc, unit="batch", dynamic_ncols=True)

@@ -23,7 +23,7 @@ from ..errors import PPLLError
 from ..lowered import Lowered, move
 from ..plan import Plan
 from ..timeline import span
-from .base import Counts, Losses, Runtime
+from .base import Counts, Losses, Runtime, progress_bar
 from .config import TrainConfig
 from .group import init_group, rank_device
 from .inputs import batch_message, loader_pair
@@ -223,7 +223,7 @@ class DNAPerBlockRuntime(DNARuntime):
         total = len(loader) if hasattr(loader, "__len__") else None  # type: ignore[arg-type]
         for k, (r, i, _) in enumerate(self._parts):
             for e in range(epochs):
-                bar = _progress(total, f"block {k + 1}/{len(self._parts)}, epoch {e + 1}/{epochs}",
+                bar = progress_bar(total, f"block {k + 1}/{len(self._parts)}, epoch {e + 1}/{epochs}",
                                 progress and self.is_main)
                 start = time.perf_counter()
                 try:
@@ -258,12 +258,6 @@ def _replay(block: nn.Module, inputs: tuple[Any, ...]) -> None:
     for b, value in zip(block.buffers(), saved):
         b.copy_(value)
 
-
-def _progress(total: int | None, desc: str, enabled: bool) -> Any:
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
-    return tqdm(total=total, desc=desc, unit="batch", dynamic_ncols=True)
 
 
 DNA_RUNTIMES: dict[str, type[DNARuntime]] = {"dna": DNARuntime, "dna-per-block": DNAPerBlockRuntime}

@@ -19,7 +19,7 @@ from ..lowered import Lowered
 from ..plan import Plan
 from ..timeline import Recorder, Timeline
 from . import checkpoint
-from .base import Losses, Runtime
+from .base import Losses, Runtime, progress_bar
 from .config import TrainConfig
 from .distributed import DistributedRuntime
 from .dna import DNA_RUNTIMES, DNAPerBlockRuntime
@@ -250,7 +250,7 @@ class Trainer:
             counts = [0] * self.plan.num_stages
             seen = [0]
             label = progress if isinstance(progress, str) else f"epoch {epoch + 1}/{epochs}"
-            bar = _progress(total, label, bool(progress) and self.is_main)
+            bar = progress_bar(total, label, bool(progress) and self.is_main)
             start = time.perf_counter()
 
             def on_step(losses: Losses, size: int) -> None:
@@ -426,9 +426,3 @@ def _claim(lowered: Lowered) -> None:
                         f"parameters at once. Close it first (trainer.close(), or use it in a with block), or "
                         f"compile the model again for an independent pipeline")
 
-
-def _progress(total: int | None, desc: str, enabled: bool) -> Any:
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
-    return tqdm(total=total, desc=desc, unit="batch", dynamic_ncols=True)
