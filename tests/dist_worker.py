@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # the repository root: ``tests.…`` imports
 
 import ppll_compile  # noqa: E402
 from models import Residual, conv_student, conv_teacher  # noqa: E402
