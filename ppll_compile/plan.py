@@ -209,6 +209,8 @@ class StagePlan:
     """Time in seconds to send the boundary to the next stage."""
     cost: float
     """Predicted step time of the stage in seconds: ``compute_cost + comm_cost`` (over its replicas)."""
+    step_cost: float = 0.0
+    """Seconds of the stage's optimizer step (backbone and head), part of :attr:`compute_cost`."""
     replicas: int = 1
     """Devices that run the stage data-parallel, each on a slice of the batch (gradients all-reduced)."""
     blocks: tuple[int, ...] = ()
@@ -318,7 +320,8 @@ class Plan:
     partitioner: str
     """Partitioner that chose the cuts (``manual`` for user-given cuts)."""
     profile: str
-    """Cost profile: ``flops`` (counted) or ``time`` (measured on the device)."""
+    """Cost profile: ``roofline`` (counted FLOPs and bytes over the device's calibrated figures), ``flops``
+    (counted FLOPs over :attr:`flops_per_second`) or ``time`` (measured on the device)."""
     optimizer: str
     """Optimizer whose state the memory model counts: ``sgd``, ``momentum`` or ``adam``."""
     flops_per_second: float
@@ -337,8 +340,14 @@ class Plan:
     """The stages, in pipeline order."""
     sequential_cost: float
     """Predicted step time of all stages run one after the other on one nominal device, in seconds."""
+    calibration: Mapping[str, Any] = field(default_factory=dict)
+    """``roofline``: the device figures the costs were computed with (device name, torch version, peak FLOP/s,
+    memory bandwidth, per-kernel overhead); empty for the other profiles."""
     notes: tuple[str, ...] = field(default=())
     """Human-readable remarks gathered while planning (e.g. CPU fallback, multi-tensor boundaries)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "calibration", FrozenDict(self.calibration))
 
     @property
     def num_stages(self) -> int:
@@ -404,6 +413,8 @@ class Plan:
             v = getattr(self, f.name)
             if f.name in ("inputs", "stages", "blocks"):
                 v = [t.to_dict() for t in v]
+            elif isinstance(v, FrozenDict):
+                v = v.to_dict()
             elif isinstance(v, tuple):
                 v = list(v)
             d[f.name] = v
