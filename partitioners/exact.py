@@ -23,10 +23,35 @@ def exact_partition(problem: Problem, num_stages: int) -> tuple[int, ...]:
     Raises ``InfeasibleMemoryError`` (with the smallest uniform cap that would work) when none fits.
     """
     t = Arrays.of(problem, num_stages)
+    if t.starts:
+        return _dynamic(t)
     ends, _ = _probe(t, math.inf)
     if ends is None:
         raise infeasible(t.caps, _min_limit(t))
     return _min_max(t, ends)
+
+
+def _dynamic(t: Arrays) -> tuple[int, ...]:
+    """The min-max partition by a DP over (stage, end), every start tried: for costs with a ``start`` term, which the
+    probes' window bounds do not cover. ``O(k n^2)``."""
+    n, k = len(t.comm), len(t.speeds)
+    a, b = np.arange(n)[:, None], np.arange(1, n + 1)[None, :]
+    memory = np.where(a < b, t.memory_top[b - 1] - t.memory_prefix[a], math.inf)
+    best = np.full((k + 1, n + 1), math.inf)
+    best[0, 0] = 0.0
+    start = np.zeros((k + 1, n + 1), dtype=int)
+    for j in range(k):
+        cost = (t.compute_top[b - 1] - t.compute_bottom[a]) / t.speeds[j] + t.comm[b - 1]
+        cost = np.where((a < b) & (memory <= t.caps[j]), cost, math.inf)
+        step = np.maximum(best[j][:n, None], cost)
+        best[j + 1, 1:], start[j + 1, 1:] = step.min(axis=0), step.argmin(axis=0)
+    if not math.isfinite(best[k, n]):
+        raise infeasible(t.caps, _min_limit(t))
+    ends, end = [], n
+    for j in range(k, 0, -1):
+        ends.append(end)
+        end = int(start[j, end])
+    return tuple(reversed(ends))
 
 
 def _min_limit(t: Arrays) -> float:
@@ -36,6 +61,7 @@ def _min_limit(t: Arrays) -> float:
         t,
         compute_prefix=t.memory_prefix,
         compute_top=t.memory_top,
+        compute_bottom=t.memory_prefix[:-1],
         comm=np.zeros(len(t.comm)),
         speeds=np.ones(k),
         caps=np.full(k, math.inf),

@@ -32,7 +32,7 @@ class Problem:
     """Per-segment costs of a model cut into ``n`` atomic segments, plus the devices' speeds and memory limits.
 
     A stage ``j`` covering segments ``[a, b)`` costs
-    ``(sum(compute[a:b]) + head[b-1]) / speeds[j] + comm[b-1]`` seconds and needs
+    ``(sum(compute[a:b]) - start[a] + head[b-1]) / speeds[j] + comm[b-1]`` seconds and needs
     ``sum(memory[a:b]) + head_memory[b-1]`` bytes, which must not exceed ``memory_limit[j]``.
     ``None`` means zeros for per-segment fields, ones for ``speeds`` and no cap for ``memory_limit``.
     Sums are evaluated as differences of float64 prefix sums, identically by every function here, so
@@ -45,6 +45,9 @@ class Problem:
     """Per segment ``i``: compute time of the aux head at the cut after ``i``, paid by a stage ending at ``i``."""
     comm: Sequence[float] | None = None
     """Per segment ``i``: time to send the boundary after ``i`` to the next stage (0 for the last segment)."""
+    start: Sequence[float] | None = None
+    """Per segment ``a``: time a stage starting at ``a`` saves (its input arrives detached, so its first layers
+    compute no input gradient); at most ``compute[a]``."""
     memory: Sequence[float] | None = None
     """Per segment: bytes of parameters, gradients, optimiser state and activations."""
     head_memory: Sequence[float] | None = None
@@ -60,13 +63,17 @@ class Problem:
         n = len(vector("compute", self.compute))
         if n == 0:
             raise PartitionError("Problem.compute is empty; expected one cost per segment (a model has at least one)")
-        for name in ("head", "comm", "memory", "head_memory", "params"):
+        for name in ("head", "comm", "start", "memory", "head_memory", "params"):
             values = getattr(self, name)
             if values is not None and len(vector(name, values)) != n:
                 raise PartitionError(
                     f"Problem.{name} has {len(values)} entries but compute has {n}; "
                     "expected one entry per segment (or None)"
                 )
+        if self.start is not None and (np.asarray(self.start) > np.asarray(self.compute)).any():
+            i = int(np.argmax(np.asarray(self.start) > np.asarray(self.compute)))
+            raise PartitionError(f"Problem.start[{i}] is {self.start[i]!r}, more than compute[{i}] "
+                                 f"({self.compute[i]!r}); a stage cannot save more than its first segment costs")
         if self.speeds is not None:
             vector("speeds", self.speeds)
         if self.memory_limit is not None:
@@ -81,6 +88,8 @@ class Arrays:
     """``compute_prefix[i]`` is the summed compute of segments ``0 .. i-1`` (length n + 1)."""
     compute_top: np.ndarray
     """``compute_prefix[b] + head[b-1]`` at index ``b-1``: what a stage ending at ``b`` adds before its start."""
+    compute_bottom: np.ndarray
+    """``compute_prefix[a] + start[a]`` at index ``a``: what a stage starting at ``a`` takes off (length n)."""
     comm: np.ndarray
     """Per segment ``i``: send time of the boundary after ``i``."""
     memory_prefix: np.ndarray
@@ -106,6 +115,7 @@ class Arrays:
         return cls(
             compute_prefix=compute_prefix,
             compute_top=compute_prefix[1:] + column(problem.head),
+            compute_bottom=compute_prefix[:-1] + column(problem.start),
             comm=column(problem.comm),
             memory_prefix=memory_prefix,
             memory_top=memory_prefix[1:] + column(problem.head_memory),
@@ -115,7 +125,12 @@ class Arrays:
 
     def stage_cost(self, j: int, a: int, b: int) -> float:
         """Time of stage ``j`` over segments ``[a, b)``; the exact solver evaluates this same expression."""
-        return float((self.compute_top[b - 1] - self.compute_prefix[a]) / self.speeds[j] + self.comm[b - 1])
+        return float((self.compute_top[b - 1] - self.compute_bottom[a]) / self.speeds[j] + self.comm[b - 1])
+
+    @property
+    def starts(self) -> bool:
+        """Whether a stage's cost depends on where it starts beyond its segments (``start`` is not all zero)."""
+        return bool((self.compute_bottom != self.compute_prefix[:-1]).any())
 
     def stage_memory(self, a: int, b: int) -> float:
         """Bytes of a stage over segments ``[a, b)``; the exact solver evaluates this same expression."""

@@ -15,7 +15,7 @@ from .problem import InfeasibleMemoryError, PartitionError, check_ends, format_b
 __all__ = ["ReplicaProblem", "Layout", "solve_replicated", "solve_fixed_replicas", "brute_force_replicated",
            "layout_costs", "allreduce_seconds"]
 
-_SEGMENT_FIELDS = ("head", "comm", "grad_bytes", "head_grad_bytes", "memory", "head_memory")
+_SEGMENT_FIELDS = ("head", "comm", "start", "grad_bytes", "head_grad_bytes", "memory", "head_memory")
 
 
 def allreduce_seconds(nbytes, replicas, bandwidth):
@@ -31,7 +31,7 @@ class ReplicaProblem:
     """Per-segment costs of a model cut into ``n`` segments, to be laid out as replicated stages on ``devices`` devices.
 
     A stage over segments ``[a, b)`` with ``r`` replicas costs ``work / r + sync`` seconds, where
-    ``work = sum(compute[a:b]) + head[b-1] + comm[b-1]`` and, when ``r > 1``,
+    ``work = sum(compute[a:b]) - start[a] + head[b-1] + comm[b-1]`` and, when ``r > 1``,
     ``sync = 2 (r-1)/r * (sum(grad_bytes[a:b]) + head_grad_bytes[b-1]) / allreduce_bandwidth``; each replica
     needs ``sum(memory[a:b]) + head_memory[b-1]`` bytes. ``None`` means zeros for per-segment fields. With
     ``split_compute`` (measured times at each replica's share of the batch), ``sum(compute[a:b]) / r`` is
@@ -44,6 +44,8 @@ class ReplicaProblem:
     """Per segment ``i``: seconds of the aux head paid by a stage ending at ``i`` (split over replicas)."""
     comm: Sequence[float] | None = None
     """Per segment ``i``: seconds to send the boundary after ``i`` at the full batch (0 for the last)."""
+    start: Sequence[float] | None = None
+    """Per segment ``a``: seconds a stage starting at ``a`` saves (its input arrives detached: no input gradient)."""
     grad_bytes: Sequence[float] | None = None
     """Per segment: bytes of gradients all-reduced when its stage is replicated."""
     head_grad_bytes: Sequence[float] | None = None
@@ -257,6 +259,9 @@ class _Tables:
 
     compute_prefix: np.ndarray
     """``compute_prefix[i]`` is the summed compute of segments ``0 .. i-1`` (length n + 1)."""
+    compute_bottom: np.ndarray
+    """``compute_prefix[a] + start[a]`` at index ``a`` (and ``compute_prefix[n]`` at ``n``): what a stage starting at
+    ``a`` takes off."""
     work_top: np.ndarray
     """``compute_prefix[b] + head[b-1] + comm[b-1]`` at index ``b-1``: a stage's work ending at ``b``, from 0."""
     grad_prefix: np.ndarray
@@ -293,6 +298,7 @@ class _Tables:
             cap = min(cap, len(split) + 1)
         return cls(
             compute_prefix=compute,
+            compute_bottom=compute + np.append(column(problem.start), 0.0),
             work_top=compute[1:] + column(problem.head) + column(problem.comm),
             grad_prefix=grad,
             grad_top=grad[1:] + column(problem.head_grad_bytes),
@@ -310,7 +316,7 @@ def _cost(t: _Tables, a, b, r):
 
     With ``r == 1`` the all-reduce term is exactly zero, so the cost is exactly the stage's work.
     """
-    work = t.work_top[b - 1] - t.compute_prefix[a]
+    work = t.work_top[b - 1] - t.compute_bottom[a]
     grad = t.grad_top[b - 1] - t.grad_prefix[a]
     each = work / r
     if t.split_prefix is not None:  # measured shares: the split compute, plus the head and send divided

@@ -58,6 +58,8 @@ def _random_problem(seed: int) -> tuple[Problem, int]:
         speeds=rng.uniform(0.25, 4.0, k).tolist() if seed % 4 else None,
         memory_limit=limit,
     )
+    if seed % 5 == 1:  # what a stage saves by starting at a segment (no input gradient): up to that segment's cost
+        problem = dataclasses.replace(problem, start=(rng.random(n) * np.asarray(problem.compute)).tolist())
     return problem, k
 
 
@@ -105,6 +107,19 @@ def test_exact_matches_brute_force(seed: int) -> None:
         _assert_valid(at_limit, k, method(at_limit, k))
         with pytest.raises(InfeasibleMemoryError):
             method(_with_limit(problem, float(np.nextafter(exact_min, -math.inf))), k)
+
+
+def test_a_stage_start_saves_its_first_segments_input_gradient() -> None:
+    problem = Problem(compute=[4, 4, 4], start=[0, 3, 3])
+    assert stage_costs(problem, (1, 3)) == [4, 5]
+    assert stage_costs(problem, (2, 3)) == [8, 1]
+    assert solve(problem, 2) == (1, 3)  # without start, (1, 3) and (2, 3) tie at 8
+
+
+def test_start_cannot_exceed_the_segment() -> None:
+    with pytest.raises(PartitionError, match=r"^Problem\.start\[1\] is 5, more than compute\[1\] \(4\); a stage "
+                                             r"cannot save more than its first segment costs$"):
+        Problem(compute=[4, 4], start=[0, 5])
 
 
 def test_exact_meets_memory_caps_by_slowing_down() -> None:

@@ -29,7 +29,7 @@ def _random_problem(seed: int) -> ReplicaProblem:
         return [rng.choice(choices) for _ in range(n)] if rng.random() < chance else None
 
     memory = column([0, 1, 2, 3], 0.6)
-    return ReplicaProblem(
+    problem = ReplicaProblem(
         compute=[rng.choice([0, 0.5, 1, 1, 2, 3, 4, 6, 1.25, 0.1]) for _ in range(n)],
         head=column([0, 0, 0.5, 1, 2]),
         comm=column([0, 0.25, 1, 0.3]),
@@ -43,6 +43,9 @@ def _random_problem(seed: int) -> ReplicaProblem:
         max_replicas=rng.choice([None, None, 1, 2, 3]),
         stages=rng.choice([None, None, *range(1, min(n, devices) + 1)]),
     )
+    if seed % 5 == 1:  # what a stage saves by starting at a segment (no input gradient): up to that segment's cost
+        problem = dataclasses.replace(problem, start=[rng.choice([0, 0.5, 1]) * c for c in problem.compute])
+    return problem
 
 
 def _stage_memory(problem: ReplicaProblem, layout: Layout) -> list[float]:
@@ -82,6 +85,13 @@ def test_solver_matches_brute_force(group: int) -> None:
         assert key == (expected.bottleneck, expected.devices, len(expected.ends)), f"seed {seed}: {problem}"
         _check_valid(problem, layout)
         _check_valid(problem, expected)
+
+
+def test_a_stage_start_saves_its_first_segments_input_gradient() -> None:
+    problem = ReplicaProblem(compute=[4, 4, 4], start=[0, 3, 3], devices=2)
+    assert layout_costs(problem, [1, 3], [1, 1]) == [4, 5]
+    assert layout_costs(problem, [2, 3], [1, 1]) == [8, 1]
+    assert solve_fixed_replicas(problem, [1, 1]).ends == (1, 3)
 
 
 def test_random_problems_cover_the_interesting_cases() -> None:
