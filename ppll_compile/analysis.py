@@ -21,6 +21,7 @@ from .layout import layout_of
 from .options import PlanOptions
 from .phases import phase
 from .plan import TensorSpec
+from .roofline import Op
 from .trace import module_path
 
 __all__ = ["Analysis", "Summary", "analyse", "INFERRED_BATCH"]
@@ -93,29 +94,84 @@ class Analysis:
         hi = self.cuts[last].position + 1 if last < len(self.cuts) else len(self.nodes) - 1
         return self.nodes[lo:hi]
 
-    def summary(self, nodes: Sequence[fx.Node], optimizer: str) -> Summary:
-        """FLOPs and memory of a run of nodes, counting shared parameters and saved storages once; a parameter read
-        by a ``get_attr`` node counts with the nodes that use it, as lowering puts it into their stage."""
+    def backward_kinds(self, nodes: Sequence[fx.Node], detached: bool = True) -> dict[str, str]:
+        """Per node of a stage made of ``nodes``: the backward it runs in training, ``full`` (its inputs' gradients
+        too), ``params`` (only its parameters': nothing before it in the stage needs a gradient) or ``none`` (no
+        gradient reaches it). ``detached``: the stage's inputs arrive detached, as every stage's do; else values
+        from outside ``nodes`` need a gradient where the whole model's do (a segment inside a larger stage)."""
+        inside = {n.name for n in nodes}
+        grad: dict[str, bool] = {}
+        kinds: dict[str, str] = {}
+        for n in nodes:
+            if n.op in ("get_attr", "placeholder"):
+                continue
+            inputs = [u for u in n.all_input_nodes if u.op != "get_attr"]
+            flowing = any(grad.get(u.name, False) if u.name in inside else not detached and u.meta[META_KEY].grad
+                          for u in inputs)
+            trains = self.trains([n])
+            grad[n.name] = flowing or trains and n.meta[META_KEY].grad
+            kinds[n.name] = "full" if flowing and n.meta[META_KEY].grad else "params" if grad[n.name] else "none"
+        return kinds
+
+    def summary(self, nodes: Sequence[fx.Node], optimizer: str, detached: bool = True) -> Summary:
+        """FLOPs and memory of a stage made of ``nodes``, counting shared parameters and saved storages once; a
+        parameter read by a ``get_attr`` node counts with the nodes that use it, as lowering puts it into their
+        stage. The stage's input arrives detached (``detached``): no node computes its gradient, and nodes no
+        gradient reaches save nothing (see :meth:`backward_kinds`)."""
         params: dict[str, int] = {}
         saved: dict[str, int] = {}
         fwd = bwd = 0
+        kinds = self.backward_kinds(nodes, detached)
         for n in nodes:
             if n.op == "get_attr":
                 continue  # a parameter read by attribute counts where it is used (see below)
             c = n.meta[META_KEY]
+            kind = kinds.get(n.name, "none")
             fwd += c.flops_fwd
-            bwd += c.flops_bwd
+            bwd += c.flops_bwd if kind == "full" else c.flops_bwd_params if kind == "params" else 0
             params.update(c.params)
             for attr in n.all_input_nodes:
                 if attr.op == "get_attr":
                     params.update(attr.meta[META_KEY].params)
-            for k, b in c.saved.items():
+            for k, b in c.saved.items() if kind != "none" else ():
                 saved[k] = max(saved.get(k, 0), b)
         pbytes = sum(self.param_bytes[p] for p in params)
         gbytes = sum(self.param_bytes[p] for p in params if p in self.trainable)
         return Summary(flops_fwd=fwd, flops_bwd=bwd, param_count=sum(params.values()), param_bytes=pbytes,
                        grad_bytes=gbytes, optim_bytes=gbytes * OPTIMIZER_STATES[optimizer],
                        activation_bytes=sum(saved.values()))
+
+    def ops(self, nodes: Sequence[fx.Node], detached: bool = True) -> list[Op]:
+        """Every operator a training step of a stage made of ``nodes`` runs: their forwards, and their backwards as
+        :meth:`backward_kinds` tells (the optimizer step is not included)."""
+        kinds = self.backward_kinds(nodes, detached)
+        out: list[Op] = []
+        for n in nodes:
+            c = n.meta[META_KEY]
+            kind = kinds.get(n.name, "none")
+            out += c.ops_fwd
+            out += c.ops_bwd if kind == "full" else c.ops_bwd_params if kind == "params" else ()
+        return out
+
+    @staticmethod
+    def forward_ops(nodes: Sequence[fx.Node]) -> list[Op]:
+        """Every operator of a forward pass of ``nodes`` (a frozen teacher's)."""
+        return [op for n in nodes for op in n.meta[META_KEY].ops_fwd]
+
+    def trained_param_bytes(self, nodes: Sequence[fx.Node]) -> list[int]:
+        """Bytes of every trainable parameter tensor ``nodes`` use (each once): what their optimizer step updates."""
+        names: dict[str, None] = {}
+        for n in nodes:
+            for m in (n, *(a for a in n.all_input_nodes if a.op == "get_attr")):
+                names.update(dict.fromkeys(p for p in m.meta[META_KEY].params if p in self.trainable))
+        return [self.param_bytes[p] for p in names]
+
+    def saves(self, nodes: Sequence[fx.Node], name: str) -> bool:
+        """Whether a stage made of ``nodes`` saves the output of node ``name`` for its backward."""
+        key = self.by_name[name].meta[META_KEY].storage
+        kinds = self.backward_kinds(nodes)
+        return isinstance(key, str) and any(key in n.meta[META_KEY].saved for n in nodes
+                                            if kinds.get(n.name, "none") != "none")
 
     def trains(self, nodes: Sequence[fx.Node]) -> bool:
         """Whether any of ``nodes`` uses a trainable parameter (directly, or read by attribute)."""

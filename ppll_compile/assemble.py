@@ -18,7 +18,9 @@ from .analysis import Analysis, Summary
 from .heads import head_notes, model_head, stage_head
 from .options import PlanOptions
 from .partition import Costs, StageLayout
+from .profile import StageTime
 from .plan import HeadSpec, Plan, StagePlan, TensorSpec
+from .roofline import DeviceFigures
 from .trace import module_path
 
 __all__ = ["StageParts", "stage_devices", "assemble", "assemble_ppll"]
@@ -40,6 +42,8 @@ class StageParts:
     """FLOPs beside the backbone's: the auxiliary head's, or the teacher blocks'."""
     memory_bytes: int
     """Predicted peak memory of one replica."""
+    step_cost: float
+    """Seconds of its optimizer step, part of ``compute_cost``."""
     compute_cost: float
     """Compute seconds per batch (over its replicas)."""
     comm_cost: float
@@ -104,7 +108,7 @@ def _caller_level() -> int:
 
 def assemble(layout: StageLayout, devices: Sequence[str], parts: Callable[[int, int, int, int], StageParts], *,
              analysis: Analysis, opts: PlanOptions, model: str, policy: str, sequential: float,
-             notes: list[str], **kind: Any) -> Plan:
+             notes: list[str], figures: DeviceFigures | None = None, **kind: Any) -> Plan:
     """The validated plan of ``layout``: ``parts(j, start, end, replicas)`` describes stage ``j`` over units
     ``start .. end - 1``; ``kind`` holds the plan kind's own fields (``mode``, ``teacher``, ``blocks``, ...)."""
     _note_cpu_fallback(layout, opts, notes)
@@ -117,7 +121,7 @@ def assemble(layout: StageLayout, devices: Sequence[str], parts: Callable[[int, 
             first_module=module_path(p.nodes[0]), last_module=module_path(p.nodes[-1]),
             nodes=tuple(n.name for n in p.nodes), aux_flops=p.aux_flops, memory_bytes=p.memory_bytes,
             boundary=p.boundary, head=p.head, compute_cost=p.compute_cost, comm_cost=p.comm_cost, cost=p.cost,
-            blocks=p.blocks, **p.summary.fields()))
+            step_cost=p.step_cost, blocks=p.blocks, **p.summary.fields()))
         start, offset = end, offset + r
     a = analysis
     plan = Plan(
@@ -125,15 +129,19 @@ def assemble(layout: StageLayout, devices: Sequence[str], parts: Callable[[int, 
         num_classes=a.num_classes, policy=policy, partitioner=layout.partitioner, profile=opts.profile,
         optimizer=opts.optimizer, flops_per_second=opts.flops_per_second, link_bandwidth=opts.link_bandwidth,
         device_speeds=layout.speeds, memory_limit=opts.memory_limit, legal_cuts=tuple(c.node for c in a.cuts),
-        stages=tuple(stages), sequential_cost=sequential, notes=tuple(notes), **kind)
+        stages=tuple(stages), sequential_cost=sequential, notes=tuple(notes),
+        calibration=figures.record() if figures is not None else {}, **kind)
     plan.validate()
     return plan
 
 
 def assemble_ppll(model: str, a: Analysis, heads: Mapping[int, HeadSpec], costs: Costs, layout: StageLayout,
-                  opts: PlanOptions, policy: str, notes: list[str]) -> Plan:
+                  opts: PlanOptions, policy: str, notes: list[str], figures: DeviceFigures | None = None,
+                  measured: Mapping[tuple[int, int], StageTime] | None = None) -> Plan:
     """The ``ppll`` plan: stage ``j`` trains segments up to a cut, with the head chosen there (the last stage:
-    the model's own output); its compute is split over its replicas, plus their gradient all-reduce."""
+    the model's own output); its compute (``measured``, by first and last segment, under a time profile; else
+    from ``costs``) is split over its replicas, plus their gradient all-reduce. A head that saves its input,
+    which the stage saves already, does not count it twice."""
     devices = stage_devices(sum(layout.replicas), opts.devices, notes)
     multi = tuple(c.node for c in a.cuts if len(c.boundary) > 1)
     last_stage = len(layout.ends) - 1
@@ -148,16 +156,30 @@ def assemble_ppll(model: str, a: Analysis, heads: Mapping[int, HeadSpec], costs:
         cut = None if last else a.cuts[end - 1]
         head = model_head() if last else stage_head(heads[end - 1], j, last_stage + 1)
         sync = allreduce_seconds(s.grad_bytes + (0 if last else head_grad[end - 1]), r, opts.link_bandwidth)
-        compute = (sum(costs.compute[start:end]) + (0.0 if last else head_time[end - 1])) / layout.speeds[j] / r + sync
+        if measured is not None:
+            work, step = measured[(start, end - 1)].seconds, measured[(start, end - 1)].step_seconds
+        else:
+            work = sum(costs.compute[start:end]) - (costs.start[start] if costs.start else 0.0) \
+                + (0.0 if last else head_time[end - 1])
+            step = sum(costs.step[start:end]) + (0.0 if last or not costs.head_step else costs.head_step[end - 1]) \
+                if costs.step else 0.0
+        compute = work / layout.speeds[j] / r + sync
+        step /= layout.speeds[j] * r
         send = 0.0 if last else costs.comm[end - 1] / r
         notes.extend([] if last else head_notes(head, j, opts.link_bandwidth))
         if cut is not None and cut.node in multi:
             notes.append(f"stage {j} sends {len(cut.boundary)} values ({', '.join(cut.boundary)}); its aux head "
                          f"reads the first")
+        twice = head.input_saved_bytes if cut is not None and a.saves(nodes, cut.node) else 0
         return StageParts(nodes=nodes, summary=s, head=head, boundary=() if cut is None else a.boundary(cut),
-                          aux_flops=head.flops_fwd + head.flops_bwd, memory_bytes=s.memory + head.memory_bytes,
+                          aux_flops=head.flops_fwd + head.flops_bwd,
+                          memory_bytes=s.memory + head.memory_bytes - twice, step_cost=step,
                           compute_cost=compute, comm_cost=send, cost=compute + send)
 
-    sequential = sum(costs.compute) + sum(head_time[e - 1] for e in layout.ends[:-1])
+    if measured is not None:
+        sequential = sum(t.seconds for t in measured.values())
+    else:  # every stage's input arrives detached, as in the pipeline
+        sequential = sum(costs.compute) + sum(head_time[e - 1] for e in layout.ends[:-1]) \
+            - (sum(costs.start[s] for s in (0, *layout.ends[:-1])) if costs.start else 0.0)
     return assemble(layout, devices, parts, analysis=a, opts=opts, model=model, policy=policy,
-                    sequential=sequential, notes=notes, multi_tensor_cuts=multi)
+                    sequential=sequential, notes=notes, figures=figures, multi_tensor_cuts=multi)

@@ -22,6 +22,7 @@ from .flops import flop_counter
 from .memo import PLAIN, Out, Outcome, Uncacheable, module_signature, plain, pure_function
 from .plan import TensorSpec
 from .errors import PlanError, PPLLError
+from .roofline import Op, OpLog
 from .trace import misfit_message, module_path, train_mode
 
 __all__ = [
@@ -51,6 +52,17 @@ class NodeCost:
     """Forward FLOPs counted by FlopCounterMode (plus formulas for attention kernels it does not count)."""
     flops_bwd: int
     """Backward FLOPs of the node's own backward pass."""
+    flops_bwd_params: int = 0
+    """Backward FLOPs when its inputs need no gradient (only its parameters': a stage's first layers, whose input
+    arrives detached); 0 for a node without trainable parameters."""
+    ops_fwd: tuple[Op, ...] = ()
+    """Every operator of the forward, with its FLOPs and bytes (for the roofline)."""
+    ops_bwd: tuple[Op, ...] = ()
+    """Every operator of the backward."""
+    ops_bwd_params: tuple[Op, ...] = ()
+    """Every operator of the backward when its inputs need no gradient."""
+    grad: bool = False
+    """Whether its output needs a gradient in training (with the model's input as the only input)."""
     params: dict[str, int] = field(default_factory=dict)
     """Qualified name -> element count of every parameter the node uses."""
     saved: dict[str, int] = field(default_factory=dict)
@@ -75,6 +87,11 @@ class ModuleCost:
     """Number of parameters."""
     activation_bytes: int
     """Bytes saved for backward."""
+    input_saved_bytes: int = 0
+    """Of those, the bytes of the input itself (saved by the module's first layers): a stage that saves its output
+    already holds them."""
+    ops: tuple[Op, ...] = ()
+    """Every operator of the forward and backward, with its FLOPs and bytes (for the roofline)."""
 
 
 def tensor_spec(name: str, value: Any) -> TensorSpec | None:
@@ -96,6 +113,15 @@ def _structured(name: str, value: Any, leaf: Callable[[str, Any], Any]) -> Any:
     if isinstance(value, dict):
         return {k: _structured(f"{name}.{k}", v, leaf) for k, v in value.items()}
     return leaf(name, value)
+
+
+def _first_saves(saved_tensors: Sequence[Tensor]) -> dict[int, int]:
+    """Storage id -> index of the first saved tensor of that storage: views of one storage (a packed QKV
+    projection's q, k and v) are one saved activation."""
+    first: dict[int, int] = {}
+    for i, t in enumerate(saved_tensors):
+        first.setdefault(storage_id(t), i)
+    return first
 
 
 class _Measure(fx.Interpreter):
@@ -145,16 +171,23 @@ class _Measure(fx.Interpreter):
         args, kwargs = pytree.tree_map(prepare, (args, kwargs))
         saved_tensors: list[Tensor] = []
         try:
-            with flop_counter() as fwd_counter, torch.autograd.graph.saved_tensors_hooks(
+            with flop_counter() as fwd_counter, OpLog() as log, torch.autograd.graph.saved_tensors_hooks(
                     lambda t: saved_tensors.append(t) or t, lambda t: t):
                 out = getattr(self, n.op)(n.target, args, kwargs)
-            fwd, bwd = fwd_counter.get_total_flops(), None
+            fwd, backward = fwd_counter.get_total_flops(), self._backward(n, out, args, kwargs)
         except _VALUE_DEPENDENT:  # Python that reads tensor values (a leaf module's data-dependent branch)
-            out, fwd = self._run_real(n, args, kwargs, needs_grad)
-            bwd, saved_tensors, signature = 2 * fwd, [], None
+            out, fwd, ops = self._run_real(n, args, kwargs, needs_grad)
+            log = OpLog()
+            log.ops = ops
+            backward = (2 * fwd, 2 * fwd, ops + ops, ops + ops)
+            self.grad[n.name] = needs_grad
+            saved_tensors, signature = [], None
         out_keys = self._register_output(n, out, inputs_keys)
-        n.meta[META_KEY] = NodeCost(flops_fwd=fwd, flops_bwd=self._backward(n, out) if bwd is None else bwd,
-                                    params=self._call_params(n),
+        bwd, bwd_params, ops_bwd, ops_bwd_params = backward
+        n.meta[META_KEY] = NodeCost(flops_fwd=fwd, flops_bwd=bwd, flops_bwd_params=bwd_params,
+                                    ops_fwd=tuple(log.ops), ops_bwd=tuple(ops_bwd),
+                                    ops_bwd_params=tuple(ops_bwd_params),
+                                    grad=self.grad[n.name], params=self._call_params(n),
                                     saved=self._saved(n, saved_tensors, {**inputs_keys, **out_keys}),
                                     value=_structured(n.name, out, tensor_spec),
                                     storage=self._storage_keys(n, out, inputs_keys))
@@ -164,10 +197,11 @@ class _Measure(fx.Interpreter):
                 self.memo[signature] = outcome
         return pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out)
 
-    def _run_real(self, n: fx.Node, args: Any, kwargs: Any, needs_grad: bool) -> tuple[Any, int]:
+    def _run_real(self, n: fx.Node, args: Any, kwargs: Any, needs_grad: bool) -> tuple[Any, int, list[Op]]:
         """Run a node whose output depends on tensor values, which fake tensors lack, once on real tensors of the
         fakes' shapes (random values; the module's own parameters, its buffers copied): its output as fakes,
-        and its forward FLOPs. Its backward is taken as twice those; its saved activations are not counted."""
+        its forward FLOPs and operators. Its backward is taken as twice those; its saved activations are not
+        counted."""
         real_of = {id(f): self.state.state[key] for key, f in self.state.fakes.items()}
 
         def real(x: Any) -> Any:
@@ -181,7 +215,7 @@ class _Measure(fx.Interpreter):
 
         with unset_fake_temporarily(), torch.no_grad():
             args, kwargs = pytree.tree_map(real, (args, kwargs))
-            with flop_counter() as counter:
+            with flop_counter() as counter, OpLog() as log:
                 if n.op == "call_module":
                     m = self.module.get_submodule(n.target)
                     tensors = {k: real(v).clone() for k, v in (*m.named_parameters(), *m.named_buffers())}
@@ -194,7 +228,7 @@ class _Measure(fx.Interpreter):
                 return t
             f = self.mode.from_tensor(t)
             return f.requires_grad_() if needs_grad and f.is_floating_point() else f
-        return pytree.tree_map(fake, out), counter.get_total_flops()
+        return pytree.tree_map(fake, out), counter.get_total_flops(), log.ops
 
     def _run_input(self, n: fx.Node) -> Any:
         """A placeholder or get_attr node: its value, and a cost of nothing but the parameter it reads."""
@@ -212,23 +246,48 @@ class _Measure(fx.Interpreter):
     def _saved(self, n: fx.Node, saved_tensors: list[Tensor], known: dict[int, str]) -> dict[str, int]:
         """Bytes saved for backward by storage key (parameters excepted; each storage once, at its largest)."""
         saved: dict[str, int] = {}
-        for i, t in enumerate(saved_tensors):
+        first = _first_saves(saved_tensors)
+        for t in saved_tensors:
             s = storage_id(t)
             if s in self.param_storages:
                 continue
-            key = known.get(s, f"{n.name}:saved{i}")
+            key = known.get(s, f"{n.name}:saved{first[s]}")
             saved[key] = max(saved.get(key, 0), t.untyped_storage().nbytes())
         return saved
 
-    def _backward(self, n: fx.Node, out: Any) -> int:
-        """FLOPs of the node's own backward (recording whether its output needs a gradient in training)."""
+    def _backward(self, n: fx.Node, out: Any, args: Any, kwargs: Any) -> tuple[int, int, list[Op], list[Op]]:
+        """FLOPs and operators of the node's own backward, in full and with only its parameters' gradients (as
+        when its input arrives detached); records whether its output needs a gradient in training."""
         grads = [t for t in pytree.tree_leaves(out) if isinstance(t, Tensor) and t.requires_grad]
         self.grad[n.name] = bool(grads)
         if not grads:
-            return 0
-        with flop_counter() as bwd_counter:
-            torch.autograd.backward(grads, [torch.ones_like(g) for g in grads])
-        return bwd_counter.get_total_flops()
+            return 0, 0, [], []
+        ones = [torch.ones_like(g) for g in grads]
+        params = self._fake_params(n, args, kwargs)
+        bwd_params, ops_params = 0, []
+        inputs_need_grad = any(isinstance(x, Tensor) and x.requires_grad and storage_id(x) not in self.param_storages
+                               for x in pytree.tree_leaves((args, kwargs)))
+        if params and inputs_need_grad:
+            with flop_counter() as counter, OpLog() as log:
+                torch.autograd.grad(grads, params, ones, retain_graph=True, allow_unused=True)
+            bwd_params, ops_params = counter.get_total_flops(), log.ops
+        with flop_counter() as bwd_counter, OpLog() as log:
+            torch.autograd.backward(grads, ones)
+        bwd = bwd_counter.get_total_flops()
+        if params and not inputs_need_grad:  # the full backward is the parameters' alone
+            bwd_params, ops_params = bwd, log.ops
+        return bwd, bwd_params, log.ops, ops_params
+
+    def _fake_params(self, n: fx.Node, args: Any, kwargs: Any) -> list[Tensor]:
+        """The fakes of the trainable parameters ``n`` uses (its module's, or passed in as arguments)."""
+        found = {id(x): x for x in pytree.tree_leaves((args, kwargs))
+                 if isinstance(x, Tensor) and x.requires_grad and storage_id(x) in self.param_storages}
+        if n.op == "call_module":
+            for p in self.module.get_submodule(n.target).parameters():
+                f = self.state.fakes.get(id(p), p)
+                if f.requires_grad:
+                    found.setdefault(id(f), f)
+        return list(found.values())
 
     def fetch_attr(self, target: str) -> Any:
         obj = super().fetch_attr(target)
@@ -297,10 +356,11 @@ class _Measure(fx.Interpreter):
             return None
 
         saved = []
-        for i, t in enumerate(saved_tensors):
+        first = _first_saves(saved_tensors)
+        for t in saved_tensors:
             s = storage_id(t)
             if s not in self.param_storages:
-                saved.append((ref(s) or ("saved", i), t.untyped_storage().nbytes()))
+                saved.append((ref(s) or ("saved", first[s]), t.untyped_storage().nbytes()))
         leaves, spec = pytree.tree_flatten(out)
         kept: list[Any] = []
         for v in leaves:
@@ -313,7 +373,8 @@ class _Measure(fx.Interpreter):
                 kept.append(v)
             else:
                 return None
-        return Outcome(cost.flops_fwd, cost.flops_bwd, self.grad[n.name], tuple(saved), spec, tuple(kept))
+        return Outcome(cost.flops_fwd, cost.flops_bwd, self.grad[n.name], tuple(saved), spec, tuple(kept),
+                       (cost.flops_bwd_params, cost.ops_fwd, cost.ops_bwd, cost.ops_bwd_params))
 
     def _replay(self, n: fx.Node, args: Any, kwargs: Any, o: Outcome) -> Any:
         """Record a memoised measurement on ``n`` and return fresh tensors laid out as its output."""
@@ -338,7 +399,10 @@ class _Measure(fx.Interpreter):
             leaves.append(v)
         out = pytree.tree_unflatten(leaves, o.spec)
         self.grad[n.name] = o.grad
-        n.meta[META_KEY] = NodeCost(flops_fwd=o.flops_fwd, flops_bwd=o.flops_bwd, params=self._call_params(n),
+        bwd_params, ops_fwd, ops_bwd, ops_bwd_params = o.work
+        n.meta[META_KEY] = NodeCost(flops_fwd=o.flops_fwd, flops_bwd=o.flops_bwd, flops_bwd_params=bwd_params,
+                                    ops_fwd=ops_fwd, ops_bwd=ops_bwd, ops_bwd_params=ops_bwd_params,
+                                    grad=o.grad, params=self._call_params(n),
                                     saved=saved, value=_structured(n.name, out, tensor_spec),
                                     storage=self._storage_keys(n, out, {}))
         return out
@@ -409,14 +473,16 @@ def measure_graph(gm: fx.GraphModule, inputs: Sequence[Any], kwargs: dict[str, A
             logging.disable(disabled)
 
 
-def measure_module(module: nn.Module, run: Callable[[], Any]) -> ModuleCost:
-    """Forward and backward FLOPs and saved bytes of ``run()``, a forward pass (or loss) of ``module``.
+def measure_module(module: nn.Module, run: Callable[[], Any], inputs: Sequence[Tensor] = ()) -> ModuleCost:
+    """Forward and backward FLOPs, operators and saved bytes of ``run()``, a forward pass (or loss) of ``module`` on
+    ``inputs`` (those of them that require grad get their gradient computed, as a stage's output does).
 
     Build the module under ``torch.device("meta")`` and feed it meta tensors to measure without allocating.
     """
     params = list(module.parameters())
     param_storages = {storage_id(p) for p in params}
     buffer_storages = {storage_id(b) for b in module.buffers()}
+    input_storages = {storage_id(t) for t in inputs}
     saved: dict[int, int] = {}
 
     def pack(t: Tensor) -> Tensor:
@@ -425,13 +491,15 @@ def measure_module(module: nn.Module, run: Callable[[], Any]) -> ModuleCost:
             saved[s] = max(saved.get(s, 0), t.untyped_storage().nbytes())
         return t
 
-    with flop_counter() as fwd, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with flop_counter() as fwd, OpLog() as log, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = run()
     grads = [t for t in pytree.tree_leaves(out) if isinstance(t, Tensor) and t.requires_grad]
     bwd = 0
     if grads:
-        with flop_counter() as bwd_counter:
-            torch.autograd.backward(grads, [torch.ones_like(g) for g in grads])
+        ones = [torch.ones_like(g) for g in grads]
+        with flop_counter() as bwd_counter, log:
+            torch.autograd.backward(grads, ones)
         bwd = bwd_counter.get_total_flops()
     return ModuleCost(flops_fwd=fwd.get_total_flops(), flops_bwd=bwd,
-                      param_count=sum(p.numel() for p in params), activation_bytes=sum(saved.values()))
+                      param_count=sum(p.numel() for p in params), activation_bytes=sum(saved.values()),
+                      input_saved_bytes=sum(b for s, b in saved.items() if s in input_storages), ops=tuple(log.ops))

@@ -9,7 +9,7 @@ import torch
 from torch.utils import flop_counter as _torch_flops
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["flop_counter"]
+__all__ = ["flop_counter", "EXTRA_FORMULAS"]
 
 # torch wraps custom formulas so that they receive tensor shapes (torch.Size) instead of tensors
 
@@ -52,10 +52,11 @@ def _extra_formulas() -> dict[Any, Callable[..., int]]:
     return {getattr(aten, name): fn for name, fn in table.items() if hasattr(aten, name)}
 
 
-_EXTRA = _extra_formulas()
+EXTRA_FORMULAS = _extra_formulas()
+"""FLOP formulas (by ATen operator packet) for kernels ``FlopCounterMode`` does not count right."""
 
 
 def flop_counter() -> FlopCounterMode:
     """A silent ``FlopCounterMode`` that also counts CPU flash attention, native multi-head attention, and a
     convolution's backward by the gradients it computes."""
-    return FlopCounterMode(display=False, custom_mapping=_EXTRA)
+    return FlopCounterMode(display=False, custom_mapping=EXTRA_FORMULAS)

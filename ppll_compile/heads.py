@@ -23,14 +23,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .cost import OPTIMIZER_STATES, measure_module
+from .cost import OPTIMIZER_STATES, ModuleCost, measure_module
 from .errors import PolicyError
 from .phases import phase
 from .plan import HeadSpec, TensorSpec, format_bytes
 from .policy import CIFAR_MEAN, CIFAR_STD, Policy, check_head_config, tensor_kind
 
 __all__ = ["AuxHead", "InfoProHead", "MomentumHead", "head_loss", "model_loss", "logits_of", "build_head",
-           "make_head", "head_for", "head_spec", "model_head", "copied_blocks", "stage_head", "stage_weights",
+           "make_head", "head_for", "head_spec", "counted_head", "model_head", "copied_blocks", "stage_head",
+           "stage_weights",
            "head_notes", "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100
@@ -479,13 +480,21 @@ def head_spec(policy: Policy, config: Mapping[str, Any] | None, spec: TensorSpec
     loss taken on labels of one class per example, or per token (N x L) with ``per_token``. ``blocks``: the model's
     blocks after the cut, for a head that copies or follows them (costed as meta copies of them; without them, as
     stand-ins of the usual shape: see the module's docstring)."""
+    return counted_head(policy, config, spec, num_classes, input_shape, optimizer, per_token=per_token,
+                        blocks=blocks)[0]
+
+
+def counted_head(policy: Policy, config: Mapping[str, Any] | None, spec: TensorSpec, num_classes: int,
+                 input_shape: Sequence[int] | None, optimizer: str, *, per_token: bool = False,
+                 blocks: Sequence[nn.Module] | None = None) -> tuple[HeadSpec, ModuleCost]:
+    """:func:`head_spec`, and the head's measured cost (its operators, for the roofline)."""
     with phase("heads"):
         return _counted_head(policy, config, spec, num_classes, input_shape, optimizer, per_token, blocks)
 
 
 def _counted_head(policy: Policy, config: Mapping[str, Any] | None, spec: TensorSpec, num_classes: int,
                   input_shape: Sequence[int] | None, optimizer: str, per_token: bool,
-                  blocks: Sequence[nn.Module] | None) -> HeadSpec:
+                  blocks: Sequence[nn.Module] | None) -> tuple[HeadSpec, ModuleCost]:
     fakes = _meta_copies(blocks) if blocks is not None else None
     with torch.device("meta"):
         head, config = head_for(policy, config, spec, num_classes, input_shape, per_token=per_token, blocks=fakes)
@@ -493,18 +502,17 @@ def _counted_head(policy: Policy, config: Mapping[str, Any] | None, spec: Tensor
         h = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype))
         y = torch.zeros(tuple(spec.shape[:2]) if per_token else spec.shape[0], dtype=torch.long)
         x = torch.empty(input_shape) if input_shape is not None else None
+    h.requires_grad_(True)  # the stage's backward runs through the head into its output
     extra = 0
-    if isinstance(head, MomentumHead):
-        # its trunk is not trained, but the stage's backward runs through it into h; its EMA weights are kept
-        h.requires_grad_(True)
+    if isinstance(head, MomentumHead):  # its trunk is not trained; its EMA weights are kept
         extra = head.ema_bytes()
         config = {**config, "mirror_bytes": extra}
-    cost = measure_module(head, lambda: head_loss(head, h, y, x))
+    cost = measure_module(head, lambda: head_loss(head, h, y, x), inputs=(h,))
     pbytes = sum(p.numel() * p.element_size() for p in head.parameters())
     memory = pbytes * (2 + OPTIMIZER_STATES[optimizer]) + cost.activation_bytes + extra
     return HeadSpec(policy=policy.name, kind=_kind_text(spec), config=dict(config),
                     param_count=cost.param_count, flops_fwd=cost.flops_fwd, flops_bwd=cost.flops_bwd,
-                    memory_bytes=memory)
+                    memory_bytes=memory, input_saved_bytes=cost.input_saved_bytes), cost
 
 
 def stage_weights(ramp: Sequence[float], stage: int, stages: int) -> float:

@@ -97,3 +97,5 @@ class Outcome:
     spec: pytree.TreeSpec
     leaves: tuple[Any, ...]
     """The output's leaves: :class:`Out` for tensors, the value itself for constants."""
+    work: tuple[Any, ...] = ()
+    """Backward FLOPs without the input gradient, and the operators of the forward, backward and that backward."""

@@ -25,7 +25,7 @@ DEFAULT_FLOPS_PER_SECOND = 1e13
 """Sustained training throughput assumed per device when costs are counted in FLOPs (10 TFLOP/s)."""
 DEFAULT_LINK_BANDWIDTH = 25e9
 """Bytes per second assumed between neighbouring stages (about PCIe 4.0 x16)."""
-PROFILES = ("flops", "time")
+PROFILES = ("roofline", "flops", "time")
 TIED = ("error", "untie")
 TRACERS = ("auto", "fx", "export")
 """``fx``: symbolic tracing; ``export``: ``torch.export``; ``auto``: symbolic tracing, else ``torch.export``."""
@@ -53,8 +53,10 @@ class PlanOptions:
     """Aux-head policy: a shipped name, a YAML path, or a callable ``fn(spec, num_classes) -> nn.Module``."""
     partitioner: str = "exact"
     """Partitioner name: ``exact`` or a baseline (``uniform``, ``greedy``, ``params``)."""
-    profile: str = "flops"
-    """``flops`` (counted on fake tensors, no compute) or ``time`` (measured on the first stage's device)."""
+    profile: str = "roofline"
+    """``roofline`` (every operator's FLOPs and bytes, counted on fake tensors, over the first device's calibrated
+    figures, plus the optimizer step: seconds of that device), ``flops`` (counted FLOPs over ``flops_per_second``)
+    or ``time`` (measured on the first stage's device)."""
     optimizer: str = "sgd"
     """Optimizer whose state the memory model counts: ``sgd``, ``momentum`` or ``adam``."""
     memory_limit: int | None = None

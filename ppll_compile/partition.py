@@ -2,22 +2,30 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+import dataclasses
+import os
+import time
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 import partitioners
 from partitioners.replicas import Layout, ReplicaProblem, layout_costs, solve_fixed_replicas, solve_replicated
 
 from .analysis import Analysis
+from .cost import ModuleCost
 from .errors import CutError, PartitionError
 from .options import PlanOptions, SavedPlan
 from .phases import phase
 from .plan import HeadSpec
 from .policy import Policy
-from .profile import first_device, time_segments
+from .profile import StageTime, first_device, time_stages
+from .roofline import DeviceFigures, Op, device_figures, seconds, step_ops
 
-__all__ = ["Costs", "StageRequest", "StageLayout", "segment_costs", "stage_request", "ppll_layout", "block_layout"]
+__all__ = ["Costs", "StageRequest", "StageLayout", "segment_costs", "plan_figures", "time_layout", "stage_request",
+           "ppll_layout", "block_layout"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,6 +39,13 @@ class Costs:
     """Forward and backward seconds at the full batch on one nominal device."""
     comm: list[float]
     """Seconds to send the boundary after the unit at the full batch (0 for the last unit)."""
+    start: list[float] | None = None
+    """``ppll``: seconds a stage starting at the unit saves: its input arrives detached, so its first layers
+    compute no input gradient."""
+    step: list[float] | None = None
+    """Seconds of the optimizer step over the unit's parameters (part of ``compute``)."""
+    head_step: list[float] | None = None
+    """``ppll``: seconds of the optimizer step over the head's parameters (part of ``head``)."""
     memory: list[int]
     """Bytes of parameters, gradients, optimizer state and saved activations."""
     grad_bytes: list[int]
@@ -48,7 +63,8 @@ class Costs:
 
     def replica_problem(self, opts: PlanOptions, devices: int, cap: int | None) -> ReplicaProblem:
         """The exact replica partitioner's problem over ``devices``, each stage on at most ``cap`` of them."""
-        return ReplicaProblem(compute=self.compute, head=self.head, comm=self.comm, grad_bytes=self.grad_bytes,
+        return ReplicaProblem(compute=self.compute, head=self.head, comm=self.comm, start=self.start,
+                              grad_bytes=self.grad_bytes,
                               head_grad_bytes=self.head_grad_bytes, allreduce_bandwidth=opts.link_bandwidth,
                               memory=self.memory, head_memory=self.head_memory, memory_limit=opts.memory_limit,
                               devices=devices, max_replicas=cap, split_compute=self.split)
@@ -82,25 +98,110 @@ class StageLayout:
     """Per stage: seconds as the replica partitioner costs it (empty for the stage-count solvers)."""
 
 
-def segment_costs(a: Analysis, heads: Mapping[int, HeadSpec], policy: Policy, opts: PlanOptions,
-                  notes: list[str]) -> Costs:
-    """The ``ppll`` cost vectors: counted FLOPs over ``flops_per_second``, or times measured (``profile="time"``)."""
+def segment_costs(a: Analysis, heads: Mapping[int, HeadSpec], head_costs: Mapping[int, ModuleCost], policy: Policy,
+                  opts: PlanOptions, notes: list[str], devices: int) -> tuple[Costs, DeviceFigures | None]:
+    """The ``ppll`` cost vectors, by ``opts.profile``: ``roofline`` (every operator's FLOPs and bytes over the
+    calibrated figures of the first device, whose cores ``devices`` stages share on a CPU, plus the optimizer
+    step; also the starting point of ``time``, see :func:`time_layout`) or ``flops`` (counted FLOPs over
+    ``flops_per_second``); and the roofline figures used."""
     n = len(a.cuts) + 1
-    seg = [a.summary(a.segment_nodes(i, i), opts.optimizer) for i in range(n)]
-    if opts.profile == "time":
-        device = first_device(opts.devices)
-        seg_time, head_time = time_segments(a, heads, policy, device)
-        notes.append(f"costs measured as median forward+backward time on {device}")
-    else:
+    nodes = [a.segment_nodes(i, i) for i in range(n)]
+    seg = [a.summary(ns, opts.optimizer, detached=False) for ns in nodes]  # as part of a larger stage
+    figures = None
+    if opts.profile == "flops":
         seg_time = [(s.flops_fwd + s.flops_bwd) / opts.flops_per_second for s in seg]
+        start = [0.0] + [(seg[i].flops_bwd - a.summary(nodes[i], opts.optimizer).flops_bwd) / opts.flops_per_second
+                         for i in range(1, n)]
         head_time = {i: (h.flops_fwd + h.flops_bwd) / opts.flops_per_second for i, h in heads.items()}
+        step = head_step = None
+    else:  # roofline; a time profile starts from it (see time_layout)
+        figures = plan_figures(opts, devices, [op for ns in nodes for op in a.ops(ns, detached=False) + a.ops(ns)]
+                               + [op for c in head_costs.values() for op in c.ops])
+        seg_time = [seconds(a.ops(ns, detached=False), figures) for ns in nodes]
+        start = [0.0] + [max(0.0, seg_time[i] - seconds(a.ops(nodes[i]), figures)) for i in range(1, n)]
+        step = [seconds(step_ops(a.trained_param_bytes(ns), opts.optimizer), figures) for ns in nodes]
+        seg_time = [t + s for t, s in zip(seg_time, step)]
+        steps = {i: seconds(step_ops(_param_tensors(c), opts.optimizer), figures) for i, c in head_costs.items()}
+        head_time = {i: seconds(c.ops, figures) + steps[i] for i, c in head_costs.items()}
+        head_step = [steps.get(i, 0.0) for i in range(n)]
+        notes.append(figures.describe())
     return Costs(
-        compute=seg_time, head=[head_time.get(i, 0.0) for i in range(n)],
+        compute=seg_time, head=[head_time.get(i, 0.0) for i in range(n)], start=start, step=step, head_step=head_step,
         comm=[sum(t.bytes for t in a.boundary(c)) / opts.link_bandwidth for c in a.cuts] + [0.0],
         memory=[s.memory for s in seg], grad_bytes=[s.grad_bytes for s in seg],
         head_memory=[heads[i].memory_bytes if i in heads else 0 for i in range(n)],
         head_grad_bytes=[heads[i].param_count * 4 if i in heads else 0 for i in range(n)],  # float32 heads
-        params=[s.param_count for s in seg])
+        params=[s.param_count for s in seg]), figures
+
+
+def _param_tensors(cost: ModuleCost) -> list[int]:
+    """A head's parameter bytes as the optimizer step sees them (float32; one tensor, as the count is what
+    matters for bandwidth)."""
+    return [4 * cost.param_count] if cost.param_count else []
+
+
+def plan_figures(opts: PlanOptions, devices: int, ops: Sequence[Op]) -> DeviceFigures:
+    """The roofline figures of the device a plan's stages run on, with the times of ``ops``' compute operators at
+    their shapes: the first requested device, else the first GPU, else the CPU, whose cores ``devices`` stages
+    share (each gets ``cores // devices`` threads, as the runtimes give them)."""
+    device = first_device(opts.devices)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        device = torch.device("cpu")
+    return device_figures(device, _stage_threads(device, devices), calls={op.call: None for op in ops if op.call})
+
+
+def _stage_threads(device: torch.device, devices: int) -> int:
+    """Threads a stage computes on: on a CPU, its share of the cores (as the runtimes give it); else 1."""
+    return max(1, (os.cpu_count() or 1) // max(1, devices)) if device.type == "cpu" else 1
+
+
+def time_layout(a: Analysis, heads: Mapping[int, HeadSpec], policy: Policy, opts: PlanOptions, seed: StageLayout,
+                devices: int, notes: list[str], *, search: bool = True
+                ) -> tuple[StageLayout, dict[tuple[int, int], StageTime]]:
+    """The ``time`` profile: whole candidate stages timed on the first device (a full training step each: forward,
+    head, backward, optimizer step; :func:`~ppll_compile.profile.time_stages`), and the layout whose slowest
+    measured stage is fastest. The candidates are the stages whose ends lie within 2 legal cuts (1 beyond 2
+    stages) of ``seed``'s, the roofline plan; ``search=False`` times ``seed``'s own stages only (cuts given by
+    hand, replicated stages). Returns the layout and its stages' times, by (first, last) segment."""
+    n = len(a.cuts) + 1
+    k = len(seed.ends)
+    reach = (2 if k <= 2 else 1) if search else 0
+    options = [sorted({e + d for d in range(-reach, reach + 1) if 1 <= e + d <= n - (k - 1 - j)}) if j < k - 1
+               else [n] for j, e in enumerate(seed.ends)]
+    intervals = sorted({(s, e - 1) for j in range(k) for s in ([0] if j == 0 else options[j - 1])
+                        for e in options[j] if s < e})
+    device = first_device(opts.devices)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(_stage_threads(device, devices))
+    began = time.perf_counter()
+    try:
+        times = time_stages(a, heads, policy, device, opts.optimizer, intervals)
+    finally:
+        torch.set_num_threads(threads)
+    ends = _fastest(options, {(s, e + 1): t.seconds for (s, e), t in times.items()}, seed.speeds)
+    spread = max(t.spread for t in times.values())
+    notes.append(f"costs measured on {device} as whole training steps of {len(intervals)} candidate stage(s) "
+                 f"(forward, head, backward, optimizer step; the least of 3 rounds' medians of 3 steps, rounds "
+                 f"within {100 * spread:.0f}% of each other) in {time.perf_counter() - began:.1f} s")
+    layout = dataclasses.replace(seed, ends=ends)
+    return layout, {(s, e - 1): times[(s, e - 1)] for s, e in zip((0, *ends), ends)}
+
+
+def _fastest(options: list[list[int]], seconds: Mapping[tuple[int, int], float],
+             speeds: Sequence[float]) -> tuple[int, ...]:
+    """The stage ends, stage ``j`` ending at one of ``options[j]``, whose slowest stage (``seconds[(start, end)]``
+    over its device's speed) is fastest: a min-max DP over the measured stages."""
+    best: dict[int, tuple[float, tuple[int, ...]]] = {0: (0.0, ())}
+    for j, ends in enumerate(options):
+        step: dict[int, tuple[float, tuple[int, ...]]] = {}
+        for e in ends:
+            for s, (worst, chain) in best.items():
+                if (s, e) in seconds:
+                    cand = (max(worst, seconds[(s, e)] / speeds[j]), chain + (e,))
+                    if e not in step or cand[0] < step[e][0]:
+                        step[e] = cand
+        best = step
+    return min(best.values())[1]
 
 
 def stage_request(a: Analysis, opts: PlanOptions, saved: SavedPlan | None) -> StageRequest:
@@ -173,7 +274,8 @@ def ppll_layout(costs: Costs, request: StageRequest, opts: PlanOptions) -> Stage
         layout = _solved(lambda: solve_fixed_replicas(problem, fixed) if fixed else solve_replicated(problem))
         return StageLayout(ends=layout.ends, replicas=layout.replicas, speeds=(1.0,) * len(layout.ends),
                            partitioner="exact-replicas", costs=layout.costs)
-    problem = partitioners.Problem(compute=costs.compute, head=costs.head, comm=costs.comm, memory=costs.memory,
+    problem = partitioners.Problem(compute=costs.compute, head=costs.head, comm=costs.comm, start=costs.start,
+                                   memory=costs.memory,
                                    head_memory=costs.head_memory, params=costs.params, speeds=request.speeds,
                                    memory_limit=opts.memory_limit)
     ends = _solved(lambda: partitioners.solve(problem, request.stages, opts.partitioner))

@@ -151,6 +151,8 @@ class HeadSpec:
     """Measured backward FLOPs of the head."""
     memory_bytes: int = 0
     """Parameters + gradients + optimizer state + saved activations of the head, in bytes."""
+    input_saved_bytes: int = 0
+    """Of its saved activations, the bytes of its input (the stage's output, which the stage may save already)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "config", FrozenDict(self.config))
@@ -562,7 +564,7 @@ class Plan:
             f"ideal {self.ideal_cost * 1e3:.3f} ms  imbalance {self.imbalance:.3f}  "
             f"predicted speedup {self.predicted_speedup:.2f}x over sequential "
             f"({self.sequential_cost * 1e3:.3f} ms)",
-            f"{len(self.legal_cuts)} legal cuts; costs assume {format_flops(self.flops_per_second)}/s per device, "
+            f"{len(self.legal_cuts)} legal cuts; costs {self._cost_basis()}, "
             f"{format_bytes(self.link_bandwidth)}/s links, optimizer {self.optimizer}"
             + (f", memory limit {format_bytes(self.memory_limit)}" if self.memory_limit else ""),
         ]
@@ -570,6 +572,13 @@ class Plan:
             lines += ["", self.block_table()]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+    def _cost_basis(self) -> str:
+        if self.profile == "roofline":
+            return f"in seconds of {self.calibration.get('device', 'the device')} (roofline, step included)"
+        if self.profile == "time":
+            return "measured on the device"
+        return f"assume {format_flops(self.flops_per_second)}/s per device"
 
     def block_table(self) -> str:
         """``pipebd``: each block's teacher and student ends, the teacher output it learns, and its loss."""

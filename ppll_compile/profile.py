@@ -1,4 +1,5 @@
-"""Every wall-clock measurement of a plan: segments and heads (``profile="time"``), Pipe-BD blocks at replica shares."""
+"""Every wall-clock measurement of a plan: whole candidate stages and their optimizer step, segments and heads
+(``profile="time"``), Pipe-BD blocks at replica shares."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import copy
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -13,14 +15,21 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from .analysis import Analysis
-from .heads import head_for, head_loss
+from .capture import BUFFER_OWNERS
+from .heads import head_for, head_loss, logits_of, model_loss
 from .lower import split_stages
 from .lowered import Stage, move
 from .plan import HeadSpec
 from .policy import Policy
-from .trace import train_mode
 
-__all__ = ["first_device", "time_callable", "time_segments", "time_blocks"]
+__all__ = ["first_device", "time_callable", "time_blocks", "StageTime", "round_statistics",
+           "make_optimizer", "time_stages", "OptimizerKind"]
+
+OptimizerKind = str | Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+"""``sgd``, ``momentum`` or ``adam``, or a factory ``fn(params) -> Optimizer``."""
+
+_TIMING_LR = 1e-4
+"""Learning rate of the optimizers a timing builds: small, so that the copies' weights stay well scaled."""
 
 
 def first_device(requested: Sequence[str] | None) -> torch.device:
@@ -43,65 +52,6 @@ def time_callable(fn: Callable[[], Any], *, device: torch.device, repeat: int = 
         sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def _backward_sum(out: Any) -> None:
-    leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, Tensor) and t.requires_grad]
-    if leaves:
-        torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
-
-
-def _time_segment(seg: Stage, xs: tuple[Any, ...], first: bool, device: torch.device) -> float:
-    """Median forward+backward seconds of one segment on the values it receives."""
-    if first:
-        return time_callable(lambda: _backward_sum(seg(*xs)), device=device)
-    # inside a stage a segment also computes its input's gradient (so a stage's first segment is charged one
-    # input gradient too many); copies of grad-requiring leaves let in-place ops at its start run, and the
-    # copying time is taken off again
-    leaves = tuple(v.requires_grad_(v.is_floating_point()) if isinstance(v, Tensor) else v for v in xs)
-    clones = lambda: tuple(v.clone() if isinstance(v, Tensor) else v for v in leaves)  # noqa: E731
-    full = time_callable(lambda: _backward_sum(seg(*clones())), device=device)
-    return max(0.0, full - time_callable(clones, device=device))
-
-
-def time_segments(a: Analysis, heads: Mapping[int, HeadSpec], policy: Policy,
-                  device: torch.device) -> tuple[list[float], dict[int, float]]:
-    """Median forward+backward seconds of every atomic segment and of the head at every cut, on ``device``.
-
-    The model's buffers, gradients and train/eval modes are restored afterwards.
-    """
-    gm = a.gm
-    if any(p.device != device for p in gm.parameters()):
-        gm = copy.deepcopy(gm).to(device)
-    buffers = {k: b.clone() for k, b in gm.named_buffers()}
-    grads = {p: p.grad for p in gm.parameters()}
-    seg_times: list[float] = []
-    head_times: dict[int, float] = {}
-    values: Any = tuple(x.to(device) if isinstance(x, Tensor) else x for x in a.real_inputs)
-    first_input = values[0]
-    input_shape = a.inputs[0].shape if a.inputs else None
-    try:
-        with train_mode(gm):
-            for i, seg in enumerate(split_stages(gm, a.cuts)):
-                xs = tuple(v.detach() if isinstance(v, Tensor) else v for v in values)  # as a stage receives them
-                seg_times.append(_time_segment(seg, xs, i == 0, device))
-                with torch.no_grad():
-                    values = seg(*xs)
-                if i in heads:
-                    head = head_for(policy, heads[i].config, a.boundary(a.cuts[i])[0], a.num_classes,
-                                    input_shape, per_token=a.per_token)[0].to(device)
-                    h = values[0].detach()
-                    labels = h.shape[:2] if a.per_token else h.shape[:1]
-                    y = torch.randint(0, a.num_classes, labels, device=device)
-                    head_times[i] = time_callable(lambda: head_loss(head, h, y, first_input).backward(),
-                                                  device=device)
-    finally:
-        with torch.no_grad():
-            for k, b in gm.named_buffers():
-                b.copy_(buffers[k])
-        for p, g in grads.items():
-            p.grad = g
-    return seg_times, head_times
 
 
 def _rows(values: tuple[Any, ...]) -> int:
@@ -141,3 +91,210 @@ def time_blocks(tb: Sequence[Stage], sb: Sequence[Stage], losses: Sequence[Calla
             times[r - 1].append(time_callable(teacher_step, device=device) + time_callable(student_step, device=device))
         values = out
     return times
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageTime:
+    """Robust wall time of one candidate stage's training step, as :func:`time_stages` measures it."""
+
+    seconds: float
+    """Forward, local loss, backward and optimizer step (with ``zero_grad``): the least of the rounds' medians."""
+    step_seconds: float
+    """Of those, the optimizer step and ``zero_grad`` alone (the same statistic over their own samples)."""
+    spread: float
+    """How far the rounds' medians of :attr:`seconds` lie apart: ``max / min - 1`` (0 for one round)."""
+
+
+def round_statistics(rounds: Sequence[Sequence[float]]) -> tuple[float, float]:
+    """The least of the per-round medians of timing samples (``rounds[r]``: round ``r``'s runs), and their spread
+    ``max / min - 1`` (0 when the least median is 0)."""
+    if not rounds or not all(rounds):
+        raise ValueError(f"round_statistics needs at least one round of at least one sample, got {rounds!r}")
+    medians = [statistics.median(r) for r in rounds]
+    lo = min(medians)
+    return lo, (max(medians) / lo - 1.0 if lo > 0 else 0.0)
+
+
+def make_optimizer(kind: OptimizerKind, params: list[nn.Parameter], device: torch.device) -> torch.optim.Optimizer:
+    """The torch optimizer a plan's ``optimizer`` names, over ``params``, with the multi-tensor (``foreach``)
+    implementation on CUDA; a callable ``kind`` is called with ``params``."""
+    if callable(kind):
+        return kind(params)
+    foreach = True if device.type == "cuda" else None  # None: torch's own choice elsewhere
+    _check_optimizer(kind)
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=_TIMING_LR, foreach=foreach)
+    if kind == "momentum":
+        return torch.optim.SGD(params, lr=_TIMING_LR, momentum=0.9, foreach=foreach)
+    return torch.optim.Adam(params, lr=_TIMING_LR, foreach=foreach)
+
+
+def _check_optimizer(kind: OptimizerKind) -> None:
+    if not callable(kind) and kind not in ("sgd", "momentum", "adam"):
+        raise ValueError(f"optimizer must be one of sgd, momentum, adam or a factory fn(params) -> Optimizer, "
+                         f"got {kind!r}")
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    if device.type == "mps":
+        return torch.mps.synchronize
+    return lambda: None
+
+
+def _labels(a: Analysis, scores: Tensor, device: torch.device, classes: int) -> Tensor:
+    """Random class labels for ``scores`` (N x ... per example, N x L x ... per token)."""
+    shape = scores.shape[:2] if a.per_token else scores.shape[:1]
+    return torch.randint(0, max(classes, 1), shape, device=device)
+
+
+def _sum_loss(out: Any) -> Tensor:
+    """A loss whose backward is that of a sum of every grad-requiring tensor of ``out``."""
+    leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, Tensor) and t.requires_grad]
+    if not leaves:
+        raise ValueError("the last stage's output has no tensor that requires grad: nothing to train")
+    return sum(t.sum() for t in leaves)  # type: ignore[return-value]
+
+
+def _last_loss(a: Analysis, out: Any, device: torch.device) -> Callable[[Any], Tensor]:
+    """The last stage's loss: the default (cross-entropy) on class scores, else the backward of a sum."""
+    scores = logits_of(out)
+    if isinstance(scores, Tensor) and scores.is_floating_point() and a.num_classes > 0 \
+            and scores.dim() == (3 if a.per_token else 2):
+        y = _labels(a, scores, device, scores.shape[-1])
+        return lambda o: model_loss(o, y)
+    return _sum_loss
+
+
+@dataclass
+class _Candidate:
+    """One candidate stage, ready to train: its module, loss, optimizer and the input it receives."""
+
+    stage: Stage
+    loss: Callable[[Any], Tensor]
+    optimizer: torch.optim.Optimizer | None
+    inputs: tuple[Any, ...]
+
+    def run(self, sync: Callable[[], None]) -> tuple[float, float]:
+        """One training step: (seconds of the whole step, seconds of its optimizer step and zero_grad)."""
+        xs = tuple(v.clone() if isinstance(v, Tensor) else v for v in self.inputs)  # a fresh received copy
+        sync()
+        t0 = time.perf_counter()
+        self.loss(self.stage(*xs)).backward()
+        sync()
+        t1 = time.perf_counter()
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        sync()
+        t2 = time.perf_counter()
+        return t2 - t0, t2 - t1
+
+
+def _check_intervals(intervals: Sequence[tuple[int, int]], n: int) -> list[tuple[int, int]]:
+    out = []
+    for iv in intervals:
+        i, j = iv
+        if not (0 <= i <= j < n):
+            raise ValueError(f"candidate stage {tuple(iv)} is not an interval of the {n} atomic segments: give "
+                             f"(first, last) with 0 <= first <= last <= {n - 1}")
+        out.append((int(i), int(j)))
+    return list(dict.fromkeys(out))
+
+
+def _received(gm: torch.fx.GraphModule, a: Analysis, device: torch.device, firsts: set[int], lasts: set[int]
+              ) -> tuple[dict[int, tuple[Any, ...]], dict[int, Any]]:
+    """One training-mode forward of ``gm`` without autograd: the values segment ``i`` receives (for ``i`` in
+    ``firsts``, detached, as the runtime gives them) and the main value after segment ``j`` (for ``j`` in ``lasts``;
+    the model's output after the last)."""
+    values: tuple[Any, ...] = tuple(move(x, device) for x in a.real_inputs)
+    inputs: dict[int, tuple[Any, ...]] = {}
+    after: dict[int, Any] = {}
+    with torch.no_grad():
+        for i, seg in enumerate(split_stages(gm, a.cuts, untie=True)):
+            if i in firsts:
+                inputs[i] = tuple(v.detach() if isinstance(v, Tensor) else v for v in values)
+            values = seg(*values)
+            if seg.is_last:
+                values = (values,)
+            if i in lasts:
+                after[i] = values[0]
+    return inputs, after
+
+
+def _candidates(a: Analysis, heads: Mapping[int, HeadSpec], policy: Policy, device: torch.device,
+                optimizer: OptimizerKind, intervals: list[tuple[int, int]]) -> dict[tuple[int, int], _Candidate]:
+    """Every interval as a stage module of a private copy of the model on ``device``, with its head and optimizer."""
+    owners = a.gm.meta.get(BUFFER_OWNERS)  # the model's modules behind buffers read by attribute: not copied along
+    gm = copy.deepcopy(a.gm, {id(owners): {}} if owners is not None else None).to(device).train()
+    for p in gm.parameters():
+        p.grad = None
+    n = len(a.cuts) + 1
+    inputs, after = _received(gm, a, device, {i for i, _ in intervals} | {0}, {j for _, j in intervals})
+    raw = inputs[0][0] if inputs[0] and isinstance(inputs[0][0], Tensor) else None  # what an InfoPro head rebuilds
+    input_shape = a.inputs[0].shape if a.inputs else None
+    made: dict[int, nn.Module] = {}
+    cands: dict[tuple[int, int], _Candidate] = {}
+    for i, j in intervals:
+        cuts = ([a.cuts[i - 1]] if i > 0 else []) + ([a.cuts[j]] if j < n - 1 else [])
+        stage = split_stages(gm, cuts, untie=True)[1 if i > 0 else 0].train()
+        params = list(stage.parameters())
+        if j < n - 1:
+            if j not in made:
+                config = heads[j].config if j in heads else None
+                made[j] = head_for(policy, config, a.boundary(a.cuts[j])[0], a.num_classes, input_shape,
+                                   per_token=a.per_token)[0].to(device).train()
+            head, y = made[j], _labels(a, after[j], device, a.num_classes)
+            loss = (lambda o, head=head, y=y: head_loss(head, o[0], y, raw))
+            params += list(head.parameters())
+        else:
+            loss = _last_loss(a, after[j], device)
+        params = [p for p in params if p.requires_grad]
+        opt = make_optimizer(optimizer, params, device) if params else None
+        cands[(i, j)] = _Candidate(stage=stage, loss=loss, optimizer=opt, inputs=inputs[i])
+    return cands
+
+
+def time_stages(a: Analysis, heads: Mapping[int, HeadSpec], policy: Policy, device: torch.device,
+                optimizer: OptimizerKind, intervals: Sequence[tuple[int, int]], *, rounds: int = 3, runs: int = 3,
+                warmup: int = 1) -> dict[tuple[int, int], StageTime]:
+    """Robust wall time on ``device`` of a whole training step of every candidate stage in ``intervals``.
+
+    A candidate ``(first, last)`` runs atomic segments ``first..last`` (inclusive; segment ``i`` ends at cut ``i``)
+    as one stage module, on its input detached as the runtime gives it, then the auxiliary head at cut ``last``
+    (``heads[last]``'s config, else the policy's) or, for the stage that ends the model, the default loss on the
+    model's class scores (the backward of a sum if its output is not class scores), backward, and an
+    ``optimizer`` step over the stage's and its head's parameters with ``zero_grad(set_to_none=True)``.
+
+    After ``warmup`` steps of every candidate, ``rounds`` rounds each run every candidate in turn, ``runs`` steps
+    each (interleaved, so that a slow spell of a shared machine hits all candidates alike); a candidate's time is
+    the least of its rounds' medians (:func:`round_statistics`). Works on a copy of the model: its parameters,
+    gradients, buffers and modes, and torch's random number generators, are as they were.
+    """
+    if rounds < 1 or runs < 1 or warmup < 0:
+        raise ValueError(f"time_stages needs rounds >= 1, runs >= 1 and warmup >= 0; got rounds={rounds}, "
+                         f"runs={runs}, warmup={warmup}")
+    wanted = _check_intervals(intervals, len(a.cuts) + 1)
+    _check_optimizer(optimizer)
+    if not wanted:
+        return {}
+    sync = _sync(device)
+    gpus = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=gpus):
+        cands = _candidates(a, heads, policy, device, optimizer, wanted)
+        for c in cands.values():
+            for _ in range(warmup):
+                c.run(sync)
+        total: dict[tuple[int, int], list[list[float]]] = {k: [] for k in cands}
+        step: dict[tuple[int, int], list[list[float]]] = {k: [] for k in cands}
+        for _ in range(rounds):
+            for k, c in cands.items():
+                samples = [c.run(sync) for _ in range(runs)]
+                total[k].append([s[0] for s in samples])
+                step[k].append([s[1] for s in samples])
+    result = {}
+    for k in cands:
+        seconds, spread = round_statistics(total[k])
+        result[k] = StageTime(seconds=seconds, step_seconds=round_statistics(step[k])[0], spread=spread)
+    return result

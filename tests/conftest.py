@@ -1,9 +1,14 @@
 """Fixtures shared by the runtime tests."""
 
+import os
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
+
+# every plan in the tests is costed with the same pinned roofline figures (workers inherit it), not this machine's
+os.environ.setdefault("PPLL_DEVICE_FIGURES", str(Path(__file__).with_name("device_figures.json")))
 
 
 @pytest.fixture

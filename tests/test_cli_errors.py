@@ -67,8 +67,8 @@ def files(tmp_path_factory) -> dict[str, Path]:
     out["latin1.yaml"] = d / "latin1.yaml"
     out["latin1.yaml"].write_bytes("name: café\nheads: {vector: {type: mlp}}\n".encode("latin-1"))
     out["plan.yaml"] = d / "plan.yaml"
-    assert main([str(out["model.py"]), "--gpus", "3", "--devices", "cpu,cpu,cpu", "--yaml",
-                 str(out["plan.yaml"])]) == 0
+    assert main([str(out["model.py"]), "--gpus", "3", "--devices", "cpu,cpu,cpu", "--split-points", "_0,_1",
+                 "--yaml", str(out["plan.yaml"])]) == 0
     good = yaml.safe_load(out["plan.yaml"].read_text())
     assert [s["last_node"] for s in good["stages"][:-1]] == ["_0", "_1"]
 

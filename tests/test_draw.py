@@ -30,7 +30,7 @@ def _quietly(build):
 
 @pytest.fixture(scope="module")
 def residual():
-    return _quietly(lambda: ppll_compile.compile(Residual(), 3, example_inputs=(X,)))
+    return _quietly(lambda: ppll_compile.compile(Residual(), 3, example_inputs=(X,), split_points=["stem", "relu"]))
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def masked():
 @pytest.fixture(scope="module")
 def replicated():
     return _quietly(lambda: ppll_compile.plan(conv_student(), example_inputs=(torch.randn(8, 3, 16, 16),),
-                                              split_points=["5"], replicas=(2, 1)))
+                                              split_points=["5"], replicas=(2, 1), profile="flops"))
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +107,7 @@ def test_a_replicated_stage_shows_its_gradient_all_reduce(replicated, pipebd):
     compute = sum(bars.segments[k][0] for k in ("backbone forward", "backbone backward", "aux head"))
     per_replica = (s0.flops_fwd + s0.flops_bwd + s0.aux_flops) / p.flops_per_second / 2
     assert compute == pytest.approx(per_replica * 1e3, rel=1e-9)  # what is left is the planner's own compute
+    assert bars.segments["optimizer step"] == (0.0, 0.0)  # a FLOP profile does not cost it
     d = pipebd.plan
     distill = cost_bars(d)
     assert list(distill.segments)[:3] == ["student forward", "student backward", "teacher forward"]

@@ -1,4 +1,5 @@
-"""Stacked cost bars: each stage's predicted step time split into forward, backward, head, all-reduce and sends."""
+"""Stacked cost bars: each stage's predicted step time split into forward, backward, head, optimizer step,
+all-reduce and sends."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from .figure import figure, output_path, save
 
 __all__ = ["CostBars", "cost_bars", "plot_costs"]
 
-_SEGMENT_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#8172b3", "#937860")
+_SEGMENT_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860")
 
 
 @dataclass(frozen=True)
@@ -36,22 +37,24 @@ class CostBars:
 
 
 def cost_bars(plan: Plan) -> CostBars:
-    """Split every stage's cost into forward, backward, head (teacher), all-reduce and communication.
+    """Split every stage's cost into forward, backward, head (teacher), optimizer step, all-reduce and
+    communication.
 
-    The compute cost minus the all-reduce is shared out by FLOPs: the backbone's forward and backward FLOPs and
-    the head's (under ``pipebd`` the teacher's forward). Under ``profile="time"`` the compute is a measured total,
-    so this split is by FLOP shares of it, not a measurement of each part.
+    The compute cost minus the optimizer step and the all-reduce is shared out by FLOPs: the backbone's forward
+    and backward FLOPs and the head's (under ``pipebd`` the teacher's forward). Under ``profile="time"`` the
+    compute is a measured total, so this split is by FLOP shares of it, not a measurement of each part.
     """
     names = (("student forward", "student backward", "teacher forward") if plan.mode == "pipebd"
              else ("backbone forward", "backbone backward", "aux head"))
     columns: list[tuple[float, ...]] = []
     for s in plan.stages:
         sync = min(plan.allreduce_cost(s), s.cost - s.comm_cost)
-        work = s.cost - s.comm_cost - sync
+        step = min(s.step_cost, s.cost - s.comm_cost - sync)
+        work = s.cost - s.comm_cost - sync - step
         flops = (s.flops_fwd, s.flops_bwd, s.aux_flops)
         shares = [f / sum(flops) for f in flops] if sum(flops) > 0 else [1.0, 0.0, 0.0]
-        columns.append(tuple(x * 1e3 for x in (*(work * f for f in shares), sync, s.comm_cost)))
-    segments = dict(zip((*names, "gradient all-reduce", "communication"), zip(*columns)))
+        columns.append(tuple(x * 1e3 for x in (*(work * f for f in shares), step, sync, s.comm_cost)))
+    segments = dict(zip((*names, "optimizer step", "gradient all-reduce", "communication"), zip(*columns)))
     labels = tuple(f"stage {s.index}" + (f" x {s.replicas}" if s.replicas > 1 else "") for s in plan.stages)
     teacher = f" from teacher {plan.teacher}" if plan.teacher else ""
     devices = f" on {plan.world_size} devices" if plan.world_size != plan.num_stages else ""
@@ -59,6 +62,9 @@ def cost_bars(plan: Plan) -> CostBars:
              f"predicted speedup {plan.predicted_speedup:.2f}x")
     if plan.profile == "time":
         subtitle = "profile 'time': measured compute, split into parts by FLOP shares"
+    elif plan.profile == "roofline":
+        device = plan.calibration.get("device", "the device")
+        subtitle = f"profile 'roofline': seconds on {device}, split by FLOP shares"
     else:
         subtitle = f"profile '{plan.profile}': FLOPs at {format_flops(plan.flops_per_second)}/s per device"
     return CostBars(labels=labels, segments=segments, bottleneck=plan.bottleneck_stage, title=title,
@@ -69,8 +75,8 @@ def plot_costs(plan: Plan, path: str | Path) -> CostBars:
     """Draw each stage's predicted step time as a stacked bar (ms) and mark the bottleneck stage.
 
     Segments: backbone forward, backbone backward, aux head (``pipebd``: student forward/backward and teacher
-    forward), gradient all-reduce (replicated stages) and communication. Under ``profile="time"`` the compute
-    is split by FLOP shares of a measured total. Returns the :class:`CostBars` drawn; ``bottleneck`` is read
+    forward), optimizer step, gradient all-reduce (replicated stages) and communication. Under ``profile="time"``
+    the compute is split by FLOP shares of a measured total. Returns the :class:`CostBars` drawn; ``bottleneck`` is read
     back from the hatched bar.
     """
     path = output_path(path)

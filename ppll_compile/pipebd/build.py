@@ -16,10 +16,11 @@ from ..errors import CutError, PolicyError
 from ..lower import model_inputs, split_stages
 from ..lowered import Lowered, Stage
 from ..options import PlanOptions
-from ..partition import Costs, block_layout
+from ..partition import Costs, block_layout, plan_figures
 from ..pipeline import DistillPipeline
 from ..plan import BlockPlan, HeadSpec, Plan, TensorSpec
 from ..profile import first_device, time_blocks
+from ..roofline import DeviceFigures, seconds, step_ops
 from ..trace import module_path
 from .align import Blocks, align, output_spec, stage_ends
 from .policy import LOGIT_LOSSES, DistillPolicy, distill_loss, load_distill_policy
@@ -73,21 +74,32 @@ def _most_replicas(opts: PlanOptions, gpus: int | None) -> int:
 
 
 def _block_costs(b: Blocks, summaries: list[tuple[Summary, Summary]], teacher: list[Stage], student: list[Stage],
-                 losses: list[Callable], opts: PlanOptions, gpus: int | None, notes: list[str]) -> Costs:
-    """Per block: teacher forward plus student forward and backward (counted, or timed at every replica share)."""
+                 losses: list[Callable], opts: PlanOptions, gpus: int | None, notes: list[str]
+                 ) -> tuple[Costs, DeviceFigures | None]:
+    """Per block: teacher forward plus student forward, backward and step (by the roofline, counted FLOPs, or timed
+    at every replica share); and the roofline figures used."""
     split: list[list[float]] = []
+    step = None
+    figures = None
     if opts.profile == "time":
         device = first_device(opts.devices)
         most = _most_replicas(opts, gpus)
         compute, *split = time_blocks(teacher, student, losses, b.teacher.real_inputs, device, most)
         notes.append(f"costs measured as median teacher forward + student forward/backward time on {device}"
                      + (f", also at 1/2 .. 1/{most} of the batch (replicas)" if most > 1 else ""))
+    elif opts.profile == "roofline":
+        work = [(b.teacher.forward_ops(b.nodes(k)[0]), b.student.ops(b.nodes(k)[1]),
+                 step_ops(b.student.trained_param_bytes(b.nodes(k)[1]), opts.optimizer)) for k in range(len(summaries))]
+        figures = plan_figures(opts, gpus or 1, [op for t, s, _ in work for op in t + s])
+        step = [seconds(st, figures) for _, _, st in work]
+        compute = [seconds(t, figures) + seconds(s, figures) + st for (t, s, _), st in zip(work, step)]
+        notes.append(figures.describe())
     else:
         compute = [(ts.flops_fwd + ss.flops_fwd + ss.flops_bwd) / opts.flops_per_second for ts, ss in summaries]
     comm = [sum(v.bytes for v in b.teacher.boundary(c)) / opts.link_bandwidth for c in b.cuts(0)] + [0.0]
-    return Costs(compute=compute, comm=comm,
+    return Costs(compute=compute, comm=comm, step=step,
                  memory=[ts.param_bytes + ss.memory for ts, ss in summaries],
-                 grad_bytes=[ss.grad_bytes for _, ss in summaries], split=split or None)
+                 grad_bytes=[ss.grad_bytes for _, ss in summaries], split=split or None), figures
 
 
 def _block_plans(b: Blocks, summaries: list[tuple[Summary, Summary]], costs: Costs, losses: list[dict[str, Any]],
@@ -158,7 +170,7 @@ def plan_pipebd(student: nn.Module, teacher: nn.Module, example_inputs: Sequence
     summaries = [(t.summary(tn, opts.optimizer), s.summary(sn, opts.optimizer))
                  for tn, sn in map(b.nodes, range(len(b.ends) + 1))]
     gpus = opts.gpus or (len(opts.devices) if opts.devices else None)
-    costs = _block_costs(b, summaries, tb, sb, losses, opts, gpus, notes)
+    costs, figures = _block_costs(b, summaries, tb, sb, losses, opts, gpus, notes)
     manual = stage_ends(b, opts.split_points) if opts.split_points is not None else None
     layout = block_layout(costs, manual, opts, gpus)
     devices = stage_devices(sum(layout.replicas), opts.devices[:sum(layout.replicas)] if opts.devices else None,
@@ -176,10 +188,12 @@ def plan_pipebd(student: nn.Module, teacher: nn.Module, example_inputs: Sequence
                           head=HeadSpec(policy=rules.name, kind="distill", config={"type": "+".join(types)}),
                           boundary=boundary, aux_flops=sum(k.teacher_flops for k in own),
                           memory_bytes=sum(k.memory_bytes for k in own), compute_cost=layout.costs[j] - send,
+                          step_cost=sum(costs.step[start:end]) / r if costs.step else 0.0,
                           comm_cost=send, cost=layout.costs[j], blocks=tuple(range(start, end)))
 
     plan = assemble(layout, devices, parts, analysis=s, opts=opts, model=type(student).__name__, policy=rules.name,
-                    sequential=sum(costs.compute), notes=notes, mode="pipebd", teacher=type(teacher).__name__,
+                    sequential=sum(costs.compute), notes=notes, figures=figures, mode="pipebd",
+                    teacher=type(teacher).__name__,
                     blocks=block_plans)
     return PipeBD(plan=plan, blocks=b, teacher=tb, student=sb, losses=losses)
 

@@ -1,0 +1,218 @@
+"""Timing whole candidate stages (`time_stages`): what a timed step holds, its statistics, the model left as it was."""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import ClassVar
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ppll_compile.analysis import Analysis, analyse
+from ppll_compile.heads import head_spec
+from ppll_compile.options import PlanOptions
+from ppll_compile.plan import HeadSpec
+from ppll_compile.policy import Policy, load_policy
+from ppll_compile.profile import StageTime, round_statistics, time_stages
+
+CPU = torch.device("cpu")
+
+
+def _cnn(width: int = 8, classes: int = 10) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(),
+        nn.Conv2d(width, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(),
+        nn.Conv2d(width, 2 * width, 3, padding=1, stride=2), nn.BatchNorm2d(2 * width), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * width, classes))
+
+
+def _setup(model: nn.Module, x: torch.Tensor, **options) -> tuple[Analysis, dict[int, HeadSpec], Policy]:
+    """The analysis, the policy's head at every cut, and the policy, as planning hands them to the profile."""
+    a = analyse(model, (x,), None, PlanOptions(gpus=2, **options))
+    a.drop_untrained_cuts()
+    policy = load_policy("auto")
+    shape = a.inputs[0].shape
+    heads = {i: head_spec(policy, None, a.boundary(c)[0], a.num_classes, shape, "sgd") for i, c in enumerate(a.cuts)}
+    return a, heads, policy
+
+
+@pytest.fixture(scope="module")
+def cnn():
+    torch.manual_seed(0)
+    model = _cnn()
+    return (model, *_setup(model, torch.randn(4, 3, 8, 8)))
+
+
+def _recording(log: list[int], made: list[list[nn.Parameter]], sleep: float = 0.0):
+    """An SGD factory whose ``k``-th optimizer (in the order they are made) logs ``k`` at every step."""
+
+    def factory(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        k = len(made)
+        made.append(list(params))
+
+        class Logged(torch.optim.SGD):
+            def step(self, closure=None):
+                log.append(k)
+                if sleep:
+                    time.sleep(sleep)
+                return super().step(closure)
+
+        return Logged(params, lr=1e-4)
+
+    return factory
+
+
+def test_round_statistics_is_the_least_median_and_the_spread_of_the_medians():
+    assert round_statistics([[3.0, 1.0, 1.5], [5.0, 4.0, 9.0], [2.5, 9.0, 1.5]]) == (1.5, 5.0 / 1.5 - 1.0)
+    assert round_statistics([[1.0, 3.0]]) == (2.0, 0.0)  # one round: no spread; an even count: the middle mean
+    assert round_statistics([[0.0], [1.0]]) == (0.0, 0.0)
+    with pytest.raises(ValueError, match="at least one round"):
+        round_statistics([[1.0], []])
+
+
+def test_the_model_is_bit_identical_after_timing(cnn):
+    model, a, heads, policy = cnn
+    n = len(a.cuts) + 1
+    params = list(model.parameters())
+    for p in params[::2]:
+        p.grad = torch.randn_like(p)  # a gradient the user holds must survive; the others stay None
+    model[4].eval()  # a module the user put in eval mode stays so
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    grads = [p.grad for p in params]
+    grad_values = [None if g is None else g.clone() for g in grads]
+    modes = [m.training for m in model.modules()]
+    rng = torch.get_rng_state()
+    times = time_stages(a, heads, policy, CPU, "adam", [(0, 0), (0, n - 1), (1, n - 1), (n - 1, n - 1)],
+                        rounds=2, runs=1)
+    assert set(times) == {(0, 0), (0, n - 1), (1, n - 1), (n - 1, n - 1)}
+    assert all(isinstance(t, StageTime) and t.seconds > 0 for t in times.values())
+    after = model.state_dict()
+    assert after.keys() == state.keys()
+    for k, v in state.items():
+        assert torch.equal(after[k], v), k  # parameters and BatchNorm statistics (num_batches_tracked too)
+    for p, g, value in zip(params, grads, grad_values):
+        assert p.grad is g
+        assert value is None or torch.equal(p.grad, value)
+    assert [m.training for m in model.modules()] == modes
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_the_timed_step_includes_the_optimizer_step(cnn):
+    _, a, heads, policy = cnn
+    n = len(a.cuts) + 1
+    log: list[int] = []
+    times = time_stages(a, heads, policy, CPU, _recording(log, [], sleep=0.02), [(0, 1), (2, n - 1)],
+                        rounds=2, runs=2, warmup=0)
+    for t in times.values():
+        assert t.step_seconds >= 0.02  # the sleeping step is timed as the step...
+        assert t.seconds >= t.step_seconds + 1e-6  # ...and within the whole step, with the forward and backward
+    real = time_stages(a, heads, policy, CPU, "momentum", [(0, n - 1)], rounds=1, runs=2)[(0, n - 1)]
+    assert 0 < real.step_seconds < real.seconds
+
+
+def test_rounds_interleave_the_candidates_after_a_warm_up(cnn):
+    _, a, heads, policy = cnn
+    n = len(a.cuts) + 1
+    log: list[int] = []
+    intervals = [(0, 0), (1, n - 1), (0, n - 1)]
+    time_stages(a, heads, policy, CPU, _recording(log, []), intervals, rounds=3, runs=2, warmup=2)
+    warm = [k for k in range(3) for _ in range(2)]
+    one_round = [k for k in range(3) for _ in range(2)]
+    assert log == warm + one_round * 3
+
+
+def test_the_optimizer_trains_the_stage_and_its_head(cnn):
+    _, a, heads, policy = cnn
+    n = len(a.cuts) + 1
+    intervals = [(0, 0), (1, 2), (0, n - 1), (2, n - 1)]
+    made: list[list[nn.Parameter]] = []
+    time_stages(a, heads, policy, CPU, _recording([], made), intervals, rounds=1, runs=1, warmup=0)
+    for (i, j), params in zip(intervals, made):
+        expected = a.summary(a.segment_nodes(i, j), "sgd").param_count + (heads[j].param_count if j < n - 1 else 0)
+        assert sum(p.numel() for p in params) == expected, (i, j)
+        assert len({id(p) for p in params}) == len(params)
+
+
+def test_a_whole_model_stage_takes_about_a_directly_timed_training_step(one_thread):
+    torch.manual_seed(0)
+    model = _cnn(width=32)
+    x, y = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
+    a, heads, policy = _setup(model, x)
+    n = len(a.cuts) + 1
+    direct = copy.deepcopy(model).train()
+    opt = torch.optim.SGD(direct.parameters(), lr=1e-4, momentum=0.9)
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        F.cross_entropy(direct(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+    def direct_seconds() -> float:
+        step()
+        return round_statistics([[step() for _ in range(3)] for _ in range(3)])[0]
+
+    ratios = []
+    for _ in range(3):  # a busy spell of a shared machine may hit one side only: the property must hold once
+        before = direct_seconds()
+        staged = time_stages(a, heads, policy, CPU, "momentum", [(0, n - 1)])[(0, n - 1)].seconds
+        ratios.append(staged / min(before, direct_seconds()))
+        if 1 / 3 < ratios[-1] < 3:
+            return
+    pytest.fail(f"a whole-model stage took {ratios} times a directly timed training step, not within 3x")
+
+
+def test_an_output_that_is_not_class_scores_is_trained_by_the_backward_of_a_sum():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
+                          nn.Conv2d(8, 4, 1))  # a dense map, not N x C scores
+    a, heads, policy = _setup(model, torch.randn(2, 3, 8, 8), num_classes=5)
+    n = len(a.cuts) + 1
+    t = time_stages(a, heads, policy, CPU, "sgd", [(0, n - 1), (1, n - 1)], rounds=1, runs=1)
+    assert all(v.seconds > 0 for v in t.values())
+
+
+class _Seen(nn.Module):
+    """Identity that records, when autograd records, whether its input requires grad (kept opaque when tracing);
+    every copy records into the one class-wide list, as the timing trains a copy of the model."""
+
+    requires_grad: ClassVar[list[bool]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            self.requires_grad.append(x.requires_grad)
+        return x
+
+
+def test_a_stage_receives_its_input_detached_as_the_runtime_gives_it():
+    torch.manual_seed(0)
+    seen = _Seen()
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), seen, nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+    a, heads, policy = _setup(model, torch.randn(2, 3, 8, 8), leaf_modules=(_Seen,))
+    n = len(a.cuts) + 1
+    at = next(k for k, node in enumerate(a.nodes) if node.op == "call_module" and node.target == "2")
+    first = next(k for k, c in enumerate(a.cuts) if c.position == at - 1) + 1  # the segment that opens with it
+    seen.requires_grad.clear()
+    time_stages(a, heads, policy, CPU, "sgd", [(first, n - 1)], rounds=1, runs=2, warmup=0)
+    assert seen.requires_grad == [False, False]  # a stage that opens with it: its input needs no gradient
+    seen.requires_grad.clear()
+    time_stages(a, heads, policy, CPU, "sgd", [(0, n - 1)], rounds=1, runs=1, warmup=0)
+    assert seen.requires_grad == [True]  # inside a stage it does
+
+
+@pytest.mark.parametrize("interval", [(2, 1), (-1, 0), (0, 99)])
+def test_a_candidate_that_is_no_interval_of_the_segments_is_refused(cnn, interval):
+    _, a, heads, policy = cnn
+    with pytest.raises(ValueError, match=r"is not an interval of the \d+ atomic segments"):
+        time_stages(a, heads, policy, CPU, "sgd", [interval])
+
+
+def test_an_unknown_optimizer_is_refused(cnn):
+    _, a, heads, policy = cnn
+    with pytest.raises(ValueError, match="optimizer must be one of sgd, momentum, adam"):
+        time_stages(a, heads, policy, CPU, "lamb", [(0, 0)])
