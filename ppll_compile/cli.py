@@ -15,6 +15,7 @@ MODEL.py defines ``build_model()`` and ``example_inputs()``, and for ``--mode pi
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import traceback
@@ -29,7 +30,7 @@ from .draw.graph import DETAILS, MAX_NODES
 from .errors import PlanError, PPLLError
 from .model_file import load_model
 from .options import PROFILES, TIED, TRACERS, PlanOptions, read_saved_plan
-from .plan import Plan
+from .plan import HeadSpec, Plan
 
 __all__ = ["main"]
 
@@ -186,6 +187,8 @@ def _parser() -> argparse.ArgumentParser:
                    "4 per stage)")
     g.add_argument("--queue-depth", type=_positive_int, default=2, metavar="N",
                    help="batches a stage may hold for the next one (default 2, as the trainer)")
+    g.add_argument("--cores", type=_positive_int, default=os.cpu_count() or 1, metavar="N",
+                   help="CPU cores the simulated CPU stages share (default: this machine's)")
     g.add_argument("--plot", metavar="PATH.png", help="draw per-stage cost bars (fwd, bwd, aux head, all-reduce, "
                    "communication) with the bottleneck marked")
     g.add_argument("--graph", metavar="PATH.svg|png", help="draw the traced graph (a module-level summary for "
@@ -257,7 +260,8 @@ def _pictures(args: argparse.Namespace, result: Plan, gm: Any, out: TextIO, err:
     """The simulation, plots and graph (of the traced graph module ``gm``) the flags ask for."""
     from .simulate import simulate
     if args.simulate:
-        out.write("\n" + simulate(result, steps=args.steps or 64, queue_depth=args.queue_depth).table() + "\n")
+        sim = simulate(result, steps=args.steps or 64, queue_depth=args.queue_depth, cores=args.cores)
+        out.write("\n" + sim.table() + "\n")
     if args.plot is not None:
         from .draw import plot_costs
         plot_costs(result, args.plot)
@@ -271,7 +275,7 @@ def _pictures(args: argparse.Namespace, result: Plan, gm: Any, out: TextIO, err:
     if args.gantt is not None and args.trace is None:
         from .draw import draw_gantt
         steps = args.steps or 4 * result.num_stages
-        draw_gantt(simulate(result, steps=steps, queue_depth=args.queue_depth).timeline, args.gantt)
+        draw_gantt(simulate(result, steps=steps, queue_depth=args.queue_depth, cores=args.cores).timeline, args.gantt)
         err.write(f"{_PROG}: wrote {args.gantt} (simulated timeline of {steps} batches)\n")
 
 
@@ -364,8 +368,12 @@ def _edits(saved: Plan, fresh: Plan) -> list[str]:
     that config builds)."""
     if (saved.mode, saved.inputs, saved.num_stages) != (fresh.mode, fresh.inputs, fresh.num_stages):
         return ["the mode, the inputs or the number of stages"]
+    def built(head: HeadSpec) -> tuple[Any, ...]:
+        return head.policy, head.kind, head.config, head.param_count  # not its measured costs
+
     return [f"stages[{s.index}].{name}" for s, f in zip(saved.stages, fresh.stages)
-            for name in ("nodes", "replicas", "boundary", "head") if getattr(s, name) != getattr(f, name)]
+            for name in ("nodes", "replicas", "boundary", "head")
+            if (built(s.head) != built(f.head) if name == "head" else getattr(s, name) != getattr(f, name))]
 
 
 _USER_ERRORS = (_UsageError, PPLLError, ValueError, TypeError)

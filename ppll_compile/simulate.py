@@ -5,45 +5,64 @@ The model, per batch ``b = 0 .. steps-1`` and stage ``j`` (all times in seconds 
 - *Work per batch.* A stage's :attr:`~ppll_compile.plan.StagePlan.compute_cost` is its per-replica compute plus
   the ring all-reduce of its gradients, ``sync = 2 (r-1)/r * sync_bytes / plan.link_bandwidth`` with ``r`` its
   replicas and ``sync_bytes`` its backbone gradient bytes (plus ``4 * head.param_count`` for a PPLL stage that
-  is not the last). Compute alone, ``compute_cost - sync``, is split by FLOP shares into ``early`` (the forward
-  until the stage's output exists: PPLL the block's forward ``flops_fwd``, Pipe-BD the teacher blocks'
-  ``aux_flops``), ``late`` (the rest of the forward: PPLL the head and loss, Pipe-BD the student blocks and
-  loss) and the backward; a stage that counts no FLOPs is all ``early``. At the simulated bandwidth ``B`` the
-  all-reduce takes ``2 (r-1)/r * sync_bytes / B`` and the send ``boundary bytes / B / r`` (0 for the last
-  stage), so at the plan's bandwidth a stage's work per batch is its ``cost``. The optimizer step takes no
-  time: the plan does not cost it.
+  is not the last). Compute alone, ``compute_cost - sync``, holds the optimizer ``step``
+  (:attr:`~ppll_compile.plan.StagePlan.step_cost`, at most the compute; 0 in plans that do not cost it); the
+  rest is split by FLOP shares into ``early`` (the forward until the stage's output exists: PPLL the block's
+  forward ``flops_fwd``, Pipe-BD the teacher blocks' ``aux_flops``), ``late`` (the rest of the forward: PPLL
+  the head and loss, Pipe-BD the student blocks and loss) and the backward; a stage that counts no FLOPs is
+  all ``early``. At the simulated bandwidth ``B`` the all-reduce takes ``2 (r-1)/r * sync_bytes / B`` and the
+  send ``boundary bytes / B / r`` (0 for the last stage), so at the plan's bandwidth a stage's work per batch
+  is its ``cost``. The parts run in the runtimes' order: forward, backward, all-reduce, (barrier), step.
 - *Receive.* Batch ``b`` is at stage 0 at once (the caller is infinitely fast); it arrives at stage ``j+1``
   when stage ``j``'s send of it ends. ``start[j][b] = max(arrival, end[j][b-1])`` (FIFO).
 - *Early forwarding.* The output exists at ``out = start + early``. The queue to stage ``j+1`` holds
   ``queue_depth`` batches: it has room for batch ``b`` once stage ``j+1`` has started batch ``b - queue_depth``
   (``room``). If ``room <= out`` the stage sends at once, a transfer that keeps it busy ``send`` seconds, then
-  runs the rest: ``done = out + send + late + backward + sync``. Otherwise the send is *deferred*, as the
-  threads runtime does (it never waits for room in the middle of a step): ``done = start + early + late +
-  backward + sync``, then the put waits for room (*blocked*) and the transfer follows,
-  ``end[j][b] = max(done, room) + send``. The batch arrives at stage ``j+1`` when the send ends. The last
-  stage sends nothing. The replicas of a stage work in lockstep on slices of the same batch, so every replica
-  lane gets the same spans.
+  runs the rest: ``done = out + send + late + backward + sync`` and ``end[j][b] = done + step``. Otherwise the
+  send is *deferred*, as the threads runtime does (it never waits for room in the middle of a step):
+  ``done = start + early + late + backward + sync``, the step follows, then the put waits for room
+  (*blocked*) and the transfer follows, ``end[j][b] = max(done + step, room) + send``. The batch arrives at
+  stage ``j+1`` when the send ends. The last stage sends nothing. The replicas of a stage work in lockstep on
+  slices of the same batch, so every replica lane gets the same spans.
 - *Barrier* (``decoupled=False``). Every stage's optimizer step on batch ``b`` waits until every stage is
-  ``done`` with it: ``end[j][b] = max_k done[k][b]``. The stages still overlap within a batch (early sends), and
-  a send is never deferred: a stage starts batch ``b`` after the barrier of ``b-1``, by which stage ``j+1`` has
-  started batch ``b-1``, so the queue has room. Without the barrier (``decoupled=True``), ``end[j][b] = done``
-  unless the send was deferred.
+  ``done`` with it: ``end[j][b] = max_k done[k][b] + step[j]``. The stages still overlap within a batch (early
+  sends), and a send is never deferred: a stage starts batch ``b`` after the barrier of ``b-1``, by which stage
+  ``j+1`` has started batch ``b-1``, so the queue has room. Without the barrier (``decoupled=True``),
+  ``end[j][b] = done + step`` unless the send was deferred.
 
 These equations are the event schedule of the system, evaluated batch by batch in stage order (every time
 they read belongs to an earlier batch, an earlier stage, or, for the barrier, the same batch's ``done``).
+They hold when every stage replica has a processor of its own, as the plan's costs assume.
+
+*Sharing* (``cores=N``). The stage replicas then run on the processors their devices have: every replica of a
+stage on ``cpu`` is one thread of work (one worker thread per stage under ``threads``, one process per replica
+under ``distributed``), and all of them share the ``N`` CPU cores; the stages on one accelerator (the same
+``cuda:i``; ``cuda`` is ``cuda:0``) share that device as one processor; stages on distinct devices share
+nothing. The plan names only the first replica's device, so the other replicas of an accelerator stage are
+taken to have devices of their own, as the default placement gives them. A thread is *busy* while it computes
+(``forward``, ``backward``, ``step``) and, on the CPU, while it transfers (``send``, ``allreduce``: gloo and the
+threads runtime's copy work on the CPU); on an accelerator a transfer keeps its stage busy but leaves the
+device to the others (links and copy engines move the bytes). Waiting (for input, for room in a queue, at the
+barrier) takes no processor. When ``busy`` threads share ``P`` processors and ``busy > P``, each progresses
+at rate ``P / busy`` (processor sharing), else at full rate; the replicas of a stage move together. Then the
+batch-by-batch equations no longer hold (a stage's speed depends on what the others do at that moment), and
+the same rules run as an event-driven simulation over time: whenever a span begins or ends, the busy counts
+and so every running span's rate change. When no device holds more threads than processors, sharing never
+slows anything and the equations give the result.
 
 The timeline has a ``receive`` span for a wait for input, ``forward`` spans (two around an early send when the
-forward has a rest: ``start .. out`` and after the send), ``backward``, ``allreduce`` (replicated stages) and
-``send`` (a deferred one from ``done``, waiting for room included). The wait at the barrier has no span, as in
-a runtime's trace (the runtimes wait between the ``backward`` and ``step`` spans): it is a gap in the lane,
-counted in :attr:`StageSimulation.barrier`.
+forward has a rest: ``start .. out`` and after the send), ``backward``, ``allreduce`` (replicated stages),
+``step`` (when it takes time) and ``send`` (a deferred one from the end of the step, waiting for room
+included). The wait at the barrier has no span, as in a runtime's trace (the runtimes wait between the
+``backward`` and ``step`` spans): it is a gap in the lane, counted in :attr:`StageSimulation.barrier`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import Any
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any, NamedTuple
 
 from .plan import Plan, StagePlan, format_bytes
 from .timeline import Event, Timeline
@@ -60,9 +79,11 @@ class StageSimulation:
     replicas: int
     """Replicas of the stage (each has the same spans)."""
     cost: float
-    """Seconds of own work per batch: forward + backward + all-reduce + send (the plan's ``cost`` at its bandwidth)."""
+    """Seconds of own work per batch: forward + backward + all-reduce + step + send (the plan's ``cost`` at its
+    bandwidth), on a processor of its own."""
     compute: float
-    """Seconds spent in forward and backward, over all batches."""
+    """Seconds spent in forward, backward and optimizer step, over all batches (longer than the work when the
+    stage shares its processors)."""
     allreduce: float
     """Seconds spent all-reducing gradients (0 for one replica), over all batches."""
     send: float
@@ -76,6 +97,9 @@ class StageSimulation:
     """Seconds spent waiting for input over ``[0, makespan]``, warm-up and drain included."""
     utilisation: float
     """``(compute + allreduce) / makespan`` (0 when the makespan is 0)."""
+    speed: float = 1.0
+    """Mean speed while busy: the stage's own work over the seconds its compute, all-reduce and send spans took
+    (1 unless it shared its processors with more busy threads than they have)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,7 +121,8 @@ class Simulation:
     """Seconds until every stage has finished the last batch."""
     step_time: float
     """Steady-state seconds per batch: the last stage's mean finish interval over the second half of the batches
-    (the makespan when ``steps == 1``)."""
+    (the makespan when ``steps == 1``). When stages shared processors, the window ends with the last batch the last
+    stage finished before the first stage finished its last one: the drain after it runs faster."""
     throughput: float
     """Samples per second: ``batch_size / step_time`` (infinite when the step time is 0)."""
     warmup: float
@@ -108,6 +133,12 @@ class Simulation:
     """Per-stage results, in pipeline order."""
     timeline: Timeline
     """Every span of every (stage, replica) lane and batch; source ``simulated``."""
+    cores: int | None = None
+    """CPU cores the replicas of the ``cpu`` stages shared (``None``: every stage replica had a processor of its
+    own, nothing shared)."""
+    shared: str = ""
+    """Which stages shared fewer processors than they have threads, and how fast they ran then, e.g. ``4 stages
+    share 2 CPU cores: ...``; ``""`` when nothing was shared."""
 
     def to_dict(self) -> dict[str, Any]:
         """The results as JSON-able data, without the timeline's spans (infinite rates become ``None``)."""
@@ -117,11 +148,16 @@ class Simulation:
         return d
 
     def table(self) -> str:
-        """Per-stage time shares as an aligned text table, then a summary line."""
+        """Per-stage time shares as an aligned text table, then a summary line (and, when stages shared
+        processors, a line saying which, with a column of their mean speed while busy)."""
         header = ["stage", "replicas", "busy ms", "send ms", "blocked ms", "barrier ms", "idle ms", "util %"]
         rows = [[str(s.index), str(s.replicas), f"{(s.compute + s.allreduce) * 1e3:.3f}", f"{s.send * 1e3:.3f}",
                  f"{s.blocked * 1e3:.3f}", f"{s.barrier * 1e3:.3f}", f"{s.idle * 1e3:.3f}",
                  f"{s.utilisation * 100:.1f}"] for s in self.stages]
+        if self.shared:
+            header.append("speed %")
+            for row, s in zip(rows, self.stages):
+                row.append(f"{s.speed * 100:.1f}")
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
                  for r in [header, ["-" * w for w in widths], *rows]]
@@ -130,6 +166,7 @@ class Simulation:
                      f"{self.makespan * 1e3:.3f} ms  {self.steps} steps  queue depth {self.queue_depth}  bandwidth "
                      f"{format_bytes(self.link_bandwidth)}/s  "
                      f"{'decoupled' if self.decoupled else 'barrier before each step'}")
+        lines += [f"shared: {self.shared}"] if self.shared else []
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -148,107 +185,404 @@ class _Work:
     """Backward share of the compute."""
     allreduce: float
     """Ring all-reduce of the gradients at the simulated bandwidth."""
+    step: float
+    """The optimizer step."""
     send: float
     """Transfer of this replica's slice of the boundary at the simulated bandwidth."""
+    replicas: int
+    """Replicas of the stage (an ``allreduce`` span when more than one)."""
 
     @property
     def forward(self) -> float:
         return self.early + self.late
 
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward + self.allreduce + self.step + self.send
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Pool:
+    """Processors that some stages' threads share: the CPU's cores, or one accelerator."""
+
+    device: str
+    """``cpu`` or an accelerator such as ``cuda:0``."""
+    processors: int
+    """CPU cores, or 1 for an accelerator."""
+    stages: tuple[int, ...]
+    """The stages on it."""
+    threads: int
+    """Threads of work on it: every replica of a ``cpu`` stage, the first replica of an accelerator stage."""
+
+    @property
+    def oversubscribed(self) -> bool:
+        return self.threads > self.processors
+
+    def describe(self, num_stages: int) -> str:
+        """``4 stages share 2 CPU cores: each busy stage runs at 2/busy speed while more than 2 are busy``."""
+        k, p = len(self.stages), self.processors
+        if k == 1:
+            who = f"stage {self.stages[0]}"
+        elif k == num_stages:
+            who = f"{k} stages"
+        else:
+            who = f"stages {', '.join(map(str, self.stages[:-1]))} and {self.stages[-1]}"
+        unit = "thread" if self.threads > k else "stage"
+        who += f" ({self.threads} threads with {'its' if k == 1 else 'their'} replicas)" if self.threads > k else ""
+        what = f"{p} CPU core{'s' if p != 1 else ''}" if self.device == "cpu" else self.device
+        return (f"{who} {'shares' if k == 1 else 'share'} {what}: each busy {unit} runs at {p}/busy speed"
+                + (f" while more than {p} are busy" if p > 1 else ""))
+
+
+@dataclass
+class _Schedule:
+    """Where each stage's time went: its spans per batch, when it ended each batch, and its time shares."""
+
+    lanes: list[list[tuple[int, str, float, float]]]
+    """Per stage: ``(batch, kind, start, end)`` spans."""
+    end: list[list[float]]
+    """Per stage and batch: when the stage was free again."""
+    compute: list[float]
+    """Per stage, as in :class:`StageSimulation` (so are the next four)."""
+    allreduce: list[float]
+    send: list[float]
+    blocked: list[float]
+    barrier: list[float]
+    idle: list[float]
+    """Waits for input before a batch (the wait after the last batch is added later)."""
+    busy: list[float] = field(default_factory=list)
+    """Seconds spent computing and all-reducing."""
+    speed: list[float] = field(default_factory=list)
+    """Mean speed while busy."""
+
+    @classmethod
+    def empty(cls, n: int, steps: int) -> _Schedule:
+        return cls(lanes=[[] for _ in range(n)], end=[[0.0] * steps for _ in range(n)],
+                   **{k: [0.0] * n for k in ("compute", "allreduce", "send", "blocked", "barrier", "idle")})
+
 
 def simulate(plan: Plan, *, steps: int = 64, queue_depth: int = 2, link_bandwidth: float | None = None,
-             decoupled: bool = True) -> Simulation:
+             decoupled: bool = True, cores: int | None = None) -> Simulation:
     """Simulate ``steps`` batches through ``plan`` with FIFO queues of ``queue_depth`` (model: module docstring).
 
     Every stage sends its output on as soon as its forward made it (early forwarding) when the queue has room,
     else once its work on the batch is done. ``link_bandwidth`` (bytes/s) replaces the plan's for sends and
     all-reduces; ``decoupled=False`` puts a barrier of all the stages before every optimizer step (the stages
     still overlap within a batch; Pipe-BD's teacher relaying without decoupled updates).
+
+    ``cores`` models the processors the stages run on: the replicas of the ``cpu`` stages share ``cores`` CPU
+    cores (one thread each; e.g. ``cores=os.cpu_count()`` for this machine), the stages on one accelerator
+    share it, and a busy thread runs at ``processors / busy`` speed while more threads are busy than there are
+    processors. ``None`` (the default) gives every stage replica a processor of its own, as the plan's costs
+    assume: nothing is shared and the result does not depend on the machine that simulates.
     """
-    bandwidth = _check(plan, steps, queue_depth, link_bandwidth)
+    bandwidth = _check(plan, steps, queue_depth, link_bandwidth, cores)
     work = [_work(plan, s, bandwidth) for s in plan.stages]
+    pools = [p for p in _pools(plan, cores) if p.oversubscribed]
+    if pools:
+        schedule = _processor_sharing(work, pools, steps, queue_depth, decoupled)
+    else:
+        schedule = _equations(work, steps, queue_depth, decoupled)
+    return _result(plan, work, schedule, pools, steps=steps, queue_depth=queue_depth, bandwidth=bandwidth,
+                   decoupled=decoupled, cores=cores)
+
+
+def _result(plan: Plan, work: list[_Work], schedule: _Schedule, pools: list[_Pool], *, steps: int,
+            queue_depth: int, bandwidth: float, decoupled: bool, cores: int | None) -> Simulation:
+    """The :class:`Simulation` of ``schedule``."""
+    end = schedule.end
+    makespan = max(e[-1] for e in end)
+    last = end[-1]
+    half = steps // 2
+    # on shared processors the drain runs faster (the stages that finished leave their share to the others):
+    # the window ends with the last batch the last stage finished before the first stage had finished them all
+    upto = max((b for b in range(half, steps) if last[b] <= end[0][-1]), default=steps - 1) if pools else steps - 1
+    step_time = makespan if steps == 1 else (last[upto] - last[half - 1]) / (upto + 1 - half)
+    results = tuple(StageSimulation(
+        index=j, replicas=s.replicas, cost=w.forward + w.backward + w.allreduce + w.step + w.send,
+        compute=schedule.compute[j], allreduce=schedule.allreduce[j], send=schedule.send[j],
+        blocked=schedule.blocked[j], barrier=schedule.barrier[j], idle=schedule.idle[j] + makespan - end[j][-1],
+        utilisation=schedule.busy[j] / makespan if makespan > 0 else 0.0, speed=schedule.speed[j])
+        for j, (s, w) in enumerate(zip(plan.stages, work)))
+    events = [Event(stage=j, replica=r, batch=b, kind=kind, start=t0, end=t1)
+              for j, lane in enumerate(schedule.lanes) for r in range(plan.stages[j].replicas)
+              for b, kind, t0, t1 in lane]
+    shared = "; ".join(p.describe(plan.num_stages) for p in pools)
+    timeline = Timeline.of(events, source="simulated", model=plan.model, mode=plan.mode, batch_size=plan.batch_size,
+                           steps=steps, queue_depth=queue_depth, link_bandwidth=bandwidth, decoupled=decoupled,
+                           cores=cores)
+    return Simulation(
+        steps=steps, queue_depth=queue_depth, link_bandwidth=bandwidth, decoupled=decoupled,
+        batch_size=plan.batch_size, makespan=makespan, step_time=step_time,
+        throughput=_rate(plan.batch_size, step_time), warmup=last[0],
+        predicted=_rate(plan.batch_size, plan.bottleneck_cost), stages=results, timeline=timeline, cores=cores,
+        shared=shared)
+
+
+def _equations(work: list[_Work], steps: int, queue_depth: int, decoupled: bool) -> _Schedule:
+    """The schedule when nothing is shared: the module docstring's equations, batch by batch in stage order."""
     n = len(work)
+    sched = _Schedule.empty(n, steps)
     start = [[0.0] * steps for _ in range(n)]
-    end = [[0.0] * steps for _ in range(n)]
-    blocked, barrier, idle = [0.0] * n, [0.0] * n, [0.0] * n
-    events: list[Event] = []
+    end = sched.end
     for b in range(steps):
         arrival = 0.0  # of batch b at stage j: at once at stage 0, then when stage j-1's send of it ends
         done = [0.0] * n
-        lanes: list[list[tuple[str, float, float]]] = [[] for _ in range(n)]
         for j, w in enumerate(work):
-            spans = lanes[j]
+            spans = sched.lanes[j]
             free = end[j][b - 1] if b > 0 else 0.0
             begin = start[j][b] = max(arrival, free)
-            idle[j] += begin - free
-            spans += [("receive", free, begin)] if begin > free else []
+            sched.idle[j] += begin - free
+            spans += [(b, "receive", free, begin)] if begin > free else []
             out = begin + w.early
             room = start[j + 1][b - queue_depth] if j < n - 1 and b >= queue_depth else 0.0
             early = j < n - 1 and room <= out
             if early:
                 arrival = t = out + w.send
-                spans += [("forward", begin, out), ("send", out, t)]
-                spans += [("forward", t, t + w.late)] if w.late > 0 else []
+                spans += [(b, "forward", begin, out), (b, "send", out, t)]
+                spans += [(b, "forward", t, t + w.late)] if w.late > 0 else []
                 t += w.late
             else:
                 t = begin + w.forward
-                spans.append(("forward", begin, t))
-            spans.append(("backward", t, t + w.backward))
-            spans += [("allreduce", t + w.backward, t + w.backward + w.allreduce)] if plan.stages[j].replicas > 1 \
-                else []
+                spans.append((b, "forward", begin, t))
+            spans.append((b, "backward", t, t + w.backward))
+            spans += [(b, "allreduce", t + w.backward, t + w.backward + w.allreduce)] if w.replicas > 1 else []
             done[j] = end[j][b] = t + w.backward + w.allreduce
+            if decoupled:
+                end[j][b] = _step(spans, b, done[j], w.step)
             if j < n - 1 and not early:
                 # never with the barrier: stage j began batch b after the barrier of b-1, by which stage j+1 had
                 # started b-1 >= b - queue_depth, so room <= start[j][b] <= out
                 assert decoupled, "a deferred send under the barrier would deadlock"
-                put = max(done[j], room)
-                blocked[j] += put - done[j]
+                put = max(end[j][b], room)
+                sched.blocked[j] += put - end[j][b]
+                spans.append((b, "send", end[j][b], put + w.send))
                 arrival = end[j][b] = put + w.send
-                spans.append(("send", done[j], arrival))
         if not decoupled:
             step = max(done)  # every stage's optimizer step on batch b waits for every stage's backward on it
-            for j in range(n):
-                barrier[j] += step - done[j]
-                end[j][b] = step
-        events += [Event(stage=j, replica=r, batch=b, kind=kind, start=t0, end=t1)
-                   for j in range(n) for r in range(plan.stages[j].replicas) for kind, t0, t1 in lanes[j]]
-    makespan = max(e[-1] for e in end)
-    last = end[-1]
-    half = steps // 2
-    step_time = makespan if steps == 1 else (last[-1] - last[half - 1]) / (steps - half)
-    results = tuple(StageSimulation(
-        index=j, replicas=s.replicas, cost=w.forward + w.backward + w.allreduce + w.send,
-        compute=steps * (w.forward + w.backward), allreduce=steps * w.allreduce, send=steps * w.send,
-        blocked=blocked[j], barrier=barrier[j], idle=idle[j] + makespan - end[j][-1],
-        utilisation=steps * (w.forward + w.backward + w.allreduce) / makespan if makespan > 0 else 0.0)
-        for j, (s, w) in enumerate(zip(plan.stages, work)))
-    timeline = Timeline.of(events, source="simulated", model=plan.model, mode=plan.mode, batch_size=plan.batch_size,
-                           steps=steps, queue_depth=queue_depth, link_bandwidth=bandwidth, decoupled=decoupled)
-    return Simulation(
-        steps=steps, queue_depth=queue_depth, link_bandwidth=bandwidth, decoupled=decoupled,
-        batch_size=plan.batch_size, makespan=makespan, step_time=step_time,
-        throughput=_rate(plan.batch_size, step_time), warmup=last[0],
-        predicted=_rate(plan.batch_size, plan.bottleneck_cost), stages=results, timeline=timeline)
+            for j, w in enumerate(work):
+                sched.barrier[j] += step - done[j]
+                end[j][b] = _step(sched.lanes[j], b, step, w.step)
+    for j, w in enumerate(work):
+        sched.compute[j], sched.allreduce[j] = steps * (w.forward + w.backward + w.step), steps * w.allreduce
+        sched.send[j] = steps * w.send
+        sched.busy.append(steps * (w.forward + w.backward + w.step + w.allreduce))
+        sched.speed.append(1.0)
+    return sched
+
+
+def _step(spans: list[tuple[int, str, float, float]], batch: int, at: float, seconds: float) -> float:
+    """Add the optimizer step's span from ``at`` (none when it takes no time); its end."""
+    spans += [(batch, "step", at, at + seconds)] if seconds > 0 else []
+    return at + seconds
+
+
+# The requests a stage's process yields to the event-driven schedule.
+class _Run(NamedTuple):
+    """Work ``seconds`` (at full speed); ``uses`` whether it takes a processor."""
+
+    seconds: float
+    uses: bool
+
+
+class _Wait(NamedTuple):
+    """Wait, taking no processor, until ``ready()``."""
+
+    ready: Callable[[], bool]
+
+
+class _Decide(NamedTuple):
+    """``True`` if ``ready()`` becomes true at this instant, ``False`` once nothing else can happen at it."""
+
+    ready: Callable[[], bool]
+
+
+@dataclass
+class _Shared:
+    """The state the stages' processes read and write: the clock and what each stage has got to."""
+
+    t: float
+    arrived: list[int]
+    """Batches that arrived at each stage (stage 0: all at once)."""
+    taken: list[int]
+    """Batches each stage has started."""
+    done: list[int]
+    """Batches each stage is done with (backward and all-reduce)."""
+
+
+def _stage(j: int, w: _Work, state: _Shared, sched: _Schedule, *, steps: int, queue_depth: int, decoupled: bool,
+           cpu: bool) -> Iterator[Any]:
+    """Stage ``j``'s life under the module docstring's rules, as the requests it waits for and works on; it
+    writes its spans and waits into ``sched``. ``cpu``: its transfers take a processor."""
+    last = j == len(state.taken) - 1
+    lane = sched.lanes[j]
+    for b in range(steps):
+        free = state.t
+        yield _Wait(lambda b=b: state.arrived[j] > b)
+        begin = state.t
+        sched.idle[j] += begin - free
+        lane += [(b, "receive", free, begin)] if begin > free else []
+        state.taken[j] = b + 1
+
+        def room(b: int = b) -> bool:
+            return b < queue_depth or state.taken[j + 1] > b - queue_depth
+
+        yield _Run(w.early, True)
+        made = state.t
+        early = False if last else (yield _Decide(room))
+        if early:
+            yield _Run(w.send, cpu)
+            sent = state.t
+            lane += [(b, "forward", begin, made), (b, "send", made, sent)]
+            state.arrived[j + 1] += 1
+            yield _Run(w.late, True)
+            lane += [(b, "forward", sent, state.t)] if w.late > 0 else []
+        else:
+            yield _Run(w.late, True)
+            lane.append((b, "forward", begin, state.t))
+        t = state.t
+        yield _Run(w.backward, True)
+        lane.append((b, "backward", t, state.t))
+        if w.replicas > 1:
+            t = state.t
+            yield _Run(w.allreduce, cpu)
+            lane.append((b, "allreduce", t, state.t))
+        state.done[j] = b + 1
+        if not decoupled:
+            t = state.t
+            yield _Wait(lambda b=b: min(state.done) > b)
+            sched.barrier[j] += state.t - t
+        if w.step > 0:
+            t = state.t
+            yield _Run(w.step, True)
+            lane.append((b, "step", t, state.t))
+        if not last and not early:
+            t = state.t
+            yield _Wait(room)
+            put = state.t
+            sched.blocked[j] += put - t
+            yield _Run(w.send, cpu)
+            lane.append((b, "send", t, state.t))
+            state.arrived[j + 1] += 1
+        sched.end[j][b] = state.t
+
+
+def _processor_sharing(work: list[_Work], pools: list[_Pool], steps: int, queue_depth: int,
+                       decoupled: bool) -> _Schedule:
+    """The schedule when ``pools`` hold more threads than processors: an event-driven simulation over time.
+
+    Between two events every running span progresses at its rate (``processors / busy`` in an oversubscribed
+    pool, else 1); an event is a span ending, after which the stages go on through every step that takes no time
+    (a wait that is over, a span of no work) until none is left, and only then is a send with no room deferred.
+    """
+    n = len(work)
+    sched = _Schedule.empty(n, steps)
+    state = _Shared(t=0.0, arrived=[steps] + [0] * (n - 1), taken=[0] * n, done=[0] * n)
+    pool_of: dict[int, _Pool] = {j: p for p in pools for j in p.stages}
+    threads = [work[j].replicas if j in pool_of and pool_of[j].device == "cpu" else 1 for j in range(n)]
+    procs = [_stage(j, w, state, sched, steps=steps, queue_depth=queue_depth, decoupled=decoupled,
+                    cpu=j in pool_of and pool_of[j].device == "cpu") for j, w in enumerate(work)]
+    pending: list[Any] = [None] * n
+    left = [0.0] * n
+
+    def resume(j: int, value: Any = None) -> None:
+        try:
+            pending[j] = procs[j].send(value)
+        except StopIteration:
+            pending[j] = None
+        if isinstance(pending[j], _Run):
+            left[j] = pending[j].seconds
+
+    for j in range(n):
+        resume(j)
+    while True:
+        _settle(pending, left, resume)
+        running = [j for j in range(n) if isinstance(pending[j], _Run)]
+        if not running:
+            assert all(p is None for p in pending), "the simulated stages wait for each other"
+            break
+        busy: dict[str, int] = {}
+        for j in running:
+            if pending[j].uses and j in pool_of:
+                busy[pool_of[j].device] = busy.get(pool_of[j].device, 0) + threads[j]
+        rate = {j: min(1.0, pool_of[j].processors / busy[pool_of[j].device])
+                if pending[j].uses and j in pool_of else 1.0 for j in running}
+        finish = {j: left[j] / rate[j] for j in running}
+        dt = min(finish.values())
+        now = state.t + dt
+        for j in running:  # spans that end within rounding of the first one end with it
+            left[j] = 0.0 if finish[j] - dt <= 1e-12 * now else left[j] - rate[j] * dt
+        state.t = now
+    for j, w in enumerate(work):
+        seconds = {k: sum(t1 - t0 for _, kind, t0, t1 in sched.lanes[j] if kind == k)
+                   for k in ("forward", "backward", "step", "allreduce", "send")}
+        sched.compute[j] = seconds["forward"] + seconds["backward"] + seconds["step"]
+        sched.allreduce[j], sched.send[j] = seconds["allreduce"], seconds["send"] - sched.blocked[j]
+        sched.busy.append(sched.compute[j] + sched.allreduce[j])
+        spent = sched.busy[j] + sched.send[j]
+        sched.speed.append(min(1.0, steps * w.total / spent) if spent > 0 else 1.0)
+    return sched
+
+
+def _settle(pending: list[Any], left: list[float], resume: Callable[..., None]) -> None:
+    """Go on with every stage through what takes no time at this instant; then defer the sends with no room."""
+    while True:
+        changed = True
+        while changed:
+            changed = False
+            for j, request in enumerate(pending):
+                if isinstance(request, _Run) and left[j] <= 0:
+                    resume(j)
+                elif isinstance(request, (_Wait, _Decide)) and request.ready():
+                    resume(j, True)
+                else:
+                    continue
+                changed = True
+        undecided = [j for j, request in enumerate(pending) if isinstance(request, _Decide)]
+        if not undecided:
+            return
+        for j in undecided:  # no room when nothing else happens at this instant: the send waits for the step
+            resume(j, False)
+
+
+def _pools(plan: Plan, cores: int | None) -> list[_Pool]:
+    """The processors the stages share (none when ``cores`` is ``None``): the CPU, and each accelerator."""
+    if cores is None:
+        return []
+    groups: dict[str, list[int]] = {}
+    for s in plan.stages:
+        groups.setdefault(_device_key(s.device), []).append(s.index)
+    return [_Pool(device=d, processors=cores if d == "cpu" else 1, stages=tuple(js),
+                  threads=sum(plan.stages[j].replicas for j in js) if d == "cpu" else len(js))
+            for d, js in groups.items()]
+
+
+def _device_key(device: str) -> str:
+    """``cpu`` for any CPU device, else ``type:index`` (``cuda`` is ``cuda:0``)."""
+    kind, _, index = str(device).partition(":")
+    return "cpu" if kind == "cpu" else f"{kind}:{index or 0}"
 
 
 def _work(plan: Plan, stage: StagePlan, bandwidth: float) -> _Work:
-    """Early and late forward, backward, all-reduce and send seconds of one replica of ``stage`` per batch
+    """Early and late forward, backward, all-reduce, step and send seconds of one replica of ``stage`` per batch
     (module docstring)."""
     compute = max(0.0, stage.compute_cost - plan.allreduce_cost(stage))
+    step = min(compute, max(0.0, stage.step_cost))
+    rest = compute - step
     if plan.mode == "ppll":
         first, fwd = stage.flops_fwd, stage.flops_fwd + stage.head.flops_fwd
         total = fwd + stage.flops_bwd + stage.head.flops_bwd
     else:
         first, fwd = stage.aux_flops, stage.aux_flops + stage.flops_fwd
         total = fwd + stage.flops_bwd
-    early = compute * first / total if total > 0 else compute
-    forward = compute * fwd / total if total > 0 else compute
+    early = rest * first / total if total > 0 else rest
+    forward = rest * fwd / total if total > 0 else rest
     send = 0.0 if stage.is_last else sum(t.bytes for t in stage.boundary) / bandwidth / stage.replicas
-    return _Work(early=early, late=forward - early, backward=compute - forward,
-                 allreduce=plan.allreduce_cost(stage, bandwidth), send=send)
+    return _Work(early=early, late=forward - early, backward=rest - forward, step=step,
+                 allreduce=plan.allreduce_cost(stage, bandwidth), send=send, replicas=stage.replicas)
 
 
-def _check(plan: Any, steps: Any, queue_depth: Any, link_bandwidth: Any) -> float:
+def _check(plan: Any, steps: Any, queue_depth: Any, link_bandwidth: Any, cores: Any = None) -> float:
     """Validate the arguments of :func:`simulate`; the bandwidth to simulate."""
     if not isinstance(plan, Plan):
         raise TypeError(f"simulate() takes a Plan, got {type(plan).__name__} (make one with "
@@ -258,6 +592,10 @@ def _check(plan: Any, steps: Any, queue_depth: Any, link_bandwidth: Any) -> floa
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             error = ValueError if isinstance(value, int) and not isinstance(value, bool) else TypeError
             raise error(f"{name} must be an int >= 1, got {value!r} ({hint})")
+    if cores is not None and (not isinstance(cores, int) or isinstance(cores, bool) or cores < 1):
+        error = ValueError if isinstance(cores, int) and not isinstance(cores, bool) else TypeError
+        raise error(f"cores must be an int >= 1 or None, got {cores!r} (the CPU cores the cpu stages share, e.g. "
+                    f"cores=os.cpu_count(); None gives every stage a processor of its own)")
     if link_bandwidth is None:
         return float(plan.link_bandwidth)
     number = isinstance(link_bandwidth, (int, float)) and not isinstance(link_bandwidth, bool)

@@ -1,6 +1,6 @@
 """The plan-time schedule simulator: hand-computed schedules (early forwarding, deferred sends, the barrier
-before every step), steady state, replicas, bandwidth, queue blocking, and agreement with an independent
-event-driven simulation on random plans."""
+before every step, the optimizer step), steady state, replicas, bandwidth, queue blocking, and agreement with an
+independent event-driven simulation on random plans."""
 
 import contextlib
 import copy
@@ -76,7 +76,7 @@ def _synthetic(base: Plan, specs: list[dict], bandwidth: float = 1.0) -> Plan:
         s.update(index=i, nodes=[f"n{i}"], first_node=f"n{i}", last_node=f"n{i}", replicas=r,
                  aux_flops=spec.get("aux", 0), flops_fwd=spec.get("fwd", 0), flops_bwd=spec.get("bwd", 0),
                  grad_bytes=spec.get("grad", 0), compute_cost=spec["compute"] + sync, comm_cost=send,
-                 cost=spec["compute"] + sync + send)
+                 cost=spec["compute"] + sync + send, step_cost=spec.get("step", 0.0))
         s["head"].update(param_count=0, flops_fwd=spec.get("head_fwd", 0), flops_bwd=spec.get("head_bwd", 0))
         if i < n - 1:
             s["boundary"] = [{"name": f"n{i}", "shape": [1], "dtype": "float32", "bytes": spec.get("out", 0)}]
@@ -99,20 +99,23 @@ def _spans(sim: Simulation, stage: int, kind: str) -> list[float]:
     return [end - start for _, k, start, end in _lane(sim, stage) if k == kind]
 
 
-def _one_batch(plan: Plan) -> list[float]:
-    """When each stage finishes one batch that meets no other: stage j starts it once every stage before it
-    made its output (the block's forward, or Pipe-BD's teacher blocks, by FLOP share of the compute) and sent
-    it, and then works its whole ``cost``."""
-    finish, begin = [], 0.0
+def _one_batch(plan: Plan, after_steps: bool = False) -> list[float]:
+    """When each stage is done (all but its optimizer step) with one batch that meets no other: stage j starts it
+    once every stage before it made its output (the block's forward, or Pipe-BD's teacher blocks, by FLOP share
+    of the compute but the step) and sent it, and then works its whole ``cost`` but the ``step_cost`` (which
+    follows). ``after_steps``: the batch follows a barrier at 0, so stage j is free from its ``step_cost`` on.
+    Without step costs: when each stage finishes the batch."""
+    done, arrival = [], 0.0
     for s in plan.stages:
-        compute = s.compute_cost - plan.allreduce_cost(s)
+        compute = s.compute_cost - plan.allreduce_cost(s) - s.step_cost
         if plan.mode == "ppll":
             first, total = s.flops_fwd, s.flops_fwd + s.flops_bwd + s.head.flops_fwd + s.head.flops_bwd
         else:
             first, total = s.aux_flops, s.aux_flops + s.flops_fwd + s.flops_bwd
-        finish.append(begin + s.cost)
-        begin += (compute * first / total if total else compute) + s.comm_cost  # no FLOPs: all of it first
-    return finish
+        begin = max(arrival, s.step_cost) if after_steps else arrival
+        done.append(begin + s.cost - s.step_cost)
+        arrival = begin + (compute * first / total if total else compute) + s.comm_cost  # no FLOPs: all of it first
+    return done
 
 
 # ---- hand-computed schedules ----------------------------------------------------------------------------
@@ -253,6 +256,50 @@ def test_a_barrier_before_every_step_overlaps_the_stages_within_a_batch_event_by
     assert simulate(plan, steps=2, queue_depth=1).makespan == 12
 
 
+# ---- the optimizer step ---------------------------------------------------------------------------------
+
+def test_the_optimizer_step_is_its_own_span_after_the_backward_and_before_a_deferred_send(mlp_plan):
+    # stage 0: compute 3 = block forward 1 (no head FLOPs: the output exists after it), backward 1, step 1; send 1
+    # (cost 4). stage 1: compute 7 = forward 3, backward 3, step 1 (cost 7). One-batch queue.
+    plan = _synthetic(mlp_plan, [dict(compute=3.0, fwd=1, bwd=1, step=1.0, out=1),
+                                 dict(compute=7.0, fwd=1, bwd=1, step=1.0)])
+    sim = simulate(plan, steps=4, queue_depth=1)
+    assert _lane(sim, 0) == [
+        (0, "forward", 0, 1), (0, "send", 1, 2), (0, "backward", 2, 3), (0, "step", 3, 4),
+        (1, "forward", 4, 5), (1, "send", 5, 6), (1, "backward", 6, 7), (1, "step", 7, 8),      # batch 0 taken at 2
+        (2, "forward", 8, 9), (2, "send", 9, 10), (2, "backward", 10, 11), (2, "step", 11, 12),  # batch 1 at 9: a tie
+        (3, "forward", 12, 13), (3, "backward", 13, 14), (3, "step", 14, 15), (3, "send", 15, 17),  # batch 2 at 16:
+    ]                                                                             # deferred past the step, blocked 1
+    assert _lane(sim, 1) == [
+        (0, "receive", 0, 2), (0, "forward", 2, 5), (0, "backward", 5, 8), (0, "step", 8, 9),
+        (1, "forward", 9, 12), (1, "backward", 12, 15), (1, "step", 15, 16),   # batch 1 arrived at 6
+        (2, "forward", 16, 19), (2, "backward", 19, 22), (2, "step", 22, 23),  # batch 2 at 10
+        (3, "forward", 23, 26), (3, "backward", 26, 29), (3, "step", 29, 30),  # batch 3 at 17
+    ]
+    assert (sim.makespan, sim.warmup, sim.step_time) == (30, 9, 7)
+    s0, s1 = sim.stages
+    assert (s0.cost, s0.compute, s0.send, s0.blocked, s0.idle) == (4, 12, 4, 1, 30 - 17)  # compute: the steps too
+    assert (s1.cost, s1.compute, s1.send, s1.blocked, s1.idle) == (7, 28, 0, 0, 2)
+    assert sim.timeline.busy(1) == 28
+
+
+def test_the_barrier_comes_before_the_step_so_each_stage_leaves_it_at_its_own_time(mlp_plan):
+    # stage 0: forward 1 (no FLOPs counted), step 2, send 1 (cost 4); stage 1: forward 1, backward 1, step 0.5.
+    # Batch 0: stage 0 done at 2, stage 1 at 4: both step from 4, stage 0 until 6, stage 1 until 4.5.
+    plan = _synthetic(mlp_plan, [dict(compute=3.0, step=2.0, out=1), dict(compute=2.5, fwd=1, bwd=1, step=0.5)])
+    sim = simulate(plan, steps=2, queue_depth=1, decoupled=False)
+    assert _lane(sim, 0) == [
+        (0, "forward", 0, 1), (0, "send", 1, 2), (0, "backward", 2, 2), (0, "step", 4, 6),       # barrier 2..4
+        (1, "forward", 6, 7), (1, "send", 7, 8), (1, "backward", 8, 8), (1, "step", 10, 12),     # barrier 8..10
+    ]
+    assert _lane(sim, 1) == [
+        (0, "receive", 0, 2), (0, "forward", 2, 3), (0, "backward", 3, 4), (0, "step", 4, 4.5),
+        (1, "receive", 4.5, 8), (1, "forward", 8, 9), (1, "backward", 9, 10), (1, "step", 10, 10.5),
+    ]
+    assert (sim.makespan, sim.warmup, sim.step_time) == (12, 4.5, 6)
+    assert [(s.barrier, s.idle) for s in sim.stages] == [(4, 0), (0, 2 + 3.5 + 1.5)]
+
+
 # ---- steady state ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("computes", [[1.0, 3.0, 2.0], [3.0, 1.0, 2.0], [1.0, 2.0, 3.0], [2.5, 2.5, 1.0]])
@@ -274,9 +321,10 @@ def test_real_plans_run_at_their_predicted_rate(name, request):
     assert sim.step_time == pytest.approx(plan.bottleneck_cost, rel=1e-9)
     assert sim.throughput == pytest.approx(sim.predicted, rel=1e-9)
     assert sim.batch_size == plan.batch_size and sim.link_bandwidth == plan.link_bandwidth
-    # with the barrier, every batch is one batch alone (test below): its slowest stage's finish
+    # with the barrier, every batch is one batch alone (test below), each stage free once its step ended: its
+    # slowest stage's finish
     barrier = simulate(plan, decoupled=False)
-    assert barrier.step_time == pytest.approx(max(_one_batch(plan)), rel=1e-9)
+    assert barrier.step_time == pytest.approx(max(_one_batch(plan, after_steps=True)), rel=1e-9)
     assert plan.bottleneck_cost * (1 - 1e-9) <= barrier.step_time < sum(s.cost for s in plan.stages)
 
 
@@ -313,10 +361,12 @@ def test_the_bottleneck_stage_is_busy_almost_always_over_many_steps(mlp_plan):
 def test_one_step_is_its_own_step_time(mlp_plan, decoupled):
     # one batch: each stage starts once the stages before it made and sent their outputs; with early
     # forwarding the stages overlap, so it takes less than the sum of the stages' costs
+    # (each stage steps when done with it, or with the barrier once all are done)
     sim = simulate(mlp_plan, steps=1, decoupled=decoupled)
-    finish = _one_batch(mlp_plan)
+    done = _one_batch(mlp_plan)
+    finish = [(d if decoupled else max(done)) + s.step_cost for d, s in zip(done, mlp_plan.stages)]
     assert sim.step_time == sim.makespan == pytest.approx(max(finish), rel=1e-12)
-    assert sim.warmup == pytest.approx(max(finish) if not decoupled else finish[-1], rel=1e-12)
+    assert sim.warmup == pytest.approx(finish[-1], rel=1e-12)
     assert sim.makespan < sum(s.cost for s in mlp_plan.stages)
 
 
@@ -335,14 +385,17 @@ def test_a_replicated_stage_has_identical_lanes_and_all_reduces_its_gradients(na
     assert _spans(sim, 0, "allreduce") == pytest.approx([sync] * 5, rel=1e-12) and sync > 0
     assert sim.stages[0].allreduce == pytest.approx(5 * sync, rel=1e-12)
     assert not _spans(sim, 1, "allreduce") and sim.stages[1].allreduce == 0
-    compute = first.compute_cost - sync
+    compute = first.compute_cost - sync - first.step_cost  # the step is its own part, after the all-reduce
     # batch 0 is sent early: the forward until the output (PPLL: the block; Pipe-BD: the teacher blocks), the
     # send, then the rest of it (PPLL: the head; Pipe-BD: the student blocks)
     early, fwd = (first.flops_fwd, first.flops_fwd + first.head.flops_fwd) if plan.mode == "ppll" else (
         first.aux_flops, first.aux_flops + first.flops_fwd)
     total = fwd + first.flops_bwd + (first.head.flops_bwd if plan.mode == "ppll" else 0)
     assert 0 < early < fwd < total
-    assert [k for b, k, _, _ in _lane(sim, 0) if b == 0] == ["forward", "send", "forward", "backward", "allreduce"]
+    step = ["step"] if first.step_cost > 0 else []
+    assert [k for b, k, _, _ in _lane(sim, 0) if b == 0] == ["forward", "send", "forward", "backward", "allreduce",
+                                                             *step]
+    assert _spans(sim, 0, "step") == pytest.approx([first.step_cost] * 5 if step else [], rel=1e-12)
     assert _spans(sim, 0, "forward")[:2] == pytest.approx([compute * early / total, compute * (fwd - early) / total],
                                                           rel=1e-12)
     assert _spans(sim, 0, "backward")[0] == pytest.approx(compute * (total - fwd) / total, rel=1e-12)
@@ -561,6 +614,12 @@ def test_results_print_and_serialise(mlp_plan):
                                          "0 (e.g. 25e9, or None for the plan's 2.5e+10)"),
     (dict(link_bandwidth=float("inf")), ValueError, "link_bandwidth must be a positive finite number of bytes per "
                                                     "second, got inf (e.g. 25e9, or None for the plan's 2.5e+10)"),
+    (dict(cores=0), ValueError, "cores must be an int >= 1 or None, got 0 (the CPU cores the cpu stages share, "
+                                "e.g. cores=os.cpu_count(); None gives every stage a processor of its own)"),
+    (dict(cores=1.5), TypeError, "cores must be an int >= 1 or None, got 1.5 (the CPU cores the cpu stages share, "
+                                 "e.g. cores=os.cpu_count(); None gives every stage a processor of its own)"),
+    (dict(cores=True), TypeError, "cores must be an int >= 1 or None, got True (the CPU cores the cpu stages "
+                                  "share, e.g. cores=os.cpu_count(); None gives every stage a processor of its own)"),
     (dict(link_bandwidth="fast"), TypeError, "link_bandwidth must be a positive finite number of bytes per second, "
                                              "got 'fast' (e.g. 25e9, or None for the plan's 2.5e+10)"),
 ])
