@@ -15,11 +15,12 @@ from .analysis import Analysis, analyse
 from .cuts import Cut
 from .assemble import assemble_ppll
 from .errors import PlanError, PolicyError
-from .heads import copied_blocks, head_spec
+from .cost import ModuleCost
+from .heads import copied_blocks, counted_head
 from .lower import lower_ppll, next_blocks
 from .options import SavedPlan, check_no_blocks, read_saved_plan, resolve_mode, resolve_options
 from .options import PlanOptions
-from .partition import StageRequest, ppll_layout, segment_costs, stage_request
+from .partition import StageRequest, ppll_layout, segment_costs, stage_request, time_layout
 from .pipebd.build import compile_pipebd, plan_pipebd
 from .pipeline import CompiledPipeline
 from .plan import HeadSpec, Plan
@@ -71,7 +72,8 @@ def compile(model: nn.Module, gpus: int | None = None, *, teacher: nn.Module | N
     check_no_blocks(blocks)
     result, a, policy = _plan_ppll(model, example_inputs, example_kwargs, opts, saved)
     lowered = lower_ppll(model, result, a, policy, untie=opts.tied == "untie")
-    return CompiledPipeline(model=model, graph_module=a.gm, plan=result, lowered=lowered)
+    return CompiledPipeline(model=model, graph_module=a.gm, plan=result, lowered=lowered,
+                            policy=opts.policy, front=_FRONT)
 
 
 _HERE: dict[str, Callable[[int], bool]] = {
@@ -109,10 +111,16 @@ def _plan_ppll(model: nn.Module, example_inputs: Sequence[Any] | None, example_k
     _drop_blockless_cuts(a, policy, model)
     notes = list(a.notes)
     request = stage_request(a, opts, saved)
-    heads = _heads(a, request, saved, policy, opts.optimizer, model)
-    costs = segment_costs(a, heads, policy, opts, notes)
+    heads, head_costs = _heads(a, request, saved, policy, opts.optimizer, model)
+    devices = sum(opts.replicas) if isinstance(opts.replicas, tuple) else opts.gpus or request.stages
+    costs, figures = segment_costs(a, heads, head_costs, policy, opts, notes, devices)
     layout = ppll_layout(costs, request, opts)
-    result = assemble_ppll(type(model).__name__, a, heads, costs, layout, opts, policy.name, notes)
+    measured = None
+    if opts.profile == "time":
+        search = request.manual is None and not opts.replicas_chosen and not isinstance(opts.replicas, tuple)
+        layout, measured = time_layout(a, heads, policy, opts, layout, devices, notes, search=search)
+    result = assemble_ppll(type(model).__name__, a, heads, costs, layout, opts, policy.name, notes, figures,
+                           measured)
     untied = _untied(a, result)
     return (dataclasses.replace(result, notes=(*result.notes, *untied)) if untied else result), a, policy
 
@@ -176,13 +184,15 @@ def _untied(a: Analysis, plan: Plan) -> list[str]:
 
 
 def _heads(a: Analysis, request: StageRequest, saved: SavedPlan | None, policy: Policy,
-           optimizer: str, model: nn.Module) -> dict[int, HeadSpec]:
-    """The head at every cut the partitioner may choose: the policy's, or the saved plan's (possibly edited)."""
+           optimizer: str, model: nn.Module) -> tuple[dict[int, HeadSpec], dict[int, ModuleCost]]:
+    """The head at every cut the partitioner may choose (the policy's, or the saved plan's, possibly edited), and
+    its measured cost."""
     configs = dict(zip(request.manual, saved.heads)) if saved is not None and request.manual else {}
     candidates = request.manual if request.manual is not None else range(len(a.cuts))
     input_shape = a.inputs[0].shape if a.inputs else None
-    measured: dict[Any, HeadSpec] = {}
+    measured: dict[Any, tuple[HeadSpec, ModuleCost]] = {}
     heads: dict[int, HeadSpec] = {}
+    costs: dict[int, ModuleCost] = {}
     for i in candidates:
         spec = a.boundary(a.cuts[i])[0]
         config = configs.get(i)
@@ -193,9 +203,13 @@ def _heads(a: Analysis, request: StageRequest, saved: SavedPlan | None, policy: 
         key = (spec.shape, spec.dtype, spec.layout, repr(config), tuple(map(id, blocks or ())))
         if key not in measured:
             try:
-                measured[key] = head_spec(policy, config, spec, a.num_classes, input_shape, optimizer,
-                                          per_token=a.per_token, blocks=blocks)
+                measured[key] = counted_head(policy, config, spec, a.num_classes, input_shape, optimizer,
+                                             per_token=a.per_token, blocks=blocks)
             except PolicyError as e:
                 raise PolicyError(f"cut after {a.cuts[i].node!r}: {e}") from None
-        heads[i] = measured[key]
-    return heads
+        heads[i], costs[i] = measured[key]
+    return heads, costs
+
+
+_FRONT = {"plan": plan, "compile": compile}
+"""What a compiled pipeline re-plans through when a trainer moves one of its cuts."""

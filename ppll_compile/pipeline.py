@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import inspect
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import nn
 
+from .errors import PolicyError, PPLLError, TraceError
 from .lowered import Lowered, Stage
 from .plan import Plan
+from .policy import load_policy
 from .runtime import Trainer
 
-__all__ = ["CompiledPipeline", "DistillPipeline"]
+__all__ = ["CompiledPipeline", "DistillPipeline", "Replanner"]
 
 
 class CompiledPipeline:
@@ -21,13 +27,20 @@ class CompiledPipeline:
     The stages share the original model's parameter objects, so training them trains the model in place.
     """
 
-    def __init__(self, *, model: nn.Module, graph_module: fx.GraphModule, plan: Plan, lowered: Lowered):
+    def __init__(self, *, model: nn.Module, graph_module: fx.GraphModule, plan: Plan, lowered: Lowered,
+                 policy: Any = None, front: Mapping[str, Callable[..., Any]] | None = None):
         self.model = model
         self.graph_module = graph_module
         """The traced model the stages were split from."""
         self.plan = plan
         self.lowered = lowered
         """The modules the runtime trains (stages, heads, devices, the input binder)."""
+        self.policy = policy
+        """The policy the heads came from, when the caller gave it: a cut a trainer moves gets its head from it
+        (``None``: the plan's policy, loaded by its name)."""
+        self.front = front
+        """``plan`` and ``compile``, the front door that made this pipeline, which a trainer moving a cut plans
+        through again (``None``: its cuts cannot move)."""
 
     @property
     def stages(self) -> tuple[Stage, ...]:
@@ -64,9 +77,12 @@ class CompiledPipeline:
         """A :class:`~ppll_compile.runtime.Trainer` for this pipeline; ``options`` are its keyword arguments.
 
         ``optimizer`` (a factory ``fn(params) -> Optimizer``) is required; ``runtime`` is ``sequential``
-        (default), ``threads`` or ``distributed``.
+        (default), ``threads`` or ``distributed``. The trainer may move this pipeline's cuts (``rebalance=True``,
+        :meth:`~ppll_compile.runtime.Trainer.replan`): :attr:`plan`, :attr:`lowered` and :attr:`graph_module`
+        then follow it.
         """
-        return Trainer(self.plan, self.lowered, **options)
+        replanner = Replanner(self, options.get("rebalance_policy")) if self.plan.mode == "ppll" else None
+        return Trainer(self.plan, self.lowered, replanner=replanner, **options)
 
     def bind(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         """The model inputs in stage 0's order, from a call with the model's own signature."""
@@ -112,3 +128,158 @@ class DistillPipeline(CompiledPipeline):
     def block_devices(self) -> tuple[torch.device, ...]:
         """The device of every block: its stage's (first replica's)."""
         return self.lowered.devices
+
+
+_EXPORTED = "captured with torch.export"
+"""How a plan's notes begin when ``torch.export`` captured the model."""
+_UNTIED = "tied parameter(s)"
+"""How a plan's notes begin when stages train their own copies of a tied parameter (``tied='untie'``)."""
+
+
+@contextlib.contextmanager
+def _seeded(seed: int | None) -> Iterator[None]:
+    """Torch's default CPU generator seeded by ``seed`` in the body, restored afterwards (a no-op for ``None``)."""
+    if seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed)
+        yield
+
+
+class Replanner:
+    """Plans a compiled ``ppll`` pipeline again with other cuts, and re-splits its stages: what a trainer needs to move
+    a cut (``rebalance=True``, :meth:`~ppll_compile.runtime.Trainer.replan`).
+
+    Planning goes through the front door, :func:`ppll_compile.plan` and :func:`ppll_compile.compile`: the pipeline's
+    plan is re-applied with the moved cut (so it keeps its settings, devices and the heads at the other cuts, edited by
+    hand or not), on the model traced as before (the same tracer, the modules the first capture kept opaque as leaf
+    modules, example inputs of the plan's shapes). A head at a new cut is the one the policy gives there (``policy``,
+    else the plan's policy by name), built with the default generator seeded as the trainer says. The stages and heads
+    a move does not change stay the very modules they were; the changed stages hold the model's own parameter objects.
+    """
+
+    def __init__(self, pipeline: CompiledPipeline, policy: Any = None) -> None:
+        self.pipeline = pipeline
+        self.policy = policy if policy is not None else pipeline.policy
+        """The policy a new cut's head comes from (``None``: the plan's, by name)."""
+        self._fine: dict[tuple[str, ...], Plan] = {}
+        self._plans: dict[tuple[tuple[str, ...], tuple[str, ...]], Plan] = {}
+
+    def check(self) -> None:
+        """Raise :class:`~ppll_compile.PPLLError` saying why this pipeline's cuts cannot move (if they cannot)."""
+        plan = self.pipeline.plan
+        why = None
+        if plan.mode != "ppll":
+            why = "a pipebd plan's stages are distillation blocks (re-plan it with blocks=... instead)"
+        elif any(s.replicas > 1 for s in plan.stages):
+            why = (f"stage(s) {[s.index for s in plan.stages if s.replicas > 1]} are replicated (compile without "
+                   f"replicas to rebalance, or move the cuts by compiling again with split_points=...)")
+        elif any(s.head.config.get("type") == "momentum" for s in plan.stages):
+            why = ("a momentum head follows the next stage's parameters (compile with another head type to "
+                   "rebalance, or move the cuts by compiling again with split_points=...)")
+        elif any(n.startswith(_UNTIED) for n in plan.notes):
+            why = ("stages train their own copies of a tied parameter (tied='untie'), which a re-split would copy "
+                   "afresh (move the cuts by compiling again with split_points=...)")
+        elif self.pipeline.front is None:
+            why = "it was not made by ppll_compile.compile (compile the model to move its cuts)"
+        if why is not None:
+            raise PPLLError(f"this pipeline's cuts cannot move: {why}")
+        try:
+            load_policy(self.policy if self.policy is not None else plan.policy)
+        except PolicyError as e:
+            raise PPLLError(f"a moved cut gets its head from the plan's policy {plan.policy!r}, which cannot be loaded "
+                            f"by that name ({e}); pass rebalance_policy=<the policy the pipeline was compiled with: a "
+                            f"shipped name, a policy file or the callable> to the trainer") from None
+
+    def candidate(self, cuts: Sequence[str]) -> Plan:
+        """The plan with the cuts ``cuts`` (node names among the plan's legal cuts, one per cut), costed afresh;
+        raises as planning does (e.g. a :class:`~ppll_compile.PlanError` over the memory limit)."""
+        key = (self.pipeline.plan.cuts, tuple(cuts))
+        if key not in self._plans:
+            self._plans[key] = self._front("plan", plan=self._edited(cuts))
+        return self._plans[key]
+
+    def recut(self, cuts: Sequence[str], *, seed: int | None, note: str | None = None) -> tuple[Plan, Lowered]:
+        """Re-split the pipeline at ``cuts``; the new plan (with ``note`` added) and modules, which the pipeline then
+        holds. Stages whose two cuts did not move and heads at cuts that did not move are kept as they are; the other
+        stages are split afresh on their devices (moved parameters move with them), a new cut's head is built with
+        the default generator seeded by ``seed``."""
+        p = self.pipeline
+        old_plan, old = p.plan, p.lowered
+        self.candidate(cuts)  # planned and checked before anything changes
+        with _seeded(seed):
+            compiled = self._front("compile", plan=self._edited(cuts))
+        k = old_plan.num_stages
+        same = [a == b for a, b in zip(old_plan.cuts, compiled.plan.cuts)]
+        kept = [(j == 0 or same[j - 1]) and (j == k - 1 or same[j]) for j in range(k)]
+        new = compiled.lowered
+        lowered = dataclasses.replace(
+            new, modules=tuple(old.modules[j] if kept[j] else new.modules[j] for j in range(k)),
+            heads=tuple(old.heads[j] if j < k - 1 and same[j] else new.heads[j] for j in range(k)))
+        plan = compiled.plan if note is None else dataclasses.replace(compiled.plan, notes=(*compiled.plan.notes, note))
+        p.graph_module, p.plan, p.lowered = compiled.graph_module, plan, lowered
+        self._plans.clear()
+        return plan, lowered
+
+    def _edited(self, cuts: Sequence[str]) -> Plan:
+        """The pipeline's plan with its stages ending at ``cuts``; a stage whose cut moved gets the policy's head."""
+        plan = self.pipeline.plan
+        heads = {s.last_node: s.head for s in self._fine_plan().stages[:-1]}
+        stages = [s if c == s.last_node else dataclasses.replace(s, last_node=c, head=heads[c])
+                  for s, c in zip(plan.stages, cuts)]
+        return dataclasses.replace(plan, stages=(*stages, plan.stages[-1]))
+
+    def _fine_plan(self) -> Plan:
+        """A plan cut at every legal cut: the policy's head at each."""
+        plan = self.pipeline.plan
+        if plan.legal_cuts not in self._fine:
+            n = len(plan.legal_cuts) + 1
+            self._fine[plan.legal_cuts] = self._front(
+                "plan", split_points=list(plan.legal_cuts), devices=[plan.devices[0]] * n, batch_size=plan.batch_size,
+                num_classes=plan.num_classes, profile=plan.profile, optimizer=plan.optimizer,
+                link_bandwidth=plan.link_bandwidth, flops_per_second=plan.flops_per_second)
+        return self._fine[plan.legal_cuts]
+
+    def _front(self, name: str, **options: Any) -> Any:
+        """``ppll_compile.<name>(model, ...)`` with ``options`` and the capture's; a model whose own forward branches
+        on ``self.training`` was compiled with ``bake_train_mode=True``, so it is planned so again."""
+        assert self.pipeline.front is not None, "checked by check()"
+        call = self.pipeline.front[name]
+        options = {**self._capture(), **options}
+        try:
+            return call(self.pipeline.model, **options)
+        except TraceError as e:
+            if "bake_train_mode" not in str(e):
+                raise
+            return call(self.pipeline.model, bake_train_mode=True, **options)
+
+    def _capture(self) -> dict[str, Any]:
+        """The options that trace the model as the pipeline's graph was traced, and the plan's policy."""
+        plan, gm, binder = self.pipeline.plan, self.pipeline.graph_module, self.pipeline.lowered.inputs
+        exported = any(n.startswith(_EXPORTED) for n in plan.notes)
+        options: dict[str, Any] = {"policy": self.policy if self.policy is not None else plan.policy,
+                                   "tracer": "export" if exported else "fx"}
+        if not exported:
+            options["leaf_modules"] = sorted({str(n.target) for n in gm.graph.nodes if n.op == "call_module"})
+        values = [_example(s.shape, s.dtype, i) for i, s in enumerate(plan.inputs)]
+        params = binder.signature.parameters
+        by_name = len(binder.names) == len(values) and all(
+            n in params and params[n].kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+            for n in binder.names)
+        if by_name:
+            options["example_kwargs"] = {**binder.fixed, **dict(zip(binder.names, values))}
+        else:
+            options["example_inputs"] = tuple(values)
+            options["example_kwargs"] = dict(binder.fixed) or None
+        return options
+
+
+def _example(shape: Sequence[int], dtype: str, index: int) -> Any:
+    """An example value of an input of ``shape`` and ``dtype`` (a TensorSpec's): normal floats, zero integers."""
+    kind = getattr(torch, dtype, None)
+    if not isinstance(kind, torch.dtype) or dtype in ("int", "float", "bool"):
+        return {"int": 0, "float": 0.0, "bool": False}.get(dtype, 0)
+    if kind.is_floating_point:
+        return torch.randn(tuple(shape), dtype=kind, generator=torch.Generator().manual_seed(index))
+    return torch.zeros(tuple(shape), dtype=kind)

@@ -1,15 +1,22 @@
-"""``TrainConfig``: how every stage trains (optimizer and scheduler factories, loss, clipping, autocast, seed)."""
+"""``TrainConfig``: how every stage trains (optimizer and scheduler factories, loss, clipping, autocast, seed), and how
+the optimizers it builds compare with the one the plan costed."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["TrainConfig"]
+from ..cost import OPTIMIZER_STATES
+from ..plan import format_bytes
+
+__all__ = ["TrainConfig", "optimizer_states", "optimizer_mismatch"]
+
+_KINDS = {states: kind for kind, states in OPTIMIZER_STATES.items()}
+"""The plan's optimizer name for a number of state tensors per parameter (0, 1, 2)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,3 +39,54 @@ class TrainConfig:
     """Fail the pipeline when a stage's loss is not finite."""
     seed: int | None = 0
     """Seed of every stage's training randomness (see :mod:`.rng`); ``None``: torch's global stream, unseeded."""
+
+
+_TWO_STATES = tuple(getattr(torch.optim, n) for n in ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "SparseAdam",
+                                                       "Adadelta", "Rprop") if hasattr(torch.optim, n))
+_ONE_STATE = tuple(getattr(torch.optim, n) for n in ("Adagrad", "ASGD") if hasattr(torch.optim, n))
+
+
+def optimizer_states(optimizer: torch.optim.Optimizer) -> int | None:
+    """State tensors ``optimizer`` keeps per parameter tensor (SGD: 0, or 1 with momentum; Adam and its kin: 2, 3 with
+    ``amsgrad``; RMSprop: 1 plus momentum plus ``centered``); ``None`` for an optimizer this does not know."""
+    groups = optimizer.param_groups
+    has = lambda key: any(g.get(key) for g in groups)  # noqa: E731
+    if isinstance(optimizer, torch.optim.SGD):
+        return 1 if has("momentum") else 0
+    if isinstance(optimizer, _TWO_STATES):
+        return 3 if has("amsgrad") else 2
+    if isinstance(optimizer, torch.optim.RMSprop):
+        return 1 + has("momentum") + has("centered")
+    if isinstance(optimizer, _ONE_STATE):
+        return 1
+    return None
+
+
+def _described(optimizer: torch.optim.Optimizer) -> str:
+    name = type(optimizer).__name__
+    if isinstance(optimizer, torch.optim.SGD):
+        momentum = next((g["momentum"] for g in optimizer.param_groups if g.get("momentum")), 0)
+        return f"{name} with momentum {momentum:g}" if momentum else f"{name} without momentum"
+    return name
+
+
+def optimizer_mismatch(planned: str, stages: Sequence[tuple[int, int, torch.optim.Optimizer]]) -> str | None:
+    """What to tell the user when the optimizers the trainer built keep another number of state tensors per parameter
+    than the plan's ``optimizer`` (``sgd``, ``momentum``, ``adam``: 0, 1, 2) costed; ``None`` when they agree, when the
+    optimizer is not one :func:`optimizer_states` knows, or when no stage has gradients.
+
+    ``stages``: (stage index, the plan's gradient bytes of its backbone, its first optimizer) per stage run here.
+    """
+    counted = [(i, b, o, n) for i, b, o in stages if (n := optimizer_states(o)) is not None]
+    wrong = [(i, b, o, n) for i, b, o, n in counted if _KINDS[min(n, 2)] != planned]
+    if not wrong or not any(b for _, b, _, _ in wrong):
+        return None
+    _, _, first, n = wrong[0]
+    kind = _KINDS[min(n, 2)]
+    per_stage = "; ".join(f"stage {i}'s optimizer state is {format_bytes(b * m)}, not "
+                          f"{format_bytes(b * OPTIMIZER_STATES[planned])} as planned" for i, b, _, m in wrong if b)
+    return (f"the trainer builds {_described(first)}, which keeps {n} state tensor{'s' if n != 1 else ''} per "
+            f"parameter (optimizer={kind!r} in a plan), but the plan costs optimizer={planned!r} "
+            f"({OPTIMIZER_STATES[planned]} per parameter): {per_stage}. Plan with optimizer={kind!r} "
+            f"(ppll_compile.compile(model, ..., optimizer={kind!r})) so that its memory and step costs count this "
+            f"state")

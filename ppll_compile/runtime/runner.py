@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -57,6 +58,14 @@ class Runner:
     """Optimizer steps between two calls of :attr:`publish_weights`."""
     before_step: Callable[[], None] | None = None
     """Called after every backward, before the optimizer steps (``decoupled=False``: a barrier over the stages)."""
+    step_times: list[float] | None = None
+    """When a list (the trainer sets one while it rebalances), :meth:`train_step` appends the seconds of each training
+    step's own work: forward, loss, backward and optimizer step, from the received input to the stepped parameters.
+    Waiting is left out: for the input, for the seeded-randomness lock, at a ``decoupled=False`` barrier. On a CPU the
+    seconds are the stage thread's CPU time (``time.thread_time``: under ``threads``, a stage waiting for the
+    interpreter lock or for a core is not working); on a CUDA device they are wall-clock seconds between two
+    synchronisations of the stage's stream, less the waits; elsewhere wall-clock seconds less the waits."""
+    _waited: float = 0.0
 
     def _setup(self, *, device: torch.device, config: TrainConfig, groups: list[list[nn.Parameter]],
                trainable: nn.Module, group: Any) -> None:
@@ -205,15 +214,38 @@ class Runner:
                 if send is not None:
                     send(sent[0])
 
+        timed = self.step_times is not None
+        start, self._waited = (self._clock() if timed else 0.0), 0.0
+        rng = self._unwaited(self.randomness(msg)) if timed else self.randomness(msg)
         with span(self.recorder, "forward", msg.index), self.autocast():
-            _, loss = self._forward(values, target, raw, self.randomness(msg), ready)
+            _, loss = self._forward(values, target, raw, rng, ready)
         # a replica's slice: scaled so that DDP's mean over replicas is the whole batch's gradient
         self.update(loss, msg.size * self.plan.replicas / msg.whole if msg.whole else 1.0, batch=msg.index,
                     schedule=not msg.reused or self.config.schedule_reused)
         self.steps += 1
         if self.publish_weights is not None and self.steps % self.publish_every == 0:
             self.publish_weights()
+        if timed and self.step_times is not None:
+            waited = self._waited if self.device.type != "cpu" else 0.0  # blocked threads take no CPU time
+            self.step_times.append(max(0.0, self._clock() - start - waited))
         return (sent[0] if sent else None), loss.detach()
+
+    def _clock(self) -> float:
+        """The clock of :attr:`step_times`: this thread's CPU seconds on a CPU, else wall-clock seconds once this
+        stage's CUDA stream has done the work queued so far."""
+        if self.device.type == "cpu":
+            return time.thread_time()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return time.perf_counter()
+
+    @contextlib.contextmanager
+    def _unwaited(self, context: contextlib.AbstractContextManager) -> Iterator[None]:
+        """``context``, the time it takes to enter (the seeded-randomness lock) counted as waiting."""
+        start = time.perf_counter()
+        with context:
+            self._waited += time.perf_counter() - start
+            yield
 
     def pull(self, weights: list[Tensor]) -> None:
         """One EMA step of this stage's momentum head towards the next stage's ``weights``."""
@@ -236,7 +268,9 @@ class Runner:
         with span(self.recorder, "backward", batch):
             (loss * scale if scale != 1.0 else loss).backward()
         if self.before_step is not None:
+            start = time.perf_counter()
             self.before_step()
+            self._waited += time.perf_counter() - start
         with span(self.recorder, "step", batch):
             for i in parts:
                 if self.config.clip_grad_norm is not None:

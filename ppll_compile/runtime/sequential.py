@@ -35,6 +35,16 @@ class SequentialRuntime(Runtime):
             msg = msg_out  # type: ignore[assignment]
         return losses
 
+    def replace_runners(self, runners: list[Runner]) -> None:
+        """Train ``runners`` from the next batch on (as many as before): a moved cut."""
+        assert len(runners) == self.num_stages, "a moved cut keeps the number of stages"
+        self.runners = runners
+
+    def drain(self) -> None:
+        """Nothing is pending; raises the error of an earlier failed step again."""
+        if self.error is not None:
+            raise self.error
+
     def finish(self) -> Losses:
         """Nothing is pending; raises the error of an earlier failed step again."""
         if self.error is not None:

@@ -56,9 +56,16 @@ class ThreadsRuntime(Runtime):
         self._interrupted = False
         self._lock = threading.Lock()
         self._losses: list[list[Any]] = [[] for _ in runners]
+        self._decoupled = decoupled
+        self.replace_runners(runners)
+
+    def replace_runners(self, runners: list[Runner]) -> None:
+        """Train ``runners`` from the next batch on (as many as before; call :meth:`drain` first): a moved cut."""
+        assert not self._workers and len(runners) == self.num_stages, "drain before replacing the same number of stages"
+        self.runners = runners
         for r in runners:
             r.copy_sent = True
-            r.before_step = None if decoupled else self._wait_barrier
+            r.before_step = None if self._decoupled else self._wait_barrier
 
     def _start(self) -> None:
         self._caller_threads = torch.get_num_threads()  # workers set their share; restored on join
@@ -96,6 +103,12 @@ class ThreadsRuntime(Runtime):
 
     def finish(self) -> Losses:
         """Send END down the stages and join the workers; the losses not yet returned."""
+        self.drain()
+        return self._collect()
+
+    def drain(self) -> None:
+        """Send END down the stages and join the workers, keeping the losses they finished for the next :meth:`step`
+        or :meth:`finish`; the next step starts the workers again."""
         self._raise_if_failed()
         if self._workers:
             with self._interruptible():
@@ -105,7 +118,6 @@ class ThreadsRuntime(Runtime):
                     pass
                 self._join()
             self._raise_if_failed()
-        return self._collect()
 
     @contextlib.contextmanager
     def _interruptible(self) -> Iterator[None]:

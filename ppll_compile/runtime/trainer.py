@@ -14,19 +14,21 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..errors import PPLLError, StageError
+from ..errors import CutError, PPLLError, StageError
 from ..lowered import Lowered
 from ..plan import Plan
 from ..timeline import Recorder, Timeline
 from . import checkpoint
 from .base import Losses, Runtime, progress_bar
-from .config import TrainConfig
+from .config import TrainConfig, optimizer_mismatch
 from .distributed import DistributedRuntime
 from .dna import DNA_RUNTIMES, DNAPerBlockRuntime
 from .inputs import batch_message, loader_pair
 from .messages import EVAL, TRAIN, Message
 from .runner import Runner
 from .momentum import link_local
+from .rebalance import (REBALANCE_STEPS, REBALANCE_THRESHOLD, Move, StateSnapshot, carry_state, check_rebalance,
+                        choose_move, head_seed, median_seconds)
 from .runners import make_runners
 from .sequential import SequentialRuntime
 from .threads import ThreadsRuntime
@@ -92,12 +94,17 @@ def _make_runtime(name: str, plan: Plan, lowered: Lowered, config: TrainConfig, 
     if name in DNA_RUNTIMES:
         return DNA_RUNTIMES[name](plan, lowered, config, timeout=timeout)
     k = plan.num_stages
-    runners = make_runners(plan, lowered, config, range(k), [torch.device(d) for d in plan.devices])
+    runners = _runners(plan, lowered, config, range(k))
     link_local(runners, lowered)
     if name == "sequential":
         return SequentialRuntime(runners)
     share = threads_per_stage or max(1, (os.cpu_count() or 1) // k)
     return ThreadsRuntime(runners, depth=depth, queue=queue, threads_per_stage=share, decoupled=decoupled)
+
+
+def _runners(plan: Plan, lowered: Lowered, config: TrainConfig, indices: Sequence[int]) -> list[Runner]:
+    """Runners for the stages ``indices`` of ``plan``, each on its device (one process, no replicas)."""
+    return make_runners(plan, lowered, config, indices, [torch.device(plan.devices[i]) for i in indices])
 
 
 class Trainer:
@@ -120,6 +127,24 @@ class Trainer:
     the same computation with dropout on; the caller's generator states are restored after each forward.
     Under ``threads`` the forwards of stages that draw random numbers hold one lock (they do not overlap);
     stages that draw none run in parallel. ``seed=None`` leaves torch's global generator unseeded.
+
+    ``rebalance=True`` (runtimes ``sequential`` and ``threads``, ``ppll`` plans): every stage measures its own work per
+    step (forward, backward, optimizer step; not its waiting) over the first ``rebalance_steps`` batches (default 20);
+    then, between two batches, the trainer estimates from the medians whether moving one cut to a neighbouring legal
+    cut makes the slowest stage faster by more than ``rebalance_threshold`` (default 0.1, i.e. 10%) and if so moves
+    it (see :mod:`.rebalance`), then measures again; it stops at the first check that moves nothing.
+    A move drains the pipeline first (every batch fed goes through every stage with the old cuts, so FIFO runs stay the
+    sequential computation), re-splits the two stages beside the cut (the model's own parameter objects, each with its
+    optimizer state), builds the head at the new cut from the policy (``rebalance_policy``, else the plan's) with a
+    generator seeded by (``seed``, batch), and keeps every other head, stage and optimizer. :attr:`plan` is then
+    the new plan (and the compiled pipeline's too); :attr:`rebalances` lists the moves. :meth:`replan` and
+    :meth:`move_cut` make a move when asked, under either runtime, with or without ``rebalance``: a sequential run that
+    moves the cut a threads run moved, before the same batch, is the same computation. ``replanner`` (set by
+    :meth:`~ppll_compile.pipeline.CompiledPipeline.trainer`) plans and splits the model for a move.
+
+    The optimizers the factory builds are compared with the plan's ``optimizer``: one that keeps another number of
+    state tensors per parameter (SGD 0, with momentum 1, Adam 2) warns once, with every stage's optimizer-state memory
+    against the plan's and the way out.
     """
 
     def __init__(self, plan: Plan, lowered: Lowered, *,
@@ -129,9 +154,19 @@ class Trainer:
                  clip_grad_norm: float | None = None, autocast: Any = None, queue_depth: int = 2,
                  queue: str = "fifo", nan_check: bool = False, threads_per_stage: int | None = None,
                  timeout: float = 300.0, decoupled: bool = True, trace: bool = False, seed: int | None = 0,
-                 schedule_reused: bool = False) -> None:
+                 schedule_reused: bool = False, rebalance: bool = False, rebalance_steps: int = REBALANCE_STEPS,
+                 rebalance_threshold: float = REBALANCE_THRESHOLD, rebalance_policy: Any = None,
+                 replanner: Any = None) -> None:
         _check_options(plan, runtime=runtime, queue=queue, optimizer=optimizer, queue_depth=queue_depth, loss=loss,
                        decoupled=decoupled, trace=trace, seed=seed)
+        self._rebalance = check_rebalance(rebalance, rebalance_steps, rebalance_threshold, rebalance_policy,
+                                          runtime=runtime, plan=plan)
+        if self._rebalance is not None:
+            if replanner is None:
+                raise ValueError("rebalance=True re-splits the compiled pipeline's model; build the trainer with "
+                                 "compiled.trainer(..., rebalance=True)")
+            replanner.check()
+        self._replanner = replanner
         self.plan = plan
         self.lowered = lowered
         """The modules this trainer trains, shared with the compiled pipeline."""
@@ -139,6 +174,7 @@ class Trainer:
         config = TrainConfig(optimizer=optimizer, scheduler=scheduler, loss=loss, clip_grad_norm=clip_grad_norm,
                              autocast=_autocast(autocast, plan.num_stages), nan_check=nan_check, seed=seed,
                              schedule_reused=bool(schedule_reused))
+        self._config = config
         self.seed = seed
         """Seed of the stages' training randomness (``None``: unseeded); recorded in checkpoints."""
         self._carry_raw = lowered.carries_input
@@ -158,6 +194,18 @@ class Trainer:
         if trace:
             for r in self.runners:
                 r.recorder = Recorder(r.index, self._runtime.replica, r.device)
+        self.rebalances: list[Move] = []
+        """The cuts moved so far (``rebalance=True``, :meth:`replan`): batch, old and new cuts, measured times."""
+        self.stage_times: tuple[float | None, ...] | None = None
+        """Median measured seconds of every stage's step at the last rebalancing check (``None`` before one)."""
+        self._next_check: int | None = None
+        self._visited: set[tuple[str, ...]] = {plan.cuts}
+        if self._rebalance is not None:
+            self._watch(self.batches + self._rebalance.steps)
+        mismatch = optimizer_mismatch(plan.optimizer, [(r.index, plan.stages[r.index].grad_bytes, r.optimizers[0])
+                                                       for r in self.runners if r.optimizers])
+        if mismatch is not None:
+            warnings.warn(mismatch, stacklevel=3)  # the caller of compiled.trainer(...)
 
     @property
     def runners(self) -> list[Runner]:
@@ -206,6 +254,131 @@ class Trainer:
         """
         return self._message(inputs, target, TRAIN)
 
+    def replan(self, split_points: Sequence[str]) -> Plan:
+        """Move the cuts to ``split_points`` (legal cuts of the plan by node name, one per cut, in order) before the
+        next batch; the new plan (also :attr:`plan`). Pending batches finish first with the old cuts.
+
+        Stages whose two cuts stay and heads at cuts that stay keep their modules, optimizers and state; the stages
+        beside a moved cut are split afresh (the model's own parameter objects), every parameter's optimizer state
+        moved with it, their learning rates, schedulers and counters kept; a new cut's head is the policy's, built
+        with a generator seeded by (``seed``, batch). Under ``sequential`` and ``threads`` only.
+        """
+        cuts = self._checked_cuts(split_points)
+        if cuts != self.plan.cuts:
+            self._move(cuts, times=None, estimated=None)
+        return self.plan
+
+    def move_cut(self, stage: int, cut: str) -> Plan:
+        """Move the cut after stage ``stage`` (where stage ``stage`` ends and ``stage + 1`` begins) to the legal cut
+        ``cut`` (a node name) before the next batch; the new plan. See :meth:`replan`."""
+        last = self.plan.num_stages - 2
+        if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage <= last:
+            raise ValueError(f"stage must be the index of a stage followed by a cut, 0..{last} (the cut after stage i "
+                             f"ends it), got {stage!r}")
+        cuts = list(self.plan.cuts)
+        cuts[stage] = cut
+        return self.replan(cuts)
+
+    def _checked_cuts(self, split_points: Sequence[str]) -> tuple[str, ...]:
+        """``split_points`` as the plan's cuts, checked (legal, one per cut, in graph order), if this trainer can move
+        cuts."""
+        why = None
+        if self.plan.mode != "ppll":
+            why = "a pipebd plan's stages are distillation blocks; re-plan it with blocks=... instead"
+        elif self.runtime_name not in ("sequential", "threads"):
+            why = (f"under runtime={self.runtime_name!r} every stage is another process; move cuts under 'sequential' "
+                   f"or 'threads', or compile again with split_points=[...]")
+        elif self._replanner is None:
+            why = "it was not built by a compiled pipeline; use compiled.trainer(...)"
+        if why is not None:
+            raise PPLLError(f"this trainer cannot move cuts: {why}")
+        self._replanner.check()  # type: ignore[union-attr]
+        if isinstance(split_points, str) or not isinstance(split_points, Sequence):
+            raise TypeError(f"split_points must be a list of cut names, one per cut, got {split_points!r}")
+        legal = self.plan.legal_cuts
+        if len(split_points) != len(self.plan.cuts):
+            raise ValueError(f"split_points lists {len(split_points)} cut(s), but the plan has {self.plan.num_stages} "
+                             f"stages, so {len(self.plan.cuts)} cut(s) {list(self.plan.cuts)}; a move keeps the "
+                             f"number of stages (compile again for another number)")
+        for c in split_points:
+            if c not in legal:
+                raise CutError(f"{c!r} is not a legal cut of the plan; its legal cuts, in graph order: "
+                               f"{', '.join(map(repr, legal))}")
+        at = [legal.index(c) for c in split_points]
+        if any(b <= a for a, b in zip(at, at[1:])):
+            raise CutError(f"split_points {list(split_points)} are not in graph order, or name a cut twice; the legal "
+                           f"cuts, in order: {', '.join(map(repr, legal))}")
+        return tuple(split_points)
+
+    def _watch(self, until: int | None) -> None:
+        """Measure every stage's steps until batch ``until`` (``None``: stop measuring)."""
+        self._next_check = until
+        for r in self.runners:
+            r.step_times = [] if until is not None else None
+
+    def _rebalance_due(self) -> None:
+        """Between two batches: the rebalancing check, once its steps are measured."""
+        if self._next_check is not None and self.batches >= self._next_check:
+            self._check()
+
+    def _check(self) -> None:
+        """Drain, estimate the best move of one cut from the measured stage times, and make it if it is worth it."""
+        assert self._rebalance is not None and self._replanner is not None
+        self._runtime.drain()  # type: ignore[attr-defined]
+        times = tuple(median_seconds(r.step_times) for r in self.runners)
+        self.stage_times = times
+        if any(t is None for t in times):  # a stage trained on nothing yet ("latest" queues): measure again
+            self._watch(self.batches + self._rebalance.steps)
+            return
+
+        def candidate(cuts: tuple[str, ...]) -> Plan | None:
+            if cuts in self._visited:
+                return None
+            try:
+                return self._replanner.candidate(cuts)
+            except (PPLLError, ValueError) as e:  # over the memory limit, or the head cannot be built
+                warnings.warn(f"rebalancing does not consider cuts {list(cuts)}: {e}", stacklevel=2)
+                return None
+
+        choice = choose_move(times, self.plan, self._rebalance.threshold, candidate)  # type: ignore[arg-type]
+        if choice is None:
+            self._watch(None)
+            return
+        cuts, estimated = choice
+        self._move(cuts, times=times, estimated=tuple(estimated))  # type: ignore[arg-type]
+        self._watch(self.batches + self._rebalance.steps)
+
+    def _move(self, cuts: tuple[str, ...], *, times: tuple[float, ...] | None,
+              estimated: tuple[float, ...] | None) -> None:
+        """Drain, re-split at ``cuts``, give the re-built stages the state of the ones they replace, go on."""
+        rt = self._runtime
+        rt.drain()  # type: ignore[attr-defined]
+        old_plan, old_lowered, runners = self.plan, self.lowered, list(self.runners)
+        snapshot = StateSnapshot.of(runners)
+        moved = ", ".join(f"the cut after {a!r} to {b!r}" for a, b in zip(old_plan.cuts, cuts) if a != b)
+        how = "measured" if times is not None else "asked"
+        plan, lowered = self._replanner.recut(  # type: ignore[union-attr]
+            cuts, seed=head_seed(self.seed, self.batches),
+            note=f"rebalanced before batch {self.batches} ({how}): moved {moved}")
+        changed = [j for j in range(plan.num_stages)
+                   if lowered.modules[j] is not old_lowered.modules[j] or lowered.heads[j] is not old_lowered.heads[j]]
+        fresh = _runners(plan, lowered, self._config, changed)
+        carry_state(snapshot, fresh)
+        for j, r in zip(changed, fresh):
+            r.step_times = runners[j].step_times
+            runners[j] = r
+        needs = [bool(getattr(h, "needs_input", False)) for h in lowered.heads]
+        for j, r in enumerate(runners):
+            r.plan, r.carry_raw = plan.stages[j], any(needs[j + 1:])
+        rt.replace_runners(runners)  # type: ignore[attr-defined]
+        lowered.train()
+        _TRAINERS.pop(old_lowered, None)
+        _TRAINERS[lowered] = weakref.ref(self)
+        self.plan, self.lowered, self._carry_raw = plan, lowered, lowered.carries_input
+        self._visited.add(cuts)
+        self.rebalances.append(Move(batch=self.batches, old_cuts=old_plan.cuts, new_cuts=cuts, times=times,
+                                    estimated=estimated))
+
     def _message(self, inputs: Any, target: Any, kind: str) -> Message:
         msg = batch_message(self.plan, self.lowered, inputs, target, index=self.batches, kind=kind,
                             carry_raw=self._carry_raw)
@@ -219,6 +392,7 @@ class Trainer:
         ``inputs`` is the model's input (a tensor, a tuple of positional inputs or a dict of keyword inputs).
         Under ``distributed`` only the first stage's rank reads them; the other ranks may pass ``None``.
         """
+        self._rebalance_due()
         msg = self._message(inputs, target, TRAIN) if self.reads_data else None
         return self._runtime.step(msg)
 
@@ -229,7 +403,15 @@ class Trainer:
     def _messages(self, loader: Iterable[Any], kind: str) -> Iterable[Message] | None:
         if not self.reads_data:
             return None
+        if kind == TRAIN and self._next_check is not None:
+            return self._checked_messages(loader)
         return (self._message(*loader_pair(item), kind) for item in loader)
+
+    def _checked_messages(self, loader: Iterable[Any]) -> Iterable[Message]:
+        """Training messages, the rebalancing check run before each (between two batches)."""
+        for item in loader:
+            self._rebalance_due()
+            yield self._message(*loader_pair(item), TRAIN)
 
     def fit(self, loader: Iterable[Any], epochs: int = 1, progress: bool | str = True) -> list[dict[str, Any]]:
         """Train ``epochs`` passes over ``loader`` (``(inputs, target)`` pairs); per epoch, losses and throughput.
