@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ppll_compile.runtime.allocator import keep_freed_memory
+
 __all__ = ["EXAMPLES", "load_example", "one_thread", "spawn", "timed_steps"]
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -63,6 +65,7 @@ def _free_port() -> int:
 
 def _entry(rank: int, world: int, port: int, fn: Callable[..., dict | None], args: tuple, queue: Any) -> None:
     torch.set_num_threads(1)
+    keep_freed_memory()  # as every runtime does: the baselines run under the same allocator setting
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import ppll_compile
 from ppll_compile.draw import draw_gantt
 from ppll_compile.plan import format_bytes
+from ppll_compile.runtime.allocator import keep_freed_memory
 
 from .launch import load_example, one_thread, spawn, timed_steps
 from .pipelining import best_pipelining
@@ -53,6 +54,7 @@ def _batches(n: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _e2e(model: str, data: list, warmup: int) -> float:
     """Plain end-to-end backprop on one thread: the single-device reference."""
+    keep_freed_memory()  # as every runtime does, so that the comparison is fair
     torch.manual_seed(0)
     net = load_example(model).build_model(10)
     opt = sgd(list(net.parameters()))

@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..errors import StageError
+from .allocator import keep_freed_memory
 from .messages import Message, add_counts
 from .runner import Runner
 
@@ -34,6 +35,11 @@ class Runtime:
     """Which replica of its stage this process runs (under ``distributed``; else 0)."""
     error: StageError | None = None
     """The failure of a stage, once one was raised; every later call raises it again."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Runtime:
+        # every runtime starts alike: freed memory stays in the process for the next step (see .allocator)
+        keep_freed_memory()
+        return super().__new__(cls)
 
     @property
     def stopped(self) -> bool:
