@@ -21,6 +21,8 @@ from .report import environment
 SECTIONS = {
     "compiler": "compile time against model size, and the partitioner's own speed",
     "quality": "partition quality of exact against the uniform, greedy and params baselines",
+    "costmodel": "each stage's predicted time under the flops, roofline and time profiles against the clock",
+    "faults": "page faults per step and throughput with glibc's defaults and with the allocator setting",
     "throughput": "PPLL runtimes against E2E, sequential local learning and torch pipelining; simulated vs measured",
     "distill": "Pipe-BD against the strongest 2-process baseline (DDP; DNA two ways), and each technique's share",
     "accuracy": "accuracy on scikit-learn digits: E2E against PPLL with dgl and infopro heads",

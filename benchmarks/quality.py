@@ -75,14 +75,16 @@ def predicted(name: str, ks: tuple[int, ...]) -> list[dict]:
     return rows
 
 
-def measured_balance(pipelines: list[ppll_compile.CompiledPipeline], *, rounds: int) -> list[list[list[float]]]:
-    """Per pipeline and stage, the seconds of ``rounds`` training steps, each stage timed alone on the same batch.
+def measured_balance(pipelines: list[ppll_compile.CompiledPipeline], *, rounds: int,
+                     batch: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[list[list[float]]]:
+    """Per pipeline and stage, the seconds of ``rounds`` training steps, each stage timed alone on the same batch
+    (``batch``, or 64 random 3x32x32 images).
 
     Every round times one step of every stage of every pipeline, in a fresh random order, so a burst of load on
     the machine falls on a random stage instead of on one plan or one position.
     """
     g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
+    x, y = batch or (torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g))
     setups = []
     for compiled in pipelines:
         trainer = compiled.trainer(optimizer=sgd)
