@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import ppll_compile
-from ppll_compile.runtime.allocator import ENV, SETTINGS
+from ppll_compile.allocator import ENV, SETTINGS
 
 from .launch import one_thread, spawn
 from .report import Section, standalone

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ppll_compile.runtime.allocator import keep_freed_memory
+from ppll_compile.allocator import keep_freed_memory
 
 __all__ = ["EXAMPLES", "load_example", "one_thread", "spawn", "timed_steps"]
 

@@ -30,6 +30,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, shape_wrapper
 
+from .allocator import keep_freed_memory
 from .errors import PlanError
 from .flops import EXTRA_FORMULAS
 
@@ -315,7 +316,9 @@ def _rate(family: str, fn: Callable[[], Any], sync: Callable[[], None]) -> float
 def calibrate(device: torch.device, threads: int = 1) -> DeviceFigures:
     """Measure ``device``'s figures (about a second): per family, the rate of a representative operator (FLOPs or
     bytes as :class:`OpLog` counts them, over the fastest of a few runs), float32, and on a GPU half precision too
-    for the compute families; and a one-element add's time as the per-operator overhead."""
+    for the compute families; and a one-element add's time as the per-operator overhead. Under the runtimes'
+    allocator setting, as :func:`measure_calls`."""
+    keep_freed_memory()
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     before = torch.get_num_threads()
     if device.type == "cpu":
@@ -354,9 +357,11 @@ def _operator(name: str) -> Any:
 def measure_calls(calls: Iterable[tuple[Any, ...]], device: torch.device, threads: int = 1) -> dict[str, float]:
     """Seconds of every operator call (an :attr:`Op.call`) on ``device``, re-created on random tensors of its
     shapes: the fastest of three timed repeats after a warm-up, each repeat running it often enough to last a
-    millisecond, on rotating copies of its arguments (at least 32 MiB of them, so that it reads from memory, as
-    in a training step, not from a warm cache). A call that cannot be re-created is left out (its roofline
-    estimate stands)."""
+    millisecond, on rotating copies of its arguments (at least 8 MiB of them, so that it does not read from a
+    warm cache), under the runtimes' allocator setting (:func:`~ppll_compile.allocator.keep_freed_memory`, so that
+    its outputs are not faulted in afresh), as in a training step. A call that cannot be re-created is left out
+    (its roofline estimate stands)."""
+    keep_freed_memory()
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     before = torch.get_num_threads()
     if device.type == "cpu":
@@ -370,7 +375,7 @@ def measure_calls(calls: Iterable[tuple[Any, ...]], device: torch.device, thread
                     made = [(_rebuild(call[1], device), _rebuild(call[2], device))]
                     size = sum(_nbytes(t) for t in pytree.tree_leaves(made) if isinstance(t, Tensor))
                     made += [(_rebuild(call[1], device), _rebuild(call[2], device))
-                             for _ in range(min(15, (32 * 2 ** 20) // max(size, 1)))]
+                             for _ in range(min(15, (8 * 2 ** 20) // max(size, 1)))]
                     t0 = time.perf_counter()
                     func(*made[0][0], **made[0][1])
                     sync()

@@ -25,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 if __name__ == "__main__":
     sys.path.insert(0, str(HERE.parent))
 
-from ppll_compile.runtime.allocator import (  # noqa: E402
+from ppll_compile.allocator import (  # noqa: E402
     ENV,
     AllocatorSetting,
     applied_setting,
@@ -159,7 +159,7 @@ def test_idempotent() -> None:
 def test_unknown_choice_says_the_way_out() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")} | {ENV: "fast"}
     env["PYTHONPATH"] = str(HERE.parent)
-    code = "from ppll_compile.runtime.allocator import keep_freed_memory; keep_freed_memory()"
+    code = "from ppll_compile.allocator import keep_freed_memory; keep_freed_memory()"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode != 0
     assert "PPLL_MALLOC='fast' is not a known setting" in done.stderr and "PPLL_MALLOC=default" in done.stderr

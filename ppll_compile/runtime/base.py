@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..errors import StageError
-from .allocator import keep_freed_memory
+from ..allocator import keep_freed_memory
 from .messages import Message, add_counts
 from .runner import Runner
 
@@ -37,7 +37,7 @@ class Runtime:
     """The failure of a stage, once one was raised; every later call raises it again."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Runtime:
-        # every runtime starts alike: freed memory stays in the process for the next step (see .allocator)
+        # every runtime starts alike: freed memory stays in the process for the next step (see ppll_compile.allocator)
         keep_freed_memory()
         return super().__new__(cls)
 

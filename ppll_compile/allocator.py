@@ -26,7 +26,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from ..errors import PPLLError
+from .errors import PPLLError
 
 __all__ = ["ENV", "SETTINGS", "AllocatorSetting", "applied_setting", "keep_freed_memory", "other_allocator"]
 
