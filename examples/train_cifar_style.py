@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     # compile: trace the model, cut it into args.gpus stages and give every stage but the last an aux head
     model = build_model(NUM_CLASSES)
     compiled = ppll_compile.compile(model, args.gpus, example_inputs=(torch.randn(args.batch_size, 3, 32, 32),),
-                                    policy=args.policy)
+                                    policy=args.policy, optimizer="momentum")  # the optimizer trained below
     trainer = compiled.trainer(
         optimizer=lambda params: torch.optim.SGD(params, lr=args.lr, momentum=0.9, weight_decay=5e-4),
         runtime=args.runtime)

@@ -158,7 +158,7 @@ def train_ppll(model: nn.Module, k: int, policy: Any, train: DataLoader, test: D
     example = train.dataset[:train.batch_size][0]  # not next(iter(train)): that would advance the shuffle RNG
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*CUDA device.*")  # the CPU fallback is expected here
-        compiled = ppll_compile.compile(model, gpus=k, example_inputs=(example,), policy=policy,
+        compiled = ppll_compile.compile(model, gpus=k, example_inputs=(example,), policy=policy, optimizer="adam",
                                            split_points=None if auto_cuts else CUTS[k])
     with torch_threads(threads), compiled.trainer(  # sequential: the stages run in this thread
             optimizer=optimizer_factory(lr), scheduler=scheduler_factory(epochs * len(train)), runtime=runtime,

@@ -130,7 +130,7 @@ def train_ppll(model: LlamaForCausalLM, k: int, train: list[tuple[Tensor, Tensor
     start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*CUDA device.*")  # the CPU fallback is expected here
-        compiled = ppll_compile.compile(model, gpus=k, example_kwargs={"input_ids": train[0][0]})
+        compiled = ppll_compile.compile(model, gpus=k, example_kwargs={"input_ids": train[0][0]}, optimizer="adam")
     compile_s = time.perf_counter() - start
     compiled.eval()
     before = perplexity(lambda ids: compiled(input_ids=ids), val)  # the untrained pipeline is the model itself

@@ -1,14 +1,19 @@
 """Roofline costs: every operator's FLOPs and bytes, and a device's calibrated rates, bandwidths and overhead.
 
-An operator takes ``max(flops / peak, bytes / bandwidth) + overhead`` seconds on a device. Operators fall into
+An operator takes ``max(flops / rate, bytes / bandwidth) + overhead`` seconds on a device. Operators fall into
 families that run at different fractions of the hardware's peak: ``matmul`` (matrix products), ``attention``
 (fused attention), ``conv`` and ``conv_bwd`` (convolutions and their gradients) count FLOPs; ``norm`` (batch,
 layer and group norm, which read their input more than once), ``math`` (transcendental activations and
-softmax), ``pool`` and ``memory`` (everything else: element-wise arithmetic, copies, reductions) are bound by
-the bytes they read and write. Each family's rate is measured once per device by a short micro-benchmark of a
-representative operator (about a second in all) and cached under the user's cache directory, keyed by the
-device's name, its thread count (CPU) and the torch version. ``PPLL_DEVICE_FIGURES=path.json`` pins the figures
-instead (reproducible plans on any machine): a JSON object with the fields of :class:`DeviceFigures`.
+softmax), ``pool``, ``memory`` (everything else: element-wise arithmetic, copies, reductions) and ``step`` (an
+optimizer's update) are bound by the bytes they read and write. Each family's rate is measured by a short
+micro-benchmark of a representative operator (about a second in all). A compute-family operator's efficiency
+depends on its shape far more than a family rate can say (a convolution over 1x1 feature maps runs at a
+fraction of one over 16x16), so each distinct shape a plan meets is also timed once on the device
+(:func:`measure_calls`, milliseconds each) and that time replaces its roofline estimate.
+
+Everything measured is cached under the user's cache directory, keyed by the device's name, its thread count
+(CPU) and the torch version. ``PPLL_DEVICE_FIGURES=path.json`` pins the figures instead (reproducible plans on
+any machine): a JSON object with the fields of :class:`DeviceFigures`.
 """
 
 from __future__ import annotations

@@ -295,10 +295,10 @@ def _capture_pictures(monkeypatch) -> dict:
 BENCHMARK_PLAN = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "plan-resnet32-2.json"
 
 
-def test_a_time_profiled_plan_is_shown_and_drawn_with_its_saved_costs(tmp_path, capsys, monkeypatch):
+def test_a_measured_plan_is_shown_and_drawn_with_its_saved_costs(tmp_path, capsys, monkeypatch):
     drawn = _capture_pictures(monkeypatch)
     saved = Plan.load(BENCHMARK_PLAN)
-    assert saved.profile == "time"
+    assert saved.profile == "roofline"  # measured on the machine that saved it, not re-measured here
     argv = [RESNET32, "--plan", str(BENCHMARK_PLAN), "--show", "--plot", str(tmp_path / "cost.png"),
             "--graph", str(tmp_path / "graph.svg"), "--json", str(tmp_path / "shown.json")]
     assert main(argv) == 0
@@ -306,7 +306,7 @@ def test_a_time_profiled_plan_is_shown_and_drawn_with_its_saved_costs(tmp_path, 
     assert Plan.load(tmp_path / "shown.json") == saved
     assert drawn["plot"] == saved and drawn["graph"] == saved
     assert _stage_rows(out) == _stage_rows(saved.table())  # the file's times, not a new timing
-    assert (f"ppll-plan: costs as saved in {BENCHMARK_PLAN} (time profile); --remeasure measures them on this "
+    assert (f"ppll-plan: costs as saved in {BENCHMARK_PLAN} (roofline profile); --remeasure measures them on this "
             f"machine") in err.splitlines()
 
 
