@@ -18,12 +18,13 @@ any machine): a JSON object with the fields of :class:`DeviceFigures`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import platform
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -318,18 +319,27 @@ def _rate(family: str, fn: Callable[[], Any], sync: Callable[[], None]) -> float
     return work / _best(fn, sync)
 
 
+@contextlib.contextmanager
+def _measuring(device: torch.device, threads: int) -> Iterator[Callable[[], None]]:
+    """Measure on ``device`` as a stage runs: under the runtimes' allocator setting, a CPU at ``threads`` threads
+    (restored afterwards); yields the device's synchronisation."""
+    keep_freed_memory()
+    before = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(threads)
+    try:
+        yield (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    finally:
+        torch.set_num_threads(before)
+
+
 def calibrate(device: torch.device, threads: int = 1) -> DeviceFigures:
     """Measure ``device``'s figures (about a second): per family, the rate of a representative operator (FLOPs or
     bytes as :class:`OpLog` counts them, over the fastest of a few runs), float32, and on a GPU half precision too
     for the compute families; and a one-element add's time as the per-operator overhead. Under the runtimes'
     allocator setting, as :func:`measure_calls`."""
-    keep_freed_memory()
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    before = torch.get_num_threads()
-    if device.type == "cpu":
-        torch.set_num_threads(threads)
     rates: dict[str, float] = {}
-    try:
+    with _measuring(device, threads) as sync:
         for dtype in [torch.float32] + ([torch.bfloat16, torch.float16] if device.type == "cuda" else []):
             name = str(dtype).removeprefix("torch.")
             for family, fn in _benchmarks(device, dtype).items():
@@ -338,8 +348,6 @@ def calibrate(device: torch.device, threads: int = 1) -> DeviceFigures:
         one = torch.ones(1, device=device)
         reps = 200
         overhead = _best(lambda: [one.add(one) for _ in range(reps)], sync) / reps
-    finally:
-        torch.set_num_threads(before)
     return DeviceFigures(device=device_name(device, threads), torch=torch.__version__, rates=rates, overhead=overhead)
 
 
@@ -366,31 +374,23 @@ def measure_calls(calls: Iterable[tuple[Any, ...]], device: torch.device, thread
     warm cache), under the runtimes' allocator setting (:func:`~ppll_compile.allocator.keep_freed_memory`, so that
     its outputs are not faulted in afresh), as in a training step. A call that cannot be re-created is left out
     (its roofline estimate stands)."""
-    keep_freed_memory()
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    before = torch.get_num_threads()
-    if device.type == "cpu":
-        torch.set_num_threads(threads)
     out: dict[str, float] = {}
-    try:
-        with torch.no_grad():
-            for call in calls:
-                try:
-                    func = _operator(call[0])
-                    made = [(_rebuild(call[1], device), _rebuild(call[2], device))]
-                    size = sum(_nbytes(t) for t in pytree.tree_leaves(made) if isinstance(t, Tensor))
-                    made += [(_rebuild(call[1], device), _rebuild(call[2], device))
-                             for _ in range(min(15, (8 * 2 ** 20) // max(size, 1)))]
-                    t0 = time.perf_counter()
-                    func(*made[0][0], **made[0][1])
-                    sync()
-                    reps = max(len(made), min(100, int(1e-3 / max(time.perf_counter() - t0, 1e-7))))
-                    runs = [made[i % len(made)] for i in range(reps)]
-                    out[repr(call)] = _best(lambda: [func(*a, **k) for a, k in runs], sync, 3) / reps
-                except Exception:  # noqa: BLE001  (an operator whose arguments random tensors cannot stand for)
-                    continue
-    finally:
-        torch.set_num_threads(before)
+    with _measuring(device, threads) as sync, torch.no_grad():
+        for call in calls:
+            try:
+                func = _operator(call[0])
+                made = [(_rebuild(call[1], device), _rebuild(call[2], device))]
+                size = sum(_nbytes(t) for t in pytree.tree_leaves(made) if isinstance(t, Tensor))
+                made += [(_rebuild(call[1], device), _rebuild(call[2], device))
+                         for _ in range(min(15, (8 * 2 ** 20) // max(size, 1)))]
+                t0 = time.perf_counter()
+                func(*made[0][0], **made[0][1])
+                sync()
+                reps = max(len(made), min(100, int(1e-3 / max(time.perf_counter() - t0, 1e-7))))
+                runs = [made[i % len(made)] for i in range(reps)]
+                out[repr(call)] = _best(lambda: [func(*a, **k) for a, k in runs], sync, 3) / reps
+            except Exception:  # noqa: BLE001  (an operator whose arguments random tensors cannot stand for)
+                continue
     return out
 
 
