@@ -9,7 +9,7 @@ from ppll_compile.errors import TraceError
 from ppll_compile.modes import TrainEval
 from ppll_compile.trace import trace
 
-from models import DataDependent, DictOut, Noisy, Residual, WithNoisy
+from models import DataDependent, DictOut, Residual, WithNoisy
 
 
 def test_functional_dropout_follows_the_mode():
