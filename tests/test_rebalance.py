@@ -204,7 +204,8 @@ def test_a_measured_imbalance_is_moved_once_by_fit():
     # checks stop. The blocks are wide enough (512, batch 128) for their work to outweigh every step's fixed costs
     # (loss, optimizer, Python): at width 256 and batch 64 the estimated gain was about the threshold
     compiled = _compiled(2, ("add_2",), model=Chain(d=512, p=0.0), policy=_linear_head)
-    data = _data(24, batch=128)
+    batch = 128
+    data = _data(24, batch=batch)
     with compiled.trainer(optimizer=_sgd, runtime="threads", rebalance=True, rebalance_steps=8,
                           rebalance_policy=_linear_head) as t:
         history = t.fit(data, progress=False)
@@ -213,7 +214,7 @@ def test_a_measured_imbalance_is_moved_once_by_fit():
         assert m.times[0] > 1.5 * m.times[1] and max(m.estimated) < 0.9 * m.times[0], m
         assert len(t.stage_times) == 2 and all(r.step_times is None for r in t.runners)  # checked at 16, then stopped
         assert t.steps == {0: 24, 1: 24}
-    assert history[0]["samples"] == 24 * 128 and all(v is not None for v in history[0]["loss"])
+    assert history[0]["samples"] == 24 * batch and all(v is not None for v in history[0]["loss"])
 
 
 def test_a_balanced_plan_is_not_moved():
