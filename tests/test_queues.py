@@ -84,6 +84,38 @@ def test_a_stage_sends_its_output_before_its_backward_and_step(decoupled):
         assert trainer.steps == {0: 3, 1: 3}
 
 
+def test_a_send_that_waits_for_room_is_traced_once():
+    """Stage 1 holds its first step until stage 0 stepped on batch 2: by then batch 1 fills the queue (depth 1),
+    so batch 2's early send found no room and went after stage 0's step. Every batch has one send span."""
+    n = 4
+    compiled = _compiled()
+    first = {id(p) for p in compiled.stage_parameters(0)}
+    stepped = [0]
+    third = threading.Event()
+
+    class Gated(torch.optim.SGD):
+        def step(self, closure=None):
+            if any(id(p) in first for g in self.param_groups for p in g["params"]):
+                stepped[0] += 1
+                if stepped[0] == 3:
+                    third.set()
+            else:
+                _wait(third, f"stage 0 stepped on {stepped[0]} of 3 batches")
+            return super().step(closure)
+
+    with compiled.trainer(optimizer=lambda p: Gated(p, lr=0.05), runtime="threads", queue_depth=1,
+                          trace=True) as trainer:
+        for x, y in _data(n):
+            trainer.step(x, y)
+        trainer.finish()
+        events = trainer.timeline().events
+    sends = sorted(e.batch for e in events if e.stage == 0 and e.kind == "send")
+    assert sends == list(range(n))
+    steps = {e.batch: e for e in events if e.stage == 0 and e.kind == "step"}
+    late = [e.batch for e in events if e.stage == 0 and e.kind == "send" and e.start >= steps[e.batch].end]
+    assert 2 in late  # the send that waited is traced where it happened, after the step
+
+
 @pytest.mark.parametrize("gpus", [2, 3])
 def test_decoupled_false_is_still_the_sequential_computation(gpus):
     data = _data(5, last=3)

@@ -237,9 +237,11 @@ class ThreadsRuntime(Runtime):
                     waiting: list[Message] = []  # an output a full FIFO queue had no room for yet
 
                     def send(out: Message) -> None:
-                        with span(r.recorder, "send", out.index):
-                            if not out_box.put(out, timeout=0):  # type: ignore[union-attr]
-                                waiting.append(out)
+                        start = time.perf_counter()
+                        if not out_box.put(out, timeout=0):  # type: ignore[union-attr]
+                            waiting.append(out)  # sent (and traced) after the step
+                        elif r.recorder is not None:
+                            r.recorder.add("send", out.index, start, time.perf_counter())
 
                     _, loss = r.train_step(msg, None if reused or out_box is None else send)
                     r.reused += reused
