@@ -1,6 +1,7 @@
 """The exceptions ppll-compile raises; each message says what was found, what was expected and the way out."""
 
-__all__ = ["PPLLError", "TraceError", "CutError", "PolicyError", "PlanError", "PartitionError", "StageError"]
+__all__ = ["PPLLError", "TraceError", "CutError", "PolicyError", "PlanError", "PartitionError", "StageError",
+           "CheckpointError"]
 
 
 class PPLLError(Exception):
@@ -39,3 +40,7 @@ class StageError(PPLLError, RuntimeError):
         self.stage = stage
         self.batch = batch
         self.traceback = traceback
+
+
+class CheckpointError(PPLLError, ValueError):
+    """A checkpoint is missing, incomplete, corrupt, or was saved for another model, plan or trainer."""

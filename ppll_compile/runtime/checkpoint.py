@@ -33,10 +33,10 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from ..errors import PPLLError
+from ..errors import CheckpointError
 from ..plan import Plan
 
-__all__ = ["CheckpointError", "identity", "latest", "begin", "final_name", "save_stage", "commit", "read",
+__all__ = ["identity", "latest", "begin", "final_name", "save_stage", "commit", "read",
            "check_state", "MANIFEST", "POINTER"]
 
 MANIFEST = "manifest.json"
@@ -44,10 +44,6 @@ POINTER = "latest"
 FORMAT = 1
 _NAME = re.compile(r"^ckpt-(\d{6,})$")
 _TEMP = re.compile(r"^\.(?:ckpt-\d+|latest)\.tmp-(?P<host>.+)-(?P<pid>\d+)$")
-
-
-class CheckpointError(PPLLError, ValueError):
-    """A checkpoint is missing, incomplete, corrupt, or was saved for another model, plan or trainer."""
 
 
 def identity(plan: Plan, parameters: Sequence[Sequence[Tensor]], optimizers: Iterable[Optimizer]) -> dict[str, Any]:
