@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from .api import compile, plan
-from .cost import OPTIMIZER_STATES
+from .optimizers import OPTIMIZERS
 from .draw.graph import DETAILS, MAX_NODES
 from .errors import PlanError, PPLLError
 from .model_file import load_model
@@ -163,7 +163,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-size", type=_positive_int, metavar="B", help="batch size to plan for")
     g.add_argument("--partitioner", metavar="NAME", help="exact (default) or a baseline: uniform, greedy, params")
     g.add_argument("--profile", choices=PROFILES, help="count FLOPs on fake tensors (default) or time on the device")
-    g.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATES), help="optimizer whose state memory counts")
+    g.add_argument("--optimizer", choices=tuple(OPTIMIZERS), help="optimizer whose state memory counts")
     g.add_argument("--split-points", type=_names, metavar="A,B", help="cut by hand after these modules or nodes")
     g.add_argument("--tracer", choices=TRACERS, help="capture with torch.fx symbolic tracing, torch.export, or auto "
                    "(fx, else export; default)")

@@ -22,6 +22,8 @@ from .flops import flop_counter
 from .memo import PLAIN, Out, Outcome, Uncacheable, module_signature, plain, pure_function
 from .plan import TensorSpec
 from .errors import PlanError, PPLLError
+from .module_cost import ModuleCost, measure_module
+from .optimizers import OPTIMIZER_STATES
 from .roofline import Op, OpLog
 from .trace import misfit_message, module_path, train_mode
 
@@ -39,10 +41,6 @@ _VALUE_DEPENDENT = (DataDependentOutputException, GuardOnDataDependentSymNode)
 
 META_KEY = "ppll_cost"
 """The ``node.meta`` key under which :func:`measure_graph` stores each node's :class:`NodeCost`."""
-
-OPTIMIZER_STATES = {"sgd": 0, "momentum": 1, "adam": 2}
-"""Optimizer state tensors kept per parameter tensor (sgd: none, momentum: one buffer, adam: two moments)."""
-
 
 @dataclass(frozen=True, kw_only=True)
 class NodeCost:
@@ -73,25 +71,6 @@ class NodeCost:
     Python scalar; None for anything else."""
     storage: Any = None
     """Storage key of the node's output, with the same structure as ``value`` (views share their base's key)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModuleCost:
-    """Measured cost of a whole module (an auxiliary head) at one input shape."""
-
-    flops_fwd: int
-    """Forward FLOPs."""
-    flops_bwd: int
-    """Backward FLOPs."""
-    param_count: int
-    """Number of parameters."""
-    activation_bytes: int
-    """Bytes saved for backward."""
-    input_saved_bytes: int = 0
-    """Of those, the bytes of the input itself (saved by the module's first layers): a stage that saves its output
-    already holds them."""
-    ops: tuple[Op, ...] = ()
-    """Every operator of the forward and backward, with its FLOPs and bytes (for the roofline)."""
 
 
 def tensor_spec(name: str, value: Any) -> TensorSpec | None:
@@ -176,7 +155,7 @@ class _Measure(fx.Interpreter):
                 out = getattr(self, n.op)(n.target, args, kwargs)
             fwd, backward = fwd_counter.get_total_flops(), self._backward(n, out, args, kwargs)
         except _VALUE_DEPENDENT:  # Python that reads tensor values (a leaf module's data-dependent branch)
-            out, fwd, ops = self._run_real(n, args, kwargs, needs_grad)
+            out, fwd, ops = _run_real(self, n, args, kwargs, needs_grad)
             log = OpLog()
             log.ops = ops
             backward = (2 * fwd, 2 * fwd, ops + ops, ops + ops)
@@ -196,39 +175,6 @@ class _Measure(fx.Interpreter):
             if outcome is not None:
                 self.memo[signature] = outcome
         return pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out)
-
-    def _run_real(self, n: fx.Node, args: Any, kwargs: Any, needs_grad: bool) -> tuple[Any, int, list[Op]]:
-        """Run a node whose output depends on tensor values, which fake tensors lack, once on real tensors of the
-        fakes' shapes (random values; the module's own parameters, its buffers copied): its output as fakes,
-        its forward FLOPs and operators. Its backward is taken as twice those; its saved activations are not
-        counted."""
-        real_of = {id(f): self.state.state[key] for key, f in self.state.fakes.items()}
-
-        def real(x: Any) -> Any:
-            if not isinstance(x, FakeTensor):
-                return x
-            if id(x) in real_of:
-                return real_of[id(x)].detach()
-            if x.is_floating_point():
-                return torch.randn(x.shape, dtype=x.dtype, device=x.device)
-            return torch.zeros(x.shape, dtype=x.dtype, device=x.device)
-
-        with unset_fake_temporarily(), torch.no_grad():
-            args, kwargs = pytree.tree_map(real, (args, kwargs))
-            with flop_counter() as counter, OpLog() as log:
-                if n.op == "call_module":
-                    m = self.module.get_submodule(n.target)
-                    tensors = {k: real(v).clone() for k, v in (*m.named_parameters(), *m.named_buffers())}
-                    out = torch.func.functional_call(m, tensors, args, kwargs)
-                else:
-                    out = getattr(self, n.op)(n.target, args, kwargs)
-
-        def fake(t: Any) -> Any:
-            if not isinstance(t, Tensor):
-                return t
-            f = self.mode.from_tensor(t)
-            return f.requires_grad_() if needs_grad and f.is_floating_point() else f
-        return pytree.tree_map(fake, out), counter.get_total_flops(), log.ops
 
     def _run_input(self, n: fx.Node) -> Any:
         """A placeholder or get_attr node: its value, and a cost of nothing but the parameter it reads."""
@@ -436,6 +382,40 @@ class _Measure(fx.Interpreter):
         return {}
 
 
+def _run_real(measure: _Measure, n: fx.Node, args: Any, kwargs: Any, needs_grad: bool) -> tuple[Any, int, list[Op]]:
+    """Run a node of ``measure`` whose output depends on tensor values, which fake tensors lack, once on real tensors
+    of the fakes' shapes (random values; the module's own parameters, its buffers copied): its output as fakes,
+    its forward FLOPs and operators. Its backward is taken as twice those; its saved activations are not
+    counted."""
+    real_of = {id(f): measure.state.state[key] for key, f in measure.state.fakes.items()}
+
+    def real(x: Any) -> Any:
+        if not isinstance(x, FakeTensor):
+            return x
+        if id(x) in real_of:
+            return real_of[id(x)].detach()
+        if x.is_floating_point():
+            return torch.randn(x.shape, dtype=x.dtype, device=x.device)
+        return torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+
+    with unset_fake_temporarily(), torch.no_grad():
+        args, kwargs = pytree.tree_map(real, (args, kwargs))
+        with flop_counter() as counter, OpLog() as log:
+            if n.op == "call_module":
+                m = measure.module.get_submodule(n.target)
+                tensors = {k: real(v).clone() for k, v in (*m.named_parameters(), *m.named_buffers())}
+                out = torch.func.functional_call(m, tensors, args, kwargs)
+            else:
+                out = getattr(measure, n.op)(n.target, args, kwargs)
+
+    def fake(t: Any) -> Any:
+        if not isinstance(t, Tensor):
+            return t
+        f = measure.mode.from_tensor(t)
+        return f.requires_grad_() if needs_grad and f.is_floating_point() else f
+    return pytree.tree_map(fake, out), counter.get_total_flops(), log.ops
+
+
 def measure_graph(gm: fx.GraphModule, inputs: Sequence[Any], kwargs: dict[str, Any] | None = None, *,
                   reuse: bool = True) -> None:
     """Measure every node of ``gm`` on fake tensors and store a :class:`NodeCost` in ``node.meta[META_KEY]``.
@@ -471,35 +451,3 @@ def measure_graph(gm: fx.GraphModule, inputs: Sequence[Any], kwargs: dict[str, A
             raise PlanError(misfit_message(where, e, dict(zip(placeholder_names, values)))) from e
         finally:
             logging.disable(disabled)
-
-
-def measure_module(module: nn.Module, run: Callable[[], Any], inputs: Sequence[Tensor] = ()) -> ModuleCost:
-    """Forward and backward FLOPs, operators and saved bytes of ``run()``, a forward pass (or loss) of ``module`` on
-    ``inputs`` (those of them that require grad get their gradient computed, as a stage's output does).
-
-    Build the module under ``torch.device("meta")`` and feed it meta tensors to measure without allocating.
-    """
-    params = list(module.parameters())
-    param_storages = {storage_id(p) for p in params}
-    buffer_storages = {storage_id(b) for b in module.buffers()}
-    input_storages = {storage_id(t) for t in inputs}
-    saved: dict[int, int] = {}
-
-    def pack(t: Tensor) -> Tensor:
-        s = storage_id(t)
-        if s not in param_storages and s not in buffer_storages:
-            saved[s] = max(saved.get(s, 0), t.untyped_storage().nbytes())
-        return t
-
-    with flop_counter() as fwd, OpLog() as log, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = run()
-    grads = [t for t in pytree.tree_leaves(out) if isinstance(t, Tensor) and t.requires_grad]
-    bwd = 0
-    if grads:
-        ones = [torch.ones_like(g) for g in grads]
-        with flop_counter() as bwd_counter, log:
-            torch.autograd.backward(grads, ones)
-        bwd = bwd_counter.get_total_flops()
-    return ModuleCost(flops_fwd=fwd.get_total_flops(), flops_bwd=bwd,
-                      param_count=sum(p.numel() for p in params), activation_bytes=sum(saved.values()),
-                      input_saved_bytes=sum(b for s, b in saved.items() if s in input_storages), ops=tuple(log.ops))

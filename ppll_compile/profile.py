@@ -19,6 +19,7 @@ from .capture import BUFFER_OWNERS
 from .heads import head_for, head_loss, logits_of, model_loss
 from .lower import split_stages
 from .lowered import Stage, move
+from .optimizers import OPTIMIZERS
 from .plan import HeadSpec
 from .policy import Policy
 
@@ -122,16 +123,12 @@ def make_optimizer(kind: OptimizerKind, params: list[nn.Parameter], device: torc
         return kind(params)
     foreach = True if device.type == "cuda" else None  # None: torch's own choice elsewhere
     _check_optimizer(kind)
-    if kind == "sgd":
-        return torch.optim.SGD(params, lr=_TIMING_LR, foreach=foreach)
-    if kind == "momentum":
-        return torch.optim.SGD(params, lr=_TIMING_LR, momentum=0.9, foreach=foreach)
-    return torch.optim.Adam(params, lr=_TIMING_LR, foreach=foreach)
+    return OPTIMIZERS[kind].make(params, _TIMING_LR, foreach)
 
 
 def _check_optimizer(kind: OptimizerKind) -> None:
-    if not callable(kind) and kind not in ("sgd", "momentum", "adam"):
-        raise ValueError(f"optimizer must be one of sgd, momentum, adam or a factory fn(params) -> Optimizer, "
+    if not callable(kind) and kind not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)} or a factory fn(params) -> Optimizer, "
                          f"got {kind!r}")
 
 

@@ -39,6 +39,7 @@ from torch.utils.flop_counter import flop_registry, shape_wrapper
 from .allocator import keep_freed_memory
 from .errors import PlanError
 from .flops import EXTRA_FORMULAS
+from .optimizers import optimizer_spec
 
 __all__ = ["Op", "OpLog", "DeviceFigures", "FAMILIES", "device_figures", "calibrate", "measure_calls", "cache_path",
            "seconds", "step_ops", "FIGURES_ENV", "CACHE_ENV"]
@@ -215,16 +216,12 @@ def seconds(ops: Iterable[Op], figures: DeviceFigures) -> float:
     return total
 
 
-_STEP_TENSORS = {"sgd": (2, 1), "momentum": (3, 2), "adam": (4, 3)}
-"""Per optimizer: tensors read per parameter tensor (parameter, gradient, state) and tensors written."""
-
-
 def step_ops(param_bytes: Sequence[int], optimizer: str, dtype: str = "float32") -> list[Op]:
     """One optimizer step over parameter tensors of ``param_bytes``, one :class:`Op` per tensor: it reads the
     parameter, its gradient and its state and writes the parameter and state (``sgd`` 3, ``momentum`` 5, ``adam``
     7 passes over the tensor)."""
-    reads, writes = _STEP_TENSORS[optimizer]
-    return [Op("step", dtype, 0, (reads + writes) * b) for b in param_bytes]
+    kind = optimizer_spec(optimizer)
+    return [Op("step", dtype, 0, (kind.step_reads + kind.step_writes) * b) for b in param_bytes]
 
 
 def _cpu_name() -> str:

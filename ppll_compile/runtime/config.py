@@ -10,14 +10,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..cost import OPTIMIZER_STATES
+from ..optimizers import OPTIMIZER_STATES, kind_of, states_of
 from ..plan import format_bytes
 
-__all__ = ["TrainConfig", "optimizer_states", "optimizer_mismatch"]
-
-_KINDS = {states: kind for kind, states in OPTIMIZER_STATES.items()}
-"""The plan's optimizer name for a number of state tensors per parameter (0, 1, 2)."""
-
+__all__ = ["TrainConfig", "optimizer_mismatch"]
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
@@ -41,27 +37,6 @@ class TrainConfig:
     """Seed of every stage's training randomness (see :mod:`.rng`); ``None``: torch's global stream, unseeded."""
 
 
-_TWO_STATES = tuple(getattr(torch.optim, n) for n in ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "SparseAdam",
-                                                       "Adadelta", "Rprop") if hasattr(torch.optim, n))
-_ONE_STATE = tuple(getattr(torch.optim, n) for n in ("Adagrad", "ASGD") if hasattr(torch.optim, n))
-
-
-def optimizer_states(optimizer: torch.optim.Optimizer) -> int | None:
-    """State tensors ``optimizer`` keeps per parameter tensor (SGD: 0, or 1 with momentum; Adam and its kin: 2, 3 with
-    ``amsgrad``; RMSprop: 1 plus momentum plus ``centered``); ``None`` for an optimizer this does not know."""
-    groups = optimizer.param_groups
-    has = lambda key: any(g.get(key) for g in groups)  # noqa: E731
-    if isinstance(optimizer, torch.optim.SGD):
-        return 1 if has("momentum") else 0
-    if isinstance(optimizer, _TWO_STATES):
-        return 3 if has("amsgrad") else 2
-    if isinstance(optimizer, torch.optim.RMSprop):
-        return 1 + has("momentum") + has("centered")
-    if isinstance(optimizer, _ONE_STATE):
-        return 1
-    return None
-
-
 def _described(optimizer: torch.optim.Optimizer) -> str:
     name = type(optimizer).__name__
     if isinstance(optimizer, torch.optim.SGD):
@@ -72,17 +47,17 @@ def _described(optimizer: torch.optim.Optimizer) -> str:
 
 def optimizer_mismatch(planned: str, stages: Sequence[tuple[int, int, torch.optim.Optimizer]]) -> str | None:
     """What to tell the user when the optimizers the trainer built keep another number of state tensors per parameter
-    than the plan's ``optimizer`` (``sgd``, ``momentum``, ``adam``: 0, 1, 2) costed; ``None`` when they agree, when the
-    optimizer is not one :func:`optimizer_states` knows, or when no stage has gradients.
+    than the plan's ``optimizer`` (a kind of :data:`~ppll_compile.optimizers.OPTIMIZERS`) costed; ``None`` when they agree, when the
+    optimizer is not one :func:`~ppll_compile.optimizers.states_of` knows, or when no stage has gradients.
 
     ``stages``: (stage index, the plan's gradient bytes of its backbone, its first optimizer) per stage run here.
     """
-    counted = [(i, b, o, n) for i, b, o in stages if (n := optimizer_states(o)) is not None]
-    wrong = [(i, b, o, n) for i, b, o, n in counted if _KINDS[min(n, 2)] != planned]
+    counted = [(i, b, o, n) for i, b, o in stages if (n := states_of(o)) is not None]
+    wrong = [(i, b, o, n) for i, b, o, n in counted if kind_of(o) != planned]
     if not wrong or not any(b for _, b, _, _ in wrong):
         return None
     _, _, first, n = wrong[0]
-    kind = _KINDS[min(n, 2)]
+    kind = kind_of(first)
     per_stage = "; ".join(f"stage {i}'s optimizer state is {format_bytes(b * m)}, not "
                           f"{format_bytes(b * OPTIMIZER_STATES[planned])} as planned" for i, b, _, m in wrong if b)
     return (f"the trainer builds {_described(first)}, which keeps {n} state tensor{'s' if n != 1 else ''} per "
