@@ -18,7 +18,8 @@ from .cuts import Cut
 from .errors import PlanError, PolicyError
 from .capture import BUFFER_OWNERS
 from .export import OUTPUT_SPEC
-from .heads import MomentumHead, copied_blocks, head_for
+from .head_types import head_type_for
+from .heads import copied_blocks, head_for
 from .lowered import SOURCE_NAME, Inputs, Lowered, Stage
 from .plan import Plan
 from .policy import Policy
@@ -154,7 +155,7 @@ def lower_ppll(model: nn.Module, plan: Plan, a: Analysis, policy: Policy, *, unt
         blocks = next_blocks(model, a.nodes, plan.cuts[i], depth, stage=i, config=sp.head.config) if depth else []
         head = head_for(policy, sp.head.config, sp.boundary[0], a.num_classes, input_shape, per_token=a.per_token,
                         blocks=[m for _, m in blocks] if depth else None)[0]
-        if isinstance(head, MomentumHead):
+        if (t := head_type_for(sp.head.config)) is not None and t.follows_next:
             head.mirrors = _mirrors(blocks, stages[i + 1], i, plan.cuts[i])
         heads.append(head.to(sp.device))
     return Lowered(modules=tuple(stages), heads=tuple(heads), devices=tuple(torch.device(d) for d in plan.devices),
@@ -165,10 +166,10 @@ def _head_text(config: Any, stage: int | None) -> tuple[str, str, str]:
     """How errors name stage ``stage``'s head (``None``: no stage chosen yet), what it does with the blocks, and the
     way out without them."""
     depth, whose = config.get("depth", 1), "the" if stage is None else f"stage {stage}'s"
-    if config.get("type") == "momentum":
-        return (f"{whose} momentum head (depth {depth})", "follows",
-                "a momentum head needs blocks of a ModuleList or Sequential right after its cut; use another head type")
-    return f"{whose} transformer head (init: copy, depth {depth})", "copies", "use init: fresh"
+    t = head_type_for(config)
+    if t is None or t.blocks is None:
+        return f"{whose} head (depth {depth})", "copies", "use a head that stands alone"
+    return f"{whose} {t.name} head ({t.blocks.detail}depth {depth})", t.blocks.verb, t.blocks.way_out
 
 
 def next_blocks(model: nn.Module, nodes: Sequence[fx.Node], cut: str, depth: int, *, stage: int | None = None,

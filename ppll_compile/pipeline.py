@@ -13,6 +13,7 @@ import torch.fx as fx
 from torch import nn
 
 from .errors import PolicyError, PPLLError, TraceError
+from .head_types import head_type_for
 from .lowered import Lowered, Stage
 from .plan import Plan
 from .policy import load_policy
@@ -175,8 +176,8 @@ class Replanner:
         elif any(s.replicas > 1 for s in plan.stages):
             why = (f"stage(s) {[s.index for s in plan.stages if s.replicas > 1]} are replicated (compile without "
                    f"replicas to rebalance, or move the cuts by compiling again with split_points=...)")
-        elif any(s.head.config.get("type") == "momentum" for s in plan.stages):
-            why = ("a momentum head follows the next stage's parameters (compile with another head type to "
+        elif following := [t.name for s in plan.stages if (t := head_type_for(s.head.config)) and t.follows_next]:
+            why = (f"a {following[0]} head follows the next stage's parameters (compile with another head type to "
                    "rebalance, or move the cuts by compiling again with split_points=...)")
         elif any(n.startswith(_UNTIED) for n in plan.notes):
             why = ("stages train their own copies of a tied parameter (tied='untie'), which a re-split would copy "

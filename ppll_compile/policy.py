@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import reprlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import yaml
 from torch import nn
@@ -17,144 +16,27 @@ from torch import nn
 import policies as _policies
 
 from .errors import PolicyError
+from .head_modules import CIFAR_MEAN, CIFAR_STD
+from .head_types import BUILT_IN, KINDS, head_type, head_type_names
 from .plan import TensorSpec
+from .schema import Opt, choice, text, weight
 
 __all__ = ["KINDS", "HEAD_TYPES", "CIFAR_MEAN", "CIFAR_STD", "tensor_kind", "Policy", "load_policy", "validate_policy",
            "check_head_config"]
 
-KINDS = ("feature_map", "channels_last", "sequence", "vector")
 _KIND_OF_RANK = {4: "feature_map", 3: "sequence", 2: "vector"}
 _LAYOUT = {"feature_map": "N x C x H x W", "channels_last": "N x H x W x C", "sequence": "N x L x D",
            "vector": "N x D"}
 _PER_TOKEN_KIND = "sequence"  # the one kind per-token heads read
 
-
-@dataclass(frozen=True)
-class _Opt:
-    """One option of a schema: its default, what it must be (as errors say it) and the check."""
-
-    default: Any
-    expected: str
-    check: Callable[[Any], bool]
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _int(default: int, low: int = 0) -> _Opt:
-    return _Opt(default, f"an integer >= {low}", lambda v: _is_int(v) and v >= low)
-
-
-def _weight(default: float) -> _Opt:
-    return _Opt(default, "a number >= 0",
-                lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0)
-
-
-def _text(default: str) -> _Opt:
-    return _Opt(default, "a string", lambda v: isinstance(v, str))
-
-
-def _choice(default: str | None, *choices: str) -> _Opt:
-    return _Opt(default, "one of " + ", ".join(choices), lambda v: isinstance(v, str) and v in choices)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _positive(default: float) -> _Opt:
-    return _Opt(default, "a number > 0", lambda v: _is_number(v) and v > 0)
-
-
-def _fraction(default: float) -> _Opt:
-    return _Opt(default, "a number in [0, 1)", lambda v: _is_number(v) and 0 <= v < 1)
-
-
-def _ramp(default: tuple[float, float]) -> _Opt:
-    return _Opt(default, "a pair [first, last] of numbers >= 0",
-                lambda v: isinstance(v, (list, tuple)) and len(v) == 2 and all(_is_number(x) and x >= 0 for x in v))
-
-
-def _per_channel(default: tuple[float, ...], positive: bool = False) -> _Opt:
-    return _Opt(default, f"a non-empty list of numbers{' > 0' if positive else ''} (one per channel, or one for all)",
-                lambda v: isinstance(v, (list, tuple)) and len(v) > 0
-                and all(_is_number(x) and (x > 0 or not positive) for x in v))
-
-
-CIFAR_MEAN = (0.491373, 0.482353, 0.446667)
-"""CIFAR's per-channel mean, as InfoPro's code has it (125.3, 123.0, 113.9 over 255): infopro's default ``mean``."""
-CIFAR_STD = (0.247059, 0.243529, 0.261569)
-"""CIFAR's per-channel standard deviation (63.0, 62.1, 66.7 over 255): infopro's default ``std``."""
-
-
-class _HeadType(NamedTuple):
-    kinds: tuple[str, ...]
-    """The boundary tensor kinds the head can read."""
-    options: dict[str, _Opt]
-    """Option name -> default and check."""
-    per_token: bool = False
-    """Whether the head gives N x L x C scores for per-token labels (else N x C, one label per example)."""
-    fixed: Mapping[str, Mapping[str, Any]] = {}
-    """Kind -> options that have one possible value on that kind (the default there, any other an error)."""
-    derived: Mapping[str, _Opt] = {}
-    """Figures planning computes into the head config (a saved plan carries them; a policy file cannot set them)."""
-
-
-# The one table that drives validation and defaults of every head config.
-_HEADS: dict[str, _HeadType] = {
-    "conv": _HeadType(("feature_map", "channels_last"), {  # channels_last: permuted to N x C x H x W first
-        "width": _int(128),          # channels of each conv3x3 layer; 0 = the input's channels
-        "max_width": _int(0),        # cap on those channels; 0 = no cap
-        "depth": _int(1),            # conv3x3-BN-ReLU layers: 0 (pool + linear only), 1, 2 (DGL), 3, 4, ...
-        "pool": _int(2, 1),          # adaptive average pool output size
-        "hidden": _int(0),           # MLP hidden width after pooling; 0 = one linear layer
-    }),
-    "infopro": _HeadType(("feature_map",), {  # InfoPro (Wang et al., ICLR 2021), as its code builds it
-        "width": _int(12, 1),        # decoder: upsample to the image, conv3x3 to `width`, BN, ReLU, conv3x3 to it
-        "upsample": _choice("bilinear", "bilinear", "nearest"),  # the decoder's first layer (bilinear: align_corners)
-        "reconstruction": _choice("bce", "bce", "mse"),  # bce: sigmoid + BCE against the de-normalised input;
-        #                              mse: MSE of the decoder's raw output against the input as given
-        "mean": _per_channel(CIFAR_MEAN),        # the input's normalisation, undone for bce: x * std + mean
-        "std": _per_channel(CIFAR_STD, positive=True),
-        "lambda1": _ramp((5.0, 0.5)),  # reconstruction weight at the first and the last auxiliary head
-        "lambda2": _ramp((0.5, 1.0)),  # classification weight at the first and the last auxiliary head
-        "cls_width": _int(0),        # classifier conv3x3 channels; 0 = the paper's: twice the input's, at most 64
-        "cls_stride": _int(0),       # its stride; 0 = the paper's: 2 on maps of under 64 channels, else 1
-        "hidden": _int(128, 1),      # classifier MLP hidden width (the paper's feature_dim)
-    }),
-    "mlp": _HeadType(KINDS, {
-        "hidden": _int(256, 1),      # width of each hidden layer
-        "depth": _int(1),            # hidden Linear-ReLU layers
-    }),
-    "momentum": _HeadType(("feature_map", "sequence"), {  # MAN: an EMA of the next stage's first blocks
-        "depth": _int(1, 1),         # blocks of the next stage the trunk follows (not trained by gradient)
-        "momentum": _fraction(0.99),  # ema = momentum * ema + (1 - momentum) * next stage's weights
-        "every": _int(1, 1),         # steps between two weight transfers from the next stage
-        "pool": _choice("mean", "cls", "mean"),  # then pool (CLS token or mean) and one trained linear layer
-    }, fixed={"feature_map": {"pool": "mean"}}, derived={"mirror_bytes": _int(0)}),
-    "token": _HeadType(("sequence", "channels_last"), {
-        "pool": _choice("cls", "cls", "mean"),  # CLS token (index 0) or the mean over tokens
-    }, fixed={"channels_last": {"pool": "mean"}}),  # a map has no CLS token: LayerNorm(C), mean over H x W
-    "transformer": _HeadType(("sequence",), {
-        "depth": _int(1),            # transformer blocks before LayerNorm, pool, linear (0 = the 'token' head)
-        "init": _choice("fresh", "fresh", "copy"),  # fresh pre-norm blocks, or copies of the next stage's first blocks
-        "heads": _int(0),            # attention heads of fresh blocks; 0 = D / 64, lowered to a divisor of D
-        "mlp_ratio": _positive(4.0),  # MLP width of fresh blocks over D
-        "pool": _choice("cls", "cls", "mean"),  # CLS token (index 0) or the mean over tokens
-    }),
-    "lm": _HeadType(("sequence",), {
-        "rank": _int(64),            # 0: LayerNorm, Linear(D, C); r > 0: LayerNorm, Linear(D, r), Linear(r, C)
-    }, per_token=True),
-}
-HEAD_TYPES = tuple(sorted(_HEADS))
-_TYPE = _choice(None, *HEAD_TYPES)
+HEAD_TYPES = tuple(sorted(BUILT_IN))
+"""The built-in head types, sorted (the table is :mod:`ppll_compile.head_types`; more may be registered there)."""
 _LOSS = {
-    "classification": _choice("cross_entropy", "cross_entropy"),
-    "classification_weight": _weight(1.0),
-    "reconstruction_weight": _weight(0.0),  # InfoPro's lambda1; used by infopro heads only
+    "classification": choice("cross_entropy", "cross_entropy"),
+    "classification_weight": weight(1.0),
+    "reconstruction_weight": weight(0.0),  # InfoPro's lambda1; used by infopro heads only
 }
-_META = {"name": _text(""), "description": _text("")}
+_META = {"name": text(""), "description": text("")}
 _TOP = (*_META, "heads", "per_token", "loss")
 
 
@@ -175,7 +57,7 @@ def _check_keys(d: Mapping, allowed: Sequence[str], source: str, at: str) -> Non
                               f"(allowed: {', '.join(sorted(allowed))})")
 
 
-def _fill(d: Mapping, schema: Mapping[str, _Opt], source: str, at: str) -> dict[str, Any]:
+def _fill(d: Mapping, schema: Mapping[str, Opt], source: str, at: str) -> dict[str, Any]:
     """Check every option of ``schema`` in ``d`` and fill in the missing ones with their defaults."""
     out = {}
     for key, opt in schema.items():
@@ -202,22 +84,23 @@ def _check_head(config: Any, source: str, at: str, kind: str, tensors: str, per_
     labels; return it with defaults filled in. ``hint`` ends the error of a head that gives the other scores;
     ``derived``: the config comes from a plan, which may carry the figures planning computed into it."""
     config = _mapping(config, source, at or "a head config")
-    head_type = _fill(config, {"type": _TYPE}, source, at)["type"]
-    spec = _HEADS[head_type]
-    fitting = " or ".join(t for t in HEAD_TYPES if kind in _HEADS[t].kinds and _HEADS[t].per_token == per_token)
+    types = {name: head_type(name) for name in head_type_names()}
+    name = _fill(config, {"type": choice(None, *types)}, source, at)["type"]
+    spec = types[name]
+    fitting = " or ".join(t for t, s in types.items() if kind in s.kinds and s.per_token == per_token)
     if kind not in spec.kinds:
-        raise PolicyError(f"{source}: {_join(at, 'type')} {head_type!r} cannot read {tensors} "
+        raise PolicyError(f"{source}: {_join(at, 'type')} {name!r} cannot read {tensors} "
                           f"(it reads {', '.join(spec.kinds)}); use type {fitting}")
     if spec.per_token != per_token:
         scores = "per-token scores (N x L x C)" if spec.per_token else "one score vector per example (N x C)"
-        raise PolicyError(f"{source}: {_join(at, 'type')} {head_type!r} gives {scores}, but {at or tensors} serves "
+        raise PolicyError(f"{source}: {_join(at, 'type')} {name!r} gives {scores}, but {at or tensors} serves "
                           f"{_labels(per_token)}; use type {fitting}{hint}")
     computed = spec.derived if derived else {}
     _check_keys(config, ("type", *spec.options, *computed, *extra), source, at)
     fixed = spec.fixed.get(kind, {})
-    options = {**spec.options, **{k: _Opt(v, f"{v!r} on {tensors}", lambda x, v=v: x == v) for k, v in fixed.items()}}
+    options = {**spec.options, **{k: Opt(v, f"{v!r} on {tensors}", lambda x, v=v: x == v) for k, v in fixed.items()}}
     given = {k: o for k, o in computed.items() if k in config}
-    return {"type": head_type, **_fill(config, options, source, at), **_fill(config, given, source, at)}
+    return {"type": name, **_fill(config, options, source, at), **_fill(config, given, source, at)}
 
 
 def _rank_kind(spec: TensorSpec) -> str | None:
@@ -300,9 +183,9 @@ class Policy:
                 f"it has heads for: {', '.join(self.heads)}. "
                 f"Use policy='auto', or add a '{kind}:' entry under 'heads:' in {self.source or 'the policy file'}")
         config = {**self.heads[kind], "loss": dict(self.loss)}
-        if config["type"] == "infopro":  # weighted by lambda1 and lambda2: here at the first head, in a plan per stage
-            config["loss"].update(reconstruction_weight=config["lambda1"][0],
-                                  classification_weight=config["lambda2"][0])
+        weights = head_type(config["type"]).stage_loss  # infopro's lambda1 and lambda2: the first head's weights
+        if weights is not None:                          # here, in a plan every stage's (heads.stage_head)
+            config["loss"].update(weights(config, 0, 2) or {})
         return config
 
 

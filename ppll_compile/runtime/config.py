@@ -47,8 +47,9 @@ def _described(optimizer: torch.optim.Optimizer) -> str:
 
 def optimizer_mismatch(planned: str, stages: Sequence[tuple[int, int, torch.optim.Optimizer]]) -> str | None:
     """What to tell the user when the optimizers the trainer built keep another number of state tensors per parameter
-    than the plan's ``optimizer`` (a kind of :data:`~ppll_compile.optimizers.OPTIMIZERS`) costed; ``None`` when they agree, when the
-    optimizer is not one :func:`~ppll_compile.optimizers.states_of` knows, or when no stage has gradients.
+    than the plan's ``optimizer`` (a kind of :data:`~ppll_compile.optimizers.OPTIMIZERS`) costed; ``None`` when they
+    agree, when the optimizer is not one :func:`~ppll_compile.optimizers.states_of` knows, or when no stage has
+    gradients.
 
     ``stages``: (stage index, the plan's gradient bytes of its backbone, its first optimizer) per stage run here.
     """

@@ -1,0 +1,191 @@
+"""The modules auxiliary heads are: a plain head, InfoPro's (it reads the raw input), a momentum head (it follows the
+next stage's blocks by EMA), and the local losses they take."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .errors import PolicyError
+
+__all__ = ["AuxHead", "InfoProHead", "MomentumHead", "head_loss", "model_loss", "logits_of", "cross_entropy",
+           "meta_copies", "IGNORE_INDEX", "CIFAR_MEAN", "CIFAR_STD"]
+
+IGNORE_INDEX = -100
+"""Label of a position no loss is taken on (padding, a prompt, the last token of a causal LM), as in torch."""
+
+CIFAR_MEAN = (0.491373, 0.482353, 0.446667)
+"""CIFAR's per-channel mean, as InfoPro's code has it (125.3, 123.0, 113.9 over 255): infopro's default ``mean``."""
+CIFAR_STD = (0.247059, 0.243529, 0.261569)
+"""CIFAR's per-channel standard deviation (63.0, 62.1, 66.7 over 255): infopro's default ``std``."""
+
+
+class AuxHead(nn.Module):
+    """An auxiliary head: ``net`` maps the boundary tensor to logits; :meth:`loss` is the stage's local loss."""
+
+    needs_input: bool = False
+    """Whether :meth:`loss` needs the raw model input (InfoPro's reconstruction)."""
+
+    def __init__(self, net: nn.Module, loss: Mapping[str, Any]) -> None:
+        super().__init__()
+        self.net = net
+        self.classification_weight = float(loss["classification_weight"])
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.net(h)
+
+    def loss(self, h: Tensor, target: Tensor, input: Tensor | None = None) -> Tensor:
+        """The weighted local loss of boundary tensor ``h`` for class labels ``target``: N labels, or N x L
+        per-token labels for a per-token head's N x L x C scores (:data:`IGNORE_INDEX` counts for nothing)."""
+        return self.classification_weight * cross_entropy(self(h), target)
+
+
+class InfoProHead(AuxHead):
+    """InfoPro head: a classifier ``net`` plus a ``decoder`` that reconstructs the raw model input from ``h``.
+
+    ``reconstruction='bce'`` (the paper's): the decoder's output goes through a sigmoid and is scored by binary
+    cross-entropy against the input de-normalised with ``mean`` and ``std`` (``x * std + mean``, clamped to the
+    image range [0, 1]); ``'mse'``: the decoder's raw output is scored by MSE against the input as given.
+    """
+
+    needs_input = True
+
+    def __init__(self, net: nn.Module, decoder: nn.Module, loss: Mapping[str, Any], *, reconstruction: str = "bce",
+                 mean: Sequence[float] = CIFAR_MEAN, std: Sequence[float] = CIFAR_STD) -> None:
+        super().__init__(net, loss)
+        self.decoder = decoder
+        self.reconstruction_weight = float(loss["reconstruction_weight"])
+        self.reconstruction = reconstruction
+        self.register_buffer("mean", torch.tensor([float(v) for v in mean]).view(1, -1, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor([float(v) for v in std]).view(1, -1, 1, 1), persistent=False)
+
+    def target(self, input: Tensor) -> Tensor:
+        """What the decoder reconstructs: the de-normalised image in [0, 1] (``bce``), or the input itself."""
+        return input if self.reconstruction == "mse" else (input * self.std + self.mean).clamp(0, 1)
+
+    def reconstruct(self, h: Tensor) -> Tensor:
+        """The decoder's reconstruction of the input: the image in [0, 1] (``bce``), or the raw output (``mse``)."""
+        out = self.decoder(h)
+        return out if self.reconstruction == "mse" else torch.sigmoid(out)
+
+    def reconstruction_loss(self, h: Tensor, input: Tensor) -> Tensor:
+        """The unweighted reconstruction term: BCE after the sigmoid (as logits, for stability), or MSE."""
+        out = self.decoder(h)
+        if self.reconstruction == "mse":
+            return F.mse_loss(out, input)
+        return F.binary_cross_entropy_with_logits(out, self.target(input))
+
+    def loss(self, h: Tensor, target: Tensor, input: Tensor | None = None) -> Tensor:
+        if input is None:
+            raise PolicyError("the infopro head reconstructs the raw model input, but loss() got input=None; "
+                              "pass the model's first input as input=")
+        return self.reconstruction_weight * self.reconstruction_loss(h, input) + super().loss(h, target)
+
+
+class MomentumHead(AuxHead):
+    """MAN (momentum auxiliary network): a ``trunk`` that follows the next stage's first blocks by exponential moving
+    average, then the small trained part (pool and one linear layer); ``net`` is the two in order.
+
+    The trunk's weights are buffers: no optimizer sees them, checkpoints save them. Every :attr:`every` steps the
+    next stage publishes the parameters named in :attr:`mirrors` and this head calls :meth:`pull` with them.
+    """
+
+    def __init__(self, trunk: nn.Module, readout: nn.Module, loss: Mapping[str, Any], *, momentum: float,
+                 every: int) -> None:
+        super().__init__(nn.Sequential(trunk, readout), loss)
+        self.momentum = float(momentum)
+        """EMA factor m: ``ema = m * ema + (1 - m) * weight``."""
+        self.every = int(every)
+        """Steps between two pulls."""
+        self.ema_names = _as_buffers(trunk, prefix="net.0.")
+        """The trunk's EMA tensors (buffers of this head), in the order of :attr:`mirrors`."""
+        self.mirrors: list[str] = []
+        """Names, in the next stage module's ``named_parameters()``, of the parameters the EMA tensors follow (set by
+        lowering; empty for a head built alone)."""
+
+    @property
+    def trunk(self) -> nn.Module:
+        return self.net[0]
+
+    def ema_tensors(self) -> list[Tensor]:
+        """The trunk's EMA tensors, in the order of :attr:`mirrors`."""
+        return [self.get_buffer(n) for n in self.ema_names]
+
+    def ema_bytes(self) -> int:
+        """Bytes of the EMA tensors: what the next stage sends back at every pull."""
+        return sum(t.numel() * t.element_size() for t in self.ema_tensors())
+
+    @torch.no_grad()
+    def pull(self, tensors: Sequence[Tensor]) -> None:
+        """One EMA step towards ``tensors`` (the next stage's current :attr:`mirrors`, in order):
+        ``ema = m * ema + (1 - m) * t`` for each."""
+        ema = self.ema_tensors()
+        if len(tensors) != len(ema):
+            raise ValueError(f"pull() got {len(tensors)} tensor(s), but the momentum head follows {len(ema)} "
+                             f"(its mirrors, in order)")
+        for e, t in zip(ema, tensors):
+            e.mul_(self.momentum).add_(t.to(e.device), alpha=1 - self.momentum)
+
+
+def logits_of(output: Any) -> Any:
+    """The class scores in a model's output: the tensor itself, an output object's or dict's ``logits``, or the
+    first tensor of a tuple or list (e.g. a Hugging Face ``ModelOutput`` or ``return_dict=False`` tuple)."""
+    if isinstance(output, Tensor):
+        return output
+    logits = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)
+    if isinstance(logits, Tensor):
+        return logits
+    if isinstance(output, (tuple, list)):
+        return next((v for v in output if isinstance(v, Tensor)), output)
+    return output
+
+
+def cross_entropy(logits: Tensor, target: Tensor) -> Tensor:
+    """Cross-entropy of N x C scores for N labels, or of N x L x C scores for N x L labels (per token);
+    positions labelled :data:`IGNORE_INDEX` count for nothing."""
+    if logits.dim() == 3 and target.dim() == 2:
+        return F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=IGNORE_INDEX)
+    return F.cross_entropy(logits, target, ignore_index=IGNORE_INDEX)
+
+
+def model_loss(output: Any, target: Tensor) -> Tensor:
+    """The default loss of the last stage: cross-entropy of the model's class scores (:func:`logits_of`),
+    per example or per token."""
+    return cross_entropy(logits_of(output), target)
+
+
+def head_loss(head: nn.Module, h: Tensor, target: Tensor, input: Tensor | None = None) -> Tensor:
+    """The local loss of any head: :meth:`AuxHead.loss`, or cross-entropy of the scores of a user's module."""
+    if isinstance(head, AuxHead):
+        return head.loss(h, target, input)
+    return cross_entropy(head(h), target)
+
+
+def _as_buffers(module: nn.Module, prefix: str = "") -> list[str]:
+    """Turn every parameter of ``module`` into a buffer (weights shared inside it stay shared); the buffers' names,
+    each parameter once, in ``module.named_parameters()`` order, with ``prefix``."""
+    names = [prefix + n for n, _ in module.named_parameters()]
+    tensors: dict[int, Tensor] = {}
+    for m in module.modules():
+        for leaf, p in list(m._parameters.items()):
+            if p is not None:
+                t = tensors.setdefault(id(p), p.detach())
+                del m._parameters[leaf]
+                m.register_buffer(leaf, t)
+    return names
+
+
+def meta_copies(modules: Sequence[nn.Module]) -> list[nn.Module]:
+    """Deep copies of ``modules`` on the meta device (their tensors are not copied, so this is cheap)."""
+    memo: dict[int, Any] = {}
+    for m in modules:
+        for t in (*m.parameters(), *m.buffers()):
+            if id(t) not in memo:
+                fake = torch.empty_like(t, device="meta")
+                memo[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
+    return list(copy.deepcopy(list(modules), memo))
