@@ -1,14 +1,16 @@
-"""Auxiliary heads: the modules a head config describes, their local loss, and their counted cost.
+"""Auxiliary heads: the head a config describes (its type looked up in :mod:`ppll_compile.head_types`), its local
+loss, and its counted cost.
 
-Two head types build on the model's own blocks: ``transformer`` with ``init: copy`` starts from copies of the
-blocks that follow its cut, and ``momentum`` (MAN) keeps an exponential moving average of them. Building those
-needs the blocks (``blocks=``, found by :func:`ppll_compile.lower.next_blocks` when lowering). Planning costs a head
-on the meta device: given the blocks it costs meta copies of them, exactly; without them (as :func:`head_spec` is
-called while planning today) it costs a stand-in of the same shape where the blocks are the usual kind: fresh
-pre-norm transformer blocks of the config's ``heads`` and ``mlp_ratio`` on sequences (the parameter shapes of a timm,
-torchvision or Hugging Face ViT block of that MLP ratio), and a residual block's two conv3x3-BN layers at the input's
-channels on feature maps (a ResNet basic block that keeps its width). A block of another shape (a bottleneck, a
-downsampling block) is then costed as that stand-in, not as itself.
+Head types that build on the model's own blocks say so in the registry (``HeadType.blocks``): of the built-in ones,
+``transformer`` with ``init: copy`` starts from copies of the blocks that follow its cut, and ``momentum`` (MAN)
+keeps an exponential moving average of them. Building those needs the blocks (``blocks=``, found by
+:func:`ppll_compile.lower.next_blocks` when lowering). Planning costs a head on the meta device: given the blocks it
+costs meta copies of them, exactly; without them (as :func:`head_spec` is called while planning today) it costs a
+stand-in of the same shape where the blocks are the usual kind: fresh pre-norm transformer blocks of the config's
+``heads`` and ``mlp_ratio`` on sequences (the parameter shapes of a timm, torchvision or Hugging Face ViT block of
+that MLP ratio), and a residual block's two conv3x3-BN layers at the input's channels on feature maps (a ResNet basic
+block that keeps its width). A block of another shape (a bottleneck, a downsampling block) is then costed as that
+stand-in, not as itself.
 """
 
 from __future__ import annotations

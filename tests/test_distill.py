@@ -163,6 +163,22 @@ def test_pipebds_last_block_loss_is_soft_target_cross_entropy_and_kl_at_t1_diffe
     torch.testing.assert_close(grads[0], grads[1])  # the same training signal for the student
 
 
+@pytest.mark.parametrize("temperature", [3.0, 0.5])
+def test_soft_ce_and_kl_at_a_temperature_are_scaled_by_its_square(temperature):
+    """Hinton's (and Pipe-BD's) scaling: the softened distributions' KL divergence times T**2; soft_ce adds the
+    softened teacher's entropy, also times T**2, so both give the student the same gradient at any T."""
+    g = torch.Generator().manual_seed(0)
+    s, t = torch.randn(6, 5, generator=g, requires_grad=True), torch.randn(6, 5, generator=g) * 3
+    ce, kl, entropy = _by_hand(s.detach() / temperature, t / temperature)
+    soft_ce = distill_loss({"type": "soft_ce", "temperature": temperature})(s, t)
+    kl_t = distill_loss({"type": "kl", "temperature": temperature})(s, t)
+    assert kl_t.item() == pytest.approx(kl * temperature ** 2, rel=1e-6)
+    assert soft_ce.item() == pytest.approx((kl + entropy) * temperature ** 2, rel=1e-6)
+    assert soft_ce.item() == pytest.approx(ce * temperature ** 2, rel=1e-6)
+    grads = [torch.autograd.grad(loss, s)[0] for loss in (soft_ce, kl_t)]
+    torch.testing.assert_close(grads[0], grads[1])
+
+
 def test_the_default_policy_is_pipebds_own_for_logits_and_mse_otherwise():
     p = _compiled().plan
     assert p.policy == "pipebd"
