@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from ppll_compile.runtime.latest import Mailbox
+from ppll_compile.runtime.queues import Mailbox
 from ppll_compile.runtime.messages import Message
 from tests.test_runtime import _assert_same, _compiled, _data, _on_first_stage, _sgd, _train
 
