@@ -248,11 +248,11 @@ class _Clock:
         live = set(range(n))
         for _ in range(limit):
             for j in range(n):
-                cell = next(stages[j], _END) if j in live else None
+                cell: Any = next(stages[j], _END) if j in live else None
                 if cell is _END:
                     live.discard(j)
                     cell = None
-                rows[j].append(cell)  # type: ignore[arg-type]
+                rows[j].append(cell)
             for change in self._later:
                 change()
             self._later = []
