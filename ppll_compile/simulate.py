@@ -60,11 +60,13 @@ included). The wait at the barrier has no span, as in a runtime's trace (the run
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
-from typing import Any, NamedTuple
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from .plan import Plan, StagePlan, format_bytes
+from .runtime.schedule import rules
+from .sim_equations import Lanes, Pool, Work, equations
+from .sim_sharing import processor_sharing
 from .timeline import Event, Timeline
 
 __all__ = ["simulate", "Simulation", "StageSimulation"]
@@ -173,94 +175,6 @@ class Simulation:
         return self.table()
 
 
-@dataclass(frozen=True, kw_only=True)
-class _Work:
-    """Seconds one stage replica spends on each part of one batch."""
-
-    early: float
-    """The forward until the output exists (PPLL: the block; Pipe-BD: the teacher blocks)."""
-    late: float
-    """The rest of the forward (PPLL: the head and loss; Pipe-BD: the student blocks and loss)."""
-    backward: float
-    """Backward share of the compute."""
-    allreduce: float
-    """Ring all-reduce of the gradients at the simulated bandwidth."""
-    step: float
-    """The optimizer step."""
-    send: float
-    """Transfer of this replica's slice of the boundary at the simulated bandwidth."""
-    replicas: int
-    """Replicas of the stage (an ``allreduce`` span when more than one)."""
-
-    @property
-    def forward(self) -> float:
-        return self.early + self.late
-
-    @property
-    def total(self) -> float:
-        return self.forward + self.backward + self.allreduce + self.step + self.send
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Pool:
-    """Processors that some stages' threads share: the CPU's cores, or one accelerator."""
-
-    device: str
-    """``cpu`` or an accelerator such as ``cuda:0``."""
-    processors: int
-    """CPU cores, or 1 for an accelerator."""
-    stages: tuple[int, ...]
-    """The stages on it."""
-    threads: int
-    """Threads of work on it: every replica of a ``cpu`` stage, the first replica of an accelerator stage."""
-
-    @property
-    def oversubscribed(self) -> bool:
-        return self.threads > self.processors
-
-    def describe(self, num_stages: int) -> str:
-        """``4 stages share 2 CPU cores: each busy stage runs at 2/busy speed while more than 2 are busy``."""
-        k, p = len(self.stages), self.processors
-        if k == 1:
-            who = f"stage {self.stages[0]}"
-        elif k == num_stages:
-            who = f"{k} stages"
-        else:
-            who = f"stages {', '.join(map(str, self.stages[:-1]))} and {self.stages[-1]}"
-        unit = "thread" if self.threads > k else "stage"
-        who += f" ({self.threads} threads with {'its' if k == 1 else 'their'} replicas)" if self.threads > k else ""
-        what = f"{p} CPU core{'s' if p != 1 else ''}" if self.device == "cpu" else self.device
-        return (f"{who} {'shares' if k == 1 else 'share'} {what}: each busy {unit} runs at {p}/busy speed"
-                + (f" while more than {p} are busy" if p > 1 else ""))
-
-
-@dataclass
-class _Schedule:
-    """Where each stage's time went: its spans per batch, when it ended each batch, and its time shares."""
-
-    lanes: list[list[tuple[int, str, float, float]]]
-    """Per stage: ``(batch, kind, start, end)`` spans."""
-    end: list[list[float]]
-    """Per stage and batch: when the stage was free again."""
-    compute: list[float]
-    """Per stage, as in :class:`StageSimulation` (so are the next four)."""
-    allreduce: list[float]
-    send: list[float]
-    blocked: list[float]
-    barrier: list[float]
-    idle: list[float]
-    """Waits for input before a batch (the wait after the last batch is added later)."""
-    busy: list[float] = field(default_factory=list)
-    """Seconds spent computing and all-reducing."""
-    speed: list[float] = field(default_factory=list)
-    """Mean speed while busy."""
-
-    @classmethod
-    def empty(cls, n: int, steps: int) -> _Schedule:
-        return cls(lanes=[[] for _ in range(n)], end=[[0.0] * steps for _ in range(n)],
-                   **{k: [0.0] * n for k in ("compute", "allreduce", "send", "blocked", "barrier", "idle")})
-
-
 def simulate(plan: Plan, *, steps: int = 64, queue_depth: int = 2, link_bandwidth: float | None = None,
              decoupled: bool = True, cores: int | None = None) -> Simulation:
     """Simulate ``steps`` batches through ``plan`` with FIFO queues of ``queue_depth`` (model: module docstring).
@@ -279,15 +193,16 @@ def simulate(plan: Plan, *, steps: int = 64, queue_depth: int = 2, link_bandwidt
     bandwidth = _check(plan, steps, queue_depth, link_bandwidth, cores)
     work = [_work(plan, s, bandwidth) for s in plan.stages]
     pools = [p for p in _pools(plan, cores) if p.oversubscribed]
+    stage_rules = rules(plan.num_stages, queue="fifo", depth=queue_depth, decoupled=decoupled)
     if pools:
-        schedule = _processor_sharing(work, pools, steps, queue_depth, decoupled)
+        schedule = processor_sharing(work, stage_rules, pools, steps)
     else:
-        schedule = _equations(work, steps, queue_depth, decoupled)
+        schedule = equations(work, stage_rules, steps)
     return _result(plan, work, schedule, pools, steps=steps, queue_depth=queue_depth, bandwidth=bandwidth,
                    decoupled=decoupled, cores=cores)
 
 
-def _result(plan: Plan, work: list[_Work], schedule: _Schedule, pools: list[_Pool], *, steps: int,
+def _result(plan: Plan, work: list[Work], schedule: Lanes, pools: list[Pool], *, steps: int,
             queue_depth: int, bandwidth: float, decoupled: bool, cores: int | None) -> Simulation:
     """The :class:`Simulation` of ``schedule``."""
     end = schedule.end
@@ -319,240 +234,14 @@ def _result(plan: Plan, work: list[_Work], schedule: _Schedule, pools: list[_Poo
         shared=shared)
 
 
-def _equations(work: list[_Work], steps: int, queue_depth: int, decoupled: bool) -> _Schedule:
-    """The schedule when nothing is shared: the module docstring's equations, batch by batch in stage order."""
-    n = len(work)
-    sched = _Schedule.empty(n, steps)
-    start = [[0.0] * steps for _ in range(n)]
-    end = sched.end
-    for b in range(steps):
-        arrival = 0.0  # of batch b at stage j: at once at stage 0, then when stage j-1's send of it ends
-        done = [0.0] * n
-        for j, w in enumerate(work):
-            spans = sched.lanes[j]
-            free = end[j][b - 1] if b > 0 else 0.0
-            begin = start[j][b] = max(arrival, free)
-            sched.idle[j] += begin - free
-            spans += [(b, "receive", free, begin)] if begin > free else []
-            out = begin + w.early
-            room = start[j + 1][b - queue_depth] if j < n - 1 and b >= queue_depth else 0.0
-            early = j < n - 1 and room <= out
-            if early:
-                arrival = t = out + w.send
-                spans += [(b, "forward", begin, out), (b, "send", out, t)]
-                spans += [(b, "forward", t, t + w.late)] if w.late > 0 else []
-                t += w.late
-            else:
-                t = begin + w.forward
-                spans.append((b, "forward", begin, t))
-            spans.append((b, "backward", t, t + w.backward))
-            spans += [(b, "allreduce", t + w.backward, t + w.backward + w.allreduce)] if w.replicas > 1 else []
-            done[j] = end[j][b] = t + w.backward + w.allreduce
-            if decoupled:
-                end[j][b] = _step(spans, b, done[j], w.step)
-            if j < n - 1 and not early:
-                # never with the barrier: stage j began batch b after the barrier of b-1, by which stage j+1 had
-                # started b-1 >= b - queue_depth, so room <= start[j][b] <= out
-                assert decoupled, "a deferred send under the barrier would deadlock"
-                put = max(end[j][b], room)
-                sched.blocked[j] += put - end[j][b]
-                spans.append((b, "send", end[j][b], put + w.send))
-                arrival = end[j][b] = put + w.send
-        if not decoupled:
-            step = max(done)  # every stage's optimizer step on batch b waits for every stage's backward on it
-            for j, w in enumerate(work):
-                sched.barrier[j] += step - done[j]
-                end[j][b] = _step(sched.lanes[j], b, step, w.step)
-    for j, w in enumerate(work):
-        sched.compute[j], sched.allreduce[j] = steps * (w.forward + w.backward + w.step), steps * w.allreduce
-        sched.send[j] = steps * w.send
-        sched.busy.append(steps * (w.forward + w.backward + w.step + w.allreduce))
-        sched.speed.append(1.0)
-    return sched
-
-
-def _step(spans: list[tuple[int, str, float, float]], batch: int, at: float, seconds: float) -> float:
-    """Add the optimizer step's span from ``at`` (none when it takes no time); its end."""
-    spans += [(batch, "step", at, at + seconds)] if seconds > 0 else []
-    return at + seconds
-
-
-# The requests a stage's process yields to the event-driven schedule.
-class _Run(NamedTuple):
-    """Work ``seconds`` (at full speed); ``uses`` whether it takes a processor."""
-
-    seconds: float
-    uses: bool
-
-
-class _Wait(NamedTuple):
-    """Wait, taking no processor, until ``ready()``."""
-
-    ready: Callable[[], bool]
-
-
-class _Decide(NamedTuple):
-    """``True`` if ``ready()`` becomes true at this instant, ``False`` once nothing else can happen at it."""
-
-    ready: Callable[[], bool]
-
-
-@dataclass
-class _Shared:
-    """The state the stages' processes read and write: the clock and what each stage has got to."""
-
-    t: float
-    arrived: list[int]
-    """Batches that arrived at each stage (stage 0: all at once)."""
-    taken: list[int]
-    """Batches each stage has started."""
-    done: list[int]
-    """Batches each stage is done with (backward and all-reduce)."""
-
-
-def _stage(j: int, w: _Work, state: _Shared, sched: _Schedule, *, steps: int, queue_depth: int, decoupled: bool,
-           cpu: bool) -> Iterator[Any]:
-    """Stage ``j``'s life under the module docstring's rules, as the requests it waits for and works on; it
-    writes its spans and waits into ``sched``. ``cpu``: its transfers take a processor."""
-    last = j == len(state.taken) - 1
-    lane = sched.lanes[j]
-    for b in range(steps):
-        free = state.t
-        yield _Wait(lambda b=b: state.arrived[j] > b)
-        begin = state.t
-        sched.idle[j] += begin - free
-        lane += [(b, "receive", free, begin)] if begin > free else []
-        state.taken[j] = b + 1
-
-        def room(b: int = b) -> bool:
-            return b < queue_depth or state.taken[j + 1] > b - queue_depth
-
-        yield _Run(w.early, True)
-        made = state.t
-        early = False if last else (yield _Decide(room))
-        if early:
-            yield _Run(w.send, cpu)
-            sent = state.t
-            lane += [(b, "forward", begin, made), (b, "send", made, sent)]
-            state.arrived[j + 1] += 1
-            yield _Run(w.late, True)
-            lane += [(b, "forward", sent, state.t)] if w.late > 0 else []
-        else:
-            yield _Run(w.late, True)
-            lane.append((b, "forward", begin, state.t))
-        t = state.t
-        yield _Run(w.backward, True)
-        lane.append((b, "backward", t, state.t))
-        if w.replicas > 1:
-            t = state.t
-            yield _Run(w.allreduce, cpu)
-            lane.append((b, "allreduce", t, state.t))
-        state.done[j] = b + 1
-        if not decoupled:
-            t = state.t
-            yield _Wait(lambda b=b: min(state.done) > b)
-            sched.barrier[j] += state.t - t
-        if w.step > 0:
-            t = state.t
-            yield _Run(w.step, True)
-            lane.append((b, "step", t, state.t))
-        if not last and not early:
-            t = state.t
-            yield _Wait(room)
-            put = state.t
-            sched.blocked[j] += put - t
-            yield _Run(w.send, cpu)
-            lane.append((b, "send", t, state.t))
-            state.arrived[j + 1] += 1
-        sched.end[j][b] = state.t
-
-
-def _processor_sharing(work: list[_Work], pools: list[_Pool], steps: int, queue_depth: int,
-                       decoupled: bool) -> _Schedule:
-    """The schedule when ``pools`` hold more threads than processors: an event-driven simulation over time.
-
-    Between two events every running span progresses at its rate (``processors / busy`` in an oversubscribed
-    pool, else 1); an event is a span ending, after which the stages go on through every step that takes no time
-    (a wait that is over, a span of no work) until none is left, and only then is a send with no room deferred.
-    """
-    n = len(work)
-    sched = _Schedule.empty(n, steps)
-    state = _Shared(t=0.0, arrived=[steps] + [0] * (n - 1), taken=[0] * n, done=[0] * n)
-    pool_of: dict[int, _Pool] = {j: p for p in pools for j in p.stages}
-    threads = [work[j].replicas if j in pool_of and pool_of[j].device == "cpu" else 1 for j in range(n)]
-    procs = [_stage(j, w, state, sched, steps=steps, queue_depth=queue_depth, decoupled=decoupled,
-                    cpu=j in pool_of and pool_of[j].device == "cpu") for j, w in enumerate(work)]
-    pending: list[Any] = [None] * n
-    left = [0.0] * n
-
-    def resume(j: int, value: Any = None) -> None:
-        try:
-            pending[j] = procs[j].send(value)
-        except StopIteration:
-            pending[j] = None
-        if isinstance(pending[j], _Run):
-            left[j] = pending[j].seconds
-
-    for j in range(n):
-        resume(j)
-    while True:
-        _settle(pending, left, resume)
-        running = [j for j in range(n) if isinstance(pending[j], _Run)]
-        if not running:
-            assert all(p is None for p in pending), "the simulated stages wait for each other"
-            break
-        busy: dict[str, int] = {}
-        for j in running:
-            if pending[j].uses and j in pool_of:
-                busy[pool_of[j].device] = busy.get(pool_of[j].device, 0) + threads[j]
-        rate = {j: min(1.0, pool_of[j].processors / busy[pool_of[j].device])
-                if pending[j].uses and j in pool_of else 1.0 for j in running}
-        finish = {j: left[j] / rate[j] for j in running}
-        dt = min(finish.values())
-        now = state.t + dt
-        for j in running:  # spans that end within rounding of the first one end with it
-            left[j] = 0.0 if finish[j] - dt <= 1e-12 * now else left[j] - rate[j] * dt
-        state.t = now
-    for j, w in enumerate(work):
-        seconds = {k: sum(t1 - t0 for _, kind, t0, t1 in sched.lanes[j] if kind == k)
-                   for k in ("forward", "backward", "step", "allreduce", "send")}
-        sched.compute[j] = seconds["forward"] + seconds["backward"] + seconds["step"]
-        sched.allreduce[j], sched.send[j] = seconds["allreduce"], seconds["send"] - sched.blocked[j]
-        sched.busy.append(sched.compute[j] + sched.allreduce[j])
-        spent = sched.busy[j] + sched.send[j]
-        sched.speed.append(min(1.0, steps * w.total / spent) if spent > 0 else 1.0)
-    return sched
-
-
-def _settle(pending: list[Any], left: list[float], resume: Callable[..., None]) -> None:
-    """Go on with every stage through what takes no time at this instant; then defer the sends with no room."""
-    while True:
-        changed = True
-        while changed:
-            changed = False
-            for j, request in enumerate(pending):
-                if isinstance(request, _Run) and left[j] <= 0:
-                    resume(j)
-                elif isinstance(request, (_Wait, _Decide)) and request.ready():
-                    resume(j, True)
-                else:
-                    continue
-                changed = True
-        undecided = [j for j, request in enumerate(pending) if isinstance(request, _Decide)]
-        if not undecided:
-            return
-        for j in undecided:  # no room when nothing else happens at this instant: the send waits for the step
-            resume(j, False)
-
-
-def _pools(plan: Plan, cores: int | None) -> list[_Pool]:
+def _pools(plan: Plan, cores: int | None) -> list[Pool]:
     """The processors the stages share (none when ``cores`` is ``None``): the CPU, and each accelerator."""
     if cores is None:
         return []
     groups: dict[str, list[int]] = {}
     for s in plan.stages:
         groups.setdefault(_device_key(s.device), []).append(s.index)
-    return [_Pool(device=d, processors=cores if d == "cpu" else 1, stages=tuple(js),
+    return [Pool(device=d, processors=cores if d == "cpu" else 1, stages=tuple(js),
                   threads=sum(plan.stages[j].replicas for j in js) if d == "cpu" else len(js))
             for d, js in groups.items()]
 
@@ -563,7 +252,7 @@ def _device_key(device: str) -> str:
     return "cpu" if kind == "cpu" else f"{kind}:{index or 0}"
 
 
-def _work(plan: Plan, stage: StagePlan, bandwidth: float) -> _Work:
+def _work(plan: Plan, stage: StagePlan, bandwidth: float) -> Work:
     """Early and late forward, backward, all-reduce, step and send seconds of one replica of ``stage`` per batch
     (module docstring)."""
     compute = max(0.0, stage.compute_cost - plan.allreduce_cost(stage))
@@ -578,7 +267,7 @@ def _work(plan: Plan, stage: StagePlan, bandwidth: float) -> _Work:
     early = rest * first / total if total > 0 else rest
     forward = rest * fwd / total if total > 0 else rest
     send = 0.0 if stage.is_last else sum(t.bytes for t in stage.boundary) / bandwidth / stage.replicas
-    return _Work(early=early, late=forward - early, backward=rest - forward, step=step,
+    return Work(early=early, late=forward - early, backward=rest - forward, step=step,
                  allreduce=plan.allreduce_cost(stage, bandwidth), send=send, replicas=stage.replicas)
 
 

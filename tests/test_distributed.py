@@ -138,11 +138,13 @@ def test_a_raising_stage_stops_every_process_with_its_error(tmp_path):
 
 
 def test_nan_check_fails_fast_on_every_process(tmp_path):
+    """Stage 0 makes a NaN output at batch 2: it fails before sending it on, so stage 1 never sees it and every
+    process names stage 0 (it used to send it early, and stage 1 could fail on it first)."""
     codes, text = _launch(2, "nan", tmp_path)
     assert codes == [1, 1], text[-3000:]
     errors = _errors(tmp_path, 2)
     for e in errors:
-        assert e["text"].startswith("stage 0 failed at batch 2: FloatingPointError: loss is nan (nan_check=True)")
+        assert e["text"].startswith("stage 0 failed at batch 2: FloatingPointError: output holds nan (nan_check=True)")
     assert "reported by stage 0 to stage 1" in errors[1]["text"]
     assert max(e["time"] for e in errors) - min(e["time"] for e in errors) < 10
 

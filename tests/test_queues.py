@@ -2,13 +2,15 @@
 
 import queue
 import threading
+import time
 
 import pytest
 import torch
 
-from ppll_compile.runtime.latest import Mailbox
+from ppll_compile import StageError
 from ppll_compile.runtime.messages import Message
-from tests.test_runtime import _assert_same, _compiled, _data, _on_first_stage, _sgd, _train
+from ppll_compile.runtime.queues import Mailbox, Recent
+from tests.test_runtime import _assert_same, _compiled, _data, _on_first_stage, _no_workers_left, _sgd, _train
 
 pytestmark = pytest.mark.usefixtures("one_thread_quietly")
 
@@ -57,6 +59,35 @@ def test_latest_mailbox_never_drops_the_end_of_an_epoch():
     assert _drain(box)[0].index == 7 and box.dropped() == 0
 
 
+def test_mailbox_room_says_whether_a_put_would_wait():
+    fifo, latest = Mailbox(1), Mailbox(1, latest=True)
+    assert fifo.room() and latest.room()
+    fifo.put(_msg(0), timeout=0)
+    latest.put(_msg(0), timeout=0)
+    assert not fifo.room() and latest.room()  # a latest queue makes room by dropping its oldest input
+
+
+def test_recent_reuses_the_newest_then_the_second_newest_input_each_once():
+    """The exact order of the inputs ``queue="reuse"`` trains on again (copies, marked reused)."""
+    recent = Recent()
+    assert recent.reuse() is None
+    first = _msg(0)
+    recent.remember(first)
+    recent.remember(_msg(1))
+    again = [recent.reuse() for _ in range(3)]
+    assert [m.index for m in again[:2]] == [1, 0] and again[2] is None
+    assert all(m.reused for m in again[:2]) and again[1].values[0] is not first.values[0]
+    recent.remember(_msg(2))  # 0 is forgotten; 1 was reused already
+    assert [m.index for m in [recent.reuse()]] == [2] and recent.reuse() is None
+    for i in (3, 4, 5):
+        recent.remember(_msg(i))
+    recent.remember(object())  # the end of an epoch is not an input
+    assert [recent.reuse().index, recent.reuse().index, recent.reuse()] == [5, 4, None]
+    recent.remember(_msg(6))
+    recent.clear()
+    assert recent.reuse() is None
+
+
 # ---- early forwarding --------------------------------------------------------------------------
 def _stage_started(compiled, stage: int) -> threading.Event:
     """Set when ``stage``'s block starts its first training forward."""
@@ -82,6 +113,45 @@ def test_a_stage_sends_its_output_before_its_backward_and_step(decoupled):
             trainer.step(x, y)
         trainer.finish()
         assert trainer.steps == {0: 3, 1: 3}
+
+
+def test_a_stage_sends_its_output_before_its_head_runs():
+    """When stage 0's head starts on a batch, the output of its block has already gone on (a ``send`` span)."""
+    n = 3
+    compiled = _compiled()
+    sent_before_head = []
+    with compiled.trainer(optimizer=_sgd, runtime="threads", queue_depth=n, trace=True) as trainer:
+        recorder = trainer.runners[0].recorder
+        trainer.runners[0].head.register_forward_pre_hook(
+            lambda *_: sent_before_head.append(sorted(e.batch for e in recorder.events if e.kind == "send")))
+        for x, y in _data(n):
+            trainer.step(x, y)
+        trainer.finish()
+    assert sent_before_head == [[0], [0, 1], [0, 1, 2]]
+
+
+def test_nan_check_names_the_stage_whose_output_is_nan_before_sending_it():
+    """Stage 0's output turns NaN on batch 2, and its head is slow on it: with nan_check, stage 0 fails before
+    sending that output on, so stage 1 (which would fail on it first) never sees it."""
+    compiled = _compiled()
+    calls, seen = [0], []
+
+    def poison(module, inputs, out):
+        calls[0] += 1
+        return tuple(v * float("nan") for v in out) if calls[0] == 3 else None
+
+    compiled.stages[0].register_forward_hook(poison)
+    compiled.stages[1].register_forward_pre_hook(lambda m, inputs: seen.append(bool(inputs[0].isnan().any())))
+    trainer = compiled.trainer(optimizer=_sgd, runtime="threads", nan_check=True)
+    trainer.runners[0].head.register_forward_pre_hook(
+        lambda m, inputs: time.sleep(0.5) if inputs[0].isnan().any() else None)
+    with pytest.raises(StageError, match=r"^stage 0 failed at batch 2: FloatingPointError: output holds nan "
+                                         r"\(nan_check=True\)"):
+        for x, y in _data(5):
+            trainer.step(x, y)
+        trainer.finish()
+    assert seen == [False, False]
+    assert _no_workers_left()
 
 
 def test_a_send_that_waits_for_room_is_traced_once():

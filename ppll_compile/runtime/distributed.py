@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NoReturn
@@ -18,11 +19,12 @@ from .config import TrainConfig
 from .faults import ERROR_KEY, Faults
 from .group import abort, check_same_plan, check_world, init_group, place, rank_device, release, stage_group
 from .inbox import Failure, Inbox
-from .latest import Recent
-from .momentum import WeightsReceiver, WeightsSender, check_distributed, momentum_pairs
 from .messages import EVAL, TRAIN, Message, add_counts, dtype_of
+from .momentum import WeightsReceiver, WeightsSender, check_distributed, momentum_pairs
 from .outbox import Outbox
+from .queues import Recent
 from .runners import make_runners
+from .schedule import StageRule, next_input
 from .wire import END, Stop, Wire, check_splittable, split
 
 __all__ = ["DistributedRuntime", "ERROR_KEY"]
@@ -52,9 +54,9 @@ class DistributedRuntime(Runtime):
     puts a barrier over all ranks before every optimizer step (relaying without decoupled updates).
 
     A thread per process (:class:`.inbox.Inbox`) receives one epoch's batches (until the END header) into a
-    bounded queue (:class:`.latest.Mailbox`); the main thread trains and sends its output on with ``isend`` as soon
+    bounded queue (:class:`.queues.Mailbox`); the main thread trains and sends its output on with ``isend`` as soon
     as its forward made it (:class:`.outbox.Outbox`, at most ``depth`` batches outstanding), and takes the newest
-    input (``queue="latest"``) or reuses one when none waits (``queue="reuse"``), by the threads runtime's rules.
+    input (``queue="latest"``) or reuses one when none waits (``queue="reuse"``), by the rules of :mod:`.schedule`.
     A failure anywhere reaches every rank as a :class:`StageError` naming the stage that failed, by the protocol
     of :mod:`.faults` (reports under :data:`ERROR_KEY`, STOP, lost peers): a thread per process watches the
     store and aborts the process's groups when another rank reports, so no send, receive or collective waits
@@ -135,6 +137,12 @@ class DistributedRuntime(Runtime):
         self._data_specs: tuple[TensorSpec, ...] = plan.inputs
         self._out_specs: tuple[TensorSpec, ...] = plan.stages[self.stage].boundary
         self._planned = plan.batch_size
+
+    @property
+    def _rule(self) -> StageRule:
+        """What this rank's stage does next (:mod:`.schedule`)."""
+        return StageRule(queue=self._queue, depth=self._depth, decoupled=self._sync is None, first=self.stage == 0,
+                         last=self.stage == self.num_stages - 1)
 
     def _losses(self, mine: list[float]) -> Losses:
         """Per stage, ``mine`` for this rank's stage; a replicated stage reports its first replica's losses."""
@@ -283,12 +291,14 @@ class DistributedRuntime(Runtime):
             self._receiver.start(self._wait_thread)
         if self._sender is not None:
             self._sender.trained = True
-        _, loss = self._faults.guard(msg.index, lambda: self.runner.train_step(msg, None if reused else self._relay))
+        send = self._relay if self._rule.sends(reused) else None
+        _, loss = self._faults.guard(msg.index, lambda: self.runner.train_step(msg, send))
         self.runner.reused += reused
         return float(loss)
 
     def _relay(self, out: Message) -> None:
-        """Send a training output on (called by the stage as soon as its forward made it)."""
+        """Send a training output on (called by the stage as soon as its forward made it): early always, as an
+        ``isend`` posted at once finds room (the receiving thread of the next stage takes it into its queue)."""
         with span(self.runner.recorder, "send", out.index):
             self._send(out, TRAIN)
 
@@ -376,25 +386,18 @@ class DistributedRuntime(Runtime):
         return item, reused
 
     def _next(self, *, reuse: bool) -> tuple[Any, bool]:
-        if reuse:
-            item = self._get(block=False)
-            if item is None:
-                again = self._recent.reuse()
-                if again is not None:
-                    return again, True
-                item = self._get(block=True)
-            if isinstance(item, Message):
-                self._recent.remember(item)
-        else:
-            item = self._get(block=True)
+        """The next input (or END) by :func:`.schedule.next_input`; ``reuse=False`` takes every input in order."""
+        rule = self._rule if reuse else dataclasses.replace(self._rule, queue="fifo")
+        item, reused = next_input(rule, poll=lambda: self._get(block=False), wait=lambda: self._get(block=True),
+                                  memory=self._recent)
         if item is END:
             self._recent.clear()
             self._end()
-        return item, False
+        return item, reused
 
     def _get(self, *, block: bool) -> Any:
         if self._inbox is None:
-            self._inbox = Inbox(self._receive, self._depth, self.device, latest=self._queue == "latest")
+            self._inbox = Inbox(self._receive, self._depth, self.device, latest=self._rule.takes_newest)
         inbox = self._inbox
         item = inbox.get(block=block, alarm=self._alarm, idle=self._faults.check_store)
         self.runner.dropped += inbox.queue.dropped()

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .latest import Mailbox
+from .queues import Mailbox
 from .wire import END, Stop
 
 __all__ = ["Inbox", "Failure"]
@@ -31,7 +31,7 @@ class Failure:
 
 
 class Inbox:
-    """A thread that receives one epoch's messages (until END, STOP or a failure) into a :class:`.latest.Mailbox`."""
+    """A thread that receives one epoch's messages (until END, STOP or a failure) into a :class:`.queues.Mailbox`."""
 
     def __init__(self, receive: Callable[[], Any], depth: int, device: torch.device, *, latest: bool = False) -> None:
         self.queue = Mailbox(depth, latest=latest)

@@ -27,6 +27,18 @@ def _finite(loss: Tensor) -> bool:
     return math.isfinite(float(loss))
 
 
+def _check_output(out: Any) -> None:
+    """``nan_check=True``: raise before a stage sends an output holding NaN or infinity on (the stage that made it
+    fails, not the next one, which early forwarding would let get there first)."""
+    values = out if isinstance(out, (tuple, list)) else (out,)
+    for k, v in enumerate(values):
+        if isinstance(v, Tensor) and v.is_floating_point() and not bool(torch.isfinite(v.detach()).all()):
+            what = "nan" if bool(torch.isnan(v.detach()).any()) else "inf"
+            which = "output" if len(values) == 1 else f"output {k}"
+            raise FloatingPointError(f"{which} holds {what} (nan_check=True); lower the learning rate, clip "
+                                     f"gradients (clip_grad_norm=...) or check the data")
+
+
 class Runner:
     """What every kind of stage shares: its device, optimizers, schedulers, autocast, messages and counters.
 
@@ -210,6 +222,8 @@ class Runner:
 
         def ready(out: Any) -> None:
             if not self.is_last:
+                if self.config.nan_check:
+                    _check_output(out)
                 sent.append(self._send(msg, out, raw))
                 if send is not None:
                     send(sent[0])

@@ -15,9 +15,10 @@ import torch
 from ..errors import PPLLError, StageError
 from ..timeline import span
 from .base import Losses, Runtime
-from .latest import Mailbox, Recent
 from .messages import Message
+from .queues import Mailbox, Recent
 from .runner import Runner
+from .schedule import StageRule, next_input, rules
 
 __all__ = ["ThreadsRuntime"]
 
@@ -32,7 +33,7 @@ class _Stopped(Exception):
 
 class ThreadsRuntime(Runtime):
     """One worker thread per stage, bounded queues between them: ``fifo`` (the same computation as sequential),
-    ``latest`` or ``reuse`` (see :mod:`.latest`).
+    ``latest`` or ``reuse`` (see :mod:`.queues`), by the rules of :mod:`.schedule`.
 
     A stage sends its output on as soon as its forward made it (early forwarding), a copy of it (the next stage
     may write into its input while this one's backward reads the output). When a FIFO queue is full, the send
@@ -63,14 +64,18 @@ class ThreadsRuntime(Runtime):
         """Train ``runners`` from the next batch on (as many as before; call :meth:`drain` first): a moved cut."""
         assert not self._workers and len(runners) == self.num_stages, "drain before replacing the same number of stages"
         self.runners = runners
-        for r in runners:
+        for r, rule in zip(runners, self._rules):
             r.copy_sent = True
-            r.before_step = None if self._decoupled else self._wait_barrier
+            r.before_step = self._wait_barrier if rule.barrier else None
+
+    @property
+    def _rules(self) -> tuple[StageRule, ...]:
+        """What each stage does next (:mod:`.schedule`)."""
+        return rules(self.num_stages, queue=self._queue, depth=self._depth, decoupled=self._decoupled)
 
     def _start(self) -> None:
         self._caller_threads = torch.get_num_threads()  # workers set their share; restored on join
-        self._boxes = [Mailbox(self._depth, latest=self._queue == "latest" and i > 0)
-                       for i in range(self.num_stages)]
+        self._boxes = [Mailbox(self._depth, latest=rule.takes_newest) for rule in self._rules]
         self._workers = [threading.Thread(target=self._work, args=(i,), name=f"ppll-stage-{i}", daemon=True)
                          for i in range(self.num_stages)]
         for w in self._workers:
@@ -196,25 +201,19 @@ class ThreadsRuntime(Runtime):
                 if timeout is not None:
                     raise
 
-    def _next(self, i: int, recent: Recent) -> tuple[Any, bool]:
-        """The next input of stage ``i`` and whether it is a reused one (``queue="reuse"``)."""
-        box = self._boxes[i]
-        if self._queue == "reuse" and i > 0:
+    def _next(self, rule: StageRule, box: Mailbox, recent: Recent) -> tuple[Any, bool]:
+        """The next input of a stage (or END) and whether it is a reused one, by :func:`.schedule.next_input`."""
+        def poll() -> Any:
             try:
-                msg = self._get(box, timeout=0)
+                return self._get(box, timeout=0)
             except queue.Empty:
-                again = recent.reuse()
-                if again is not None:
-                    return again, True
-                msg = self._get(box)
-            if isinstance(msg, Message):
-                recent.remember(msg)
-            return msg, False
-        return self._get(box), False
+                return None
+
+        return next_input(rule, poll=poll, wait=lambda: self._get(box), memory=recent)
 
     def _work(self, i: int) -> None:
         torch.set_num_threads(self._threads_per_stage)
-        r = self.runners[i]
+        r, rule = self.runners[i], self._rules[i]
         if r.device.type == "cuda":
             torch.cuda.set_device(r.device)
         out_box = self._boxes[i + 1] if i + 1 < self.num_stages else None
@@ -226,9 +225,9 @@ class ThreadsRuntime(Runtime):
             with stream:
                 while True:
                     start = time.perf_counter()
-                    msg, reused = self._next(i, recent)
+                    msg, reused = self._next(rule, self._boxes[i], recent)
                     r.dropped += self._boxes[i].dropped()
-                    if r.recorder is not None and isinstance(msg, Message):
+                    if r.recorder is not None and isinstance(msg, Message) and not reused:
                         r.recorder.add("receive", msg.index, start, time.perf_counter())
                     if msg is _END:
                         if out_box is not None:
@@ -238,12 +237,13 @@ class ThreadsRuntime(Runtime):
 
                     def send(out: Message) -> None:
                         start = time.perf_counter()
-                        if not out_box.put(out, timeout=0):  # type: ignore[union-attr]
+                        box: Mailbox = out_box  # type: ignore[assignment]
+                        if not (rule.send_early(room=box.room()) and box.put(out, timeout=0)):
                             waiting.append(out)  # sent (and traced) after the step
                         elif r.recorder is not None:
                             r.recorder.add("send", out.index, start, time.perf_counter())
 
-                    _, loss = r.train_step(msg, None if reused or out_box is None else send)
+                    _, loss = r.train_step(msg, send if rule.sends(reused) else None)
                     r.reused += reused
                     event = None
                     if r.device.type == "cuda":

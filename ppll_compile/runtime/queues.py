@@ -1,10 +1,10 @@
-"""The queue in front of a stage (``Mailbox``: FIFO or latest) and the input memory of ``queue="reuse"`` (``Recent``).
+"""The queues in front of a stage: ``Mailbox`` (FIFO or latest) and ``Recent``, the inputs ``queue="reuse"`` keeps.
 
 ``queue="fifo"``: a stage trains on every input in order, and the stage before it waits while the queue is full
 (the same computation as sequential local learning). ``queue="latest"`` (PPLL's asynchronous rule): a stage takes
 the newest waiting input and drops the older ones, never trained on; the stage before it never waits (a full
 queue drops its oldest input). ``queue="reuse"``: FIFO, and a stage with no waiting input trains again on one of
-its two newest inputs (each at most once) instead of idling.
+its two newest inputs (each at most once) instead of idling, by :class:`.schedule.Memory`'s rule.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 from torch import Tensor
 
 from .messages import Message
+from .schedule import Memory
 
 __all__ = ["Mailbox", "Recent"]
 
@@ -70,6 +71,11 @@ class Mailbox:
             self._ready.notify_all()
             return item
 
+    def room(self) -> bool:
+        """Whether a put would find room at once (a ``latest`` queue always makes room)."""
+        with self._ready:
+            return self._latest or len(self._items) < self._depth
+
     def dropped(self) -> int:
         """Inputs dropped since the last call."""
         with self._ready:
@@ -77,11 +83,9 @@ class Mailbox:
             return n
 
 
-class Recent:
-    """``queue="latest"``: a stage's two newest inputs, each trained on again at most once when none is waiting."""
-
-    def __init__(self) -> None:
-        self._entries: list[list[Any]] = []  # [pristine copy, reused?], newest first
+class Recent(Memory[Message]):
+    """``queue="reuse"``: copies of a stage's two newest inputs, each handed out again at most once, by the rule
+    of :class:`.schedule.Memory` (the newest first)."""
 
     @staticmethod
     def _copy(m: Message, reused: bool = False) -> Message:
@@ -89,18 +93,12 @@ class Recent:
         return Message(index=m.index, values=tuple(v.clone() if isinstance(v, Tensor) else v for v in m.values),
                        target=m.target, raw=m.raw, kind=m.kind, whole=m.whole, reused=reused)
 
-    def remember(self, msg: Message) -> None:
-        """Keep a copy of a new input (call it before the stage runs on ``msg``)."""
-        self._entries = [[self._copy(msg), False]] + self._entries[:1]
+    def remember(self, item: Any) -> None:
+        """Keep a copy of a new input (call it before the stage runs on it); anything else (END) is not an input."""
+        if isinstance(item, Message):
+            super().remember(self._copy(item))
 
     def reuse(self) -> Message | None:
-        """A copy of the newest, else the second newest, input not yet reused (marked ``reused``); ``None`` if none."""
-        for entry in self._entries:
-            if not entry[1]:
-                entry[1] = True
-                return self._copy(entry[0], reused=True)
-        return None
-
-    def clear(self) -> None:
-        """Forget every input (at the end of an epoch)."""
-        self._entries = []
+        """A copy of the input :class:`.schedule.Memory` hands out again, marked ``reused``; ``None`` if none."""
+        again = super().reuse()
+        return None if again is None else self._copy(again, reused=True)
