@@ -1,6 +1,7 @@
 """ppll-compile: compile an unmodified nn.Module into a pipeline for local learning or blockwise distillation."""
 
 from .api import compile, plan
+from .calibration import calibrate
 from .errors import CutError, PartitionError, PlanError, PolicyError, PPLLError, TraceError
 from .lowered import Stage
 from .options import PlanOptions
@@ -13,6 +14,7 @@ from .timeline import Event, Timeline
 __all__ = [
     "compile",
     "plan",
+    "calibrate",
     "PlanOptions",
     "Plan",
     "StagePlan",

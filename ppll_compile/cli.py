@@ -7,6 +7,7 @@ Example::
     ppll-plan examples/pipebd_mobilenet.py --mode pipebd --gpus 4 # blockwise distillation
     ppll-plan examples/resnet32.py --gpus 4 --simulate --plot cost.png --graph graph.svg --gantt gantt.png
     ppll-plan --gantt measured.png --trace trace.json               # a timeline recorded with trace=True
+    ppll-plan --recalibrate --gpus 2 --figures figures.json         # measure this machine's figures again
 
 MODEL.py defines ``build_model()`` and ``example_inputs()``, and for ``--mode pipebd`` also ``build_teacher()``;
 :mod:`ppll_compile.model_file` loads it.
@@ -25,12 +26,15 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from .api import compile, plan
+from .calibration import calibrate, summary
 from .optimizers import OPTIMIZERS
 from .draw.graph import DETAILS, MAX_NODES
 from .errors import PlanError, PPLLError
 from .model_file import load_model
 from .options import PROFILES, TIED, TRACERS, PlanOptions, read_saved_plan
 from .plan import HeadSpec, Plan
+from .profile import first_device
+from .roofline import FIGURES_ENV
 
 __all__ = ["main"]
 
@@ -45,6 +49,16 @@ examples:
   ppll-plan examples/pipebd_mobilenet.py --mode pipebd --gpus 4 --policy kl
   ppll-plan examples/resnet32.py --gpus 4 --simulate --plot cost.png --graph graph.svg --gantt gantt.png
   ppll-plan --gantt measured.png --trace trace.json   # draw a timeline recorded with trainer(trace=True)
+  ppll-plan --calibrate --gpus 2      # measure the device figures a 2-stage plan here uses, if not cached
+  ppll-plan --recalibrate --figures figures.json   # measure them again; PPLL_DEVICE_FIGURES=figures.json pins them
+
+calibration: the roofline profile costs operators with figures measured on the device (rates per operator
+family, the time of each operator shape met), cached per device, CPU thread count and torch version in
+$PPLL_CACHE_DIR/devices.json (default ~/.cache/ppll-compile). A plan on a device without cached figures
+measures them first; --calibrate does it as a step of its own (the device and a CPU's threads per stage
+follow --devices and --gpus, as a plan's), --recalibrate measures again and replaces them. Either warns
+when the machine was busy while measuring: a 1-minute load average of 0.5 or more per core, before or after
+(PPLL_BUSY_LOAD sets another threshold). Without MODEL.py nothing else is done.
 
 MODEL.py defines build_model() returning the nn.Module and example_inputs() returning a tuple of
 tensors (only their shapes and dtypes are used); module-level `model` / `example_inputs` work too.
@@ -200,6 +214,13 @@ def _parser() -> argparse.ArgumentParser:
                    "a measured one")
     g.add_argument("--trace", metavar="TRACE.json", help="with --gantt: a timeline saved by "
                    "trainer.timeline().save(); MODEL.py is then optional")
+    g = p.add_argument_group("calibration (see below)")
+    g.add_argument("--calibrate", action="store_true", help="measure this machine's device figures unless cached "
+                   "(before planning MODEL.py, if given)")
+    g.add_argument("--recalibrate", action="store_true", help="measure the device figures again and replace the "
+                   "cached ones (their per-shape operator times too)")
+    g.add_argument("--figures", metavar="PATH.json", help="with --calibrate or --recalibrate: also write the figures "
+                   "to PATH.json, a file to pin with PPLL_DEVICE_FIGURES=PATH.json")
     p.add_argument("--debug", action="store_true", help="print the traceback of an error")
     return p
 
@@ -227,6 +248,11 @@ def _check_outputs(args: argparse.Namespace) -> None:
         raise _UsageError("--trace names a recorded timeline to draw; add --gantt PATH.png")
     if args.graph_detail is not None and args.graph is None:
         raise _UsageError("--graph-detail chooses what the --graph picture shows; add --graph PATH.svg")
+    if args.calibrate and args.recalibrate:
+        raise _UsageError("--calibrate measures the figures unless cached, --recalibrate measures them again; give "
+                          "one of them")
+    if args.figures is not None and not (args.calibrate or args.recalibrate):
+        raise _UsageError("--figures writes the measured device figures; add --calibrate (or --recalibrate)")
     if args.remeasure and args.plan is None:
         raise _UsageError("--remeasure measures a saved plan's costs again; add --plan PLAN.yaml (without --plan "
                           "every plan is measured)")
@@ -234,7 +260,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
         target = getattr(args, flag)
         if target is not None and Path(target).suffix.lower() not in suffixes:
             raise _UsageError(f"--{flag} {target}: unknown picture format; use one of {', '.join(suffixes)}")
-    for flag in ("json", "yaml", "plot", "graph", "gantt"):
+    for flag in ("json", "yaml", "plot", "graph", "gantt", "figures"):
         target = getattr(args, flag)
         if target is None or target == "-":
             continue
@@ -254,6 +280,20 @@ def _draw_trace(args: argparse.Namespace, err: TextIO) -> None:
     timeline = Timeline.load(args.trace)
     draw_gantt(timeline, args.gantt, batches=args.steps)
     err.write(f"{_PROG}: wrote {args.gantt} ({timeline.source} timeline of {len(timeline.lanes)} lanes)\n")
+
+
+def _calibrate(args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
+    """Measure the figures of the device a plan with these flags runs on (``--recalibrate``: again), and say so."""
+    device = first_device(args.devices)  # the first of --devices, else the first GPU, else the CPU
+    stages = args.gpus or (len(args.devices) if args.devices else 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        figures = calibrate(device, stages=stages, refresh=args.recalibrate, out=args.figures)
+    out.write("\n".join(f"{_PROG}: {line}" for line in summary(figures).splitlines()) + "\n")
+    for message in dict.fromkeys(str(w.message) for w in caught):
+        err.write(f"{_PROG}: warning: {message}\n")
+    if args.figures is not None:
+        err.write(f"{_PROG}: wrote {args.figures} (pin it with {FIGURES_ENV}={args.figures})\n")
 
 
 def _pictures(args: argparse.Namespace, result: Plan, gm: Any, out: TextIO, err: TextIO) -> None:
@@ -284,7 +324,11 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
     if len(to_stdout) > 1:
         raise _UsageError("--json - and --yaml - both ask for stdout; send one of them to a file")
     _check_outputs(args)
+    if args.calibrate or args.recalibrate:
+        _calibrate(args, out if args.model_file is None else err, err)
     if args.model_file is None:
+        if args.calibrate or args.recalibrate:
+            return
         if args.trace is None:
             raise _UsageError("the MODEL.py argument is required (only --gantt PATH --trace TRACE.json works "
                               "without it)")

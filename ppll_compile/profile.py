@@ -70,8 +70,15 @@ def time_blocks(tb: Sequence[Stage], sb: Sequence[Stage], losses: Sequence[Calla
     """Median seconds of each Pipe-BD block on ``device`` (teacher forward plus student forward and backward), at
     the whole batch and at each share of it that ``2 .. replicas`` replicas would train on: ``times[r - 1][k]``.
 
-    Uses copies, so the models' parameters, buffers and gradients are untouched.
+    Uses copies, so the models' parameters, buffers and gradients are untouched, and torch's random number
+    generators are restored afterwards (a student's dropout draws from them).
     """
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        return _time_blocks(tb, sb, losses, inputs, device, replicas)
+
+
+def _time_blocks(tb: Sequence[Stage], sb: Sequence[Stage], losses: Sequence[Callable], inputs: tuple[Any, ...],
+                 device: torch.device, replicas: int) -> list[list[float]]:
     times: list[list[float]] = [[] for _ in range(replicas)]
     values: Any = move(inputs, device)
     for t, s, loss in zip(tb, sb, losses):

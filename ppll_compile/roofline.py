@@ -1,19 +1,32 @@
-"""Roofline costs: every operator's FLOPs and bytes, and a device's calibrated rates, bandwidths and overhead.
+"""Roofline costs: a device's calibrated rates, bandwidths and overhead, and the seconds of operators on it.
 
-An operator takes ``max(flops / rate, bytes / bandwidth) + overhead`` seconds on a device. Operators fall into
-families that run at different fractions of the hardware's peak: ``matmul`` (matrix products), ``attention``
-(fused attention), ``conv`` and ``conv_bwd`` (convolutions and their gradients) count FLOPs; ``norm`` (batch,
-layer and group norm, which read their input more than once), ``math`` (transcendental activations and
-softmax), ``pool``, ``memory`` (everything else: element-wise arithmetic, copies, reductions) and ``step`` (an
-optimizer's update) are bound by the bytes they read and write. Each family's rate is measured by a short
-micro-benchmark of a representative operator (about a second in all). A compute-family operator's efficiency
-depends on its shape far more than a family rate can say (a convolution over 1x1 feature maps runs at a
-fraction of one over 16x16), so each distinct shape a plan meets is also timed once on the device
-(:func:`measure_calls`, milliseconds each) and that time replaces its roofline estimate.
+An operator (an :class:`~ppll_compile.oplog.Op`: its family, FLOPs and bytes) takes ``max(flops / rate, bytes /
+bandwidth) + overhead`` seconds on a device. Operators fall into families that run at different fractions of the
+hardware's peak: ``matmul`` (matrix products), ``attention`` (fused attention), ``conv`` and ``conv_bwd``
+(convolutions and their gradients) count FLOPs; ``norm`` (batch, layer and group norm, which read their input
+more than once), ``math`` (transcendental activations and softmax), ``pool``, ``memory`` (everything else:
+element-wise arithmetic, copies, reductions) and ``step`` (an optimizer's update) are bound by the bytes they
+read and write. Each family's rate is measured by a short micro-benchmark of a representative operator (about a
+second in all, :func:`measure_device`). A compute-family operator's efficiency depends on its shape far more
+than a family rate can say (a convolution over 1x1 feature maps runs at a fraction of one over 16x16), so each
+distinct shape a plan meets is also timed once on the device (:func:`measure_calls`, milliseconds each) and that
+time replaces its roofline estimate.
+
+Measuring leaves the process as it was: random inputs come from a generator of its own (torch's global CPU
+generator and the measured GPU's are restored too), the intra-op thread count and Python's warning filters are
+restored, and the allocator is not touched. The runtimes train under :mod:`~ppll_compile.allocator`'s setting
+(freed memory kept for the next step), which planning does not apply (glibc cannot read its settings back): an
+operator whose output lies above glibc's mmap threshold may be measured with its output pages faulted in afresh,
+a little slower than in a training step (glibc raises that threshold itself after the first free, so repeated
+calls mostly reuse the heap; on the 2-core machine tried, per-shape times with and without the setting differed
+by less than their run-to-run spread).
 
 Everything measured is cached under the user's cache directory, keyed by the device's name, its thread count
-(CPU) and the torch version. ``PPLL_DEVICE_FIGURES=path.json`` pins the figures instead (reproducible plans on
-any machine): a JSON object with the fields of :class:`DeviceFigures`.
+(CPU) and the torch version, with the machine's load while measuring; a calibration on a busy machine (see
+:data:`BUSY_LOAD`) warns. :func:`ppll_compile.calibrate` (``ppll-plan --calibrate``, ``--recalibrate``) measures
+as a step of its own; a plan on a device without cached figures measures them first. ``PPLL_DEVICE_FIGURES=path.json``
+pins the figures instead (reproducible plans on any machine): a JSON object with the fields of
+:class:`DeviceFigures`.
 """
 
 from __future__ import annotations
@@ -24,6 +37,7 @@ import json
 import os
 import platform
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,135 +47,64 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry, shape_wrapper
 
-from .allocator import keep_freed_memory
 from .errors import PlanError
-from .flops import EXTRA_FORMULAS
+from .oplog import COMPUTE, FAMILIES, Op, OpLog, nbytes
 from .optimizers import optimizer_spec
 
-__all__ = ["Op", "OpLog", "DeviceFigures", "FAMILIES", "device_figures", "calibrate", "measure_calls", "cache_path",
-           "seconds", "step_ops", "FIGURES_ENV", "CACHE_ENV"]
+__all__ = ["Op", "OpLog", "DeviceFigures", "FAMILIES", "device_figures", "measure_device", "measure_calls",
+           "cache_path", "device_name", "stage_threads", "busy_threshold", "seconds", "step_ops", "FIGURES_ENV",
+           "CACHE_ENV", "BUSY_ENV", "BUSY_LOAD"]
 
 FIGURES_ENV = "PPLL_DEVICE_FIGURES"
 """Environment variable naming a JSON file of :class:`DeviceFigures` that every plan uses instead of calibrating."""
 CACHE_ENV = "PPLL_CACHE_DIR"
 """Environment variable overriding the cache directory (default ``$XDG_CACHE_HOME/ppll-compile`` or
 ``~/.cache/ppll-compile``)."""
-
-FAMILIES = ("matmul", "attention", "conv", "conv_bwd", "norm", "math", "pool", "memory", "step")
-"""Operator families, each with its own calibrated rate: FLOP/s for the first four, bytes/s for the others
-(``step``: an optimizer's update of parameters and state, streamed from memory)."""
-_COMPUTE = FAMILIES[:4]
-_REGISTRY = {**flop_registry, **{k: shape_wrapper(v) for k, v in EXTRA_FORMULAS.items()}}
-_BY_NAME = {
-    "conv": ("convolution", "_convolution", "cudnn_convolution", "mkldnn_convolution"),
-    "conv_bwd": ("convolution_backward",),
-    "norm": ("native_batch_norm", "native_batch_norm_backward", "_native_batch_norm_legit",
-             "_native_batch_norm_legit_no_training", "_native_batch_norm_legit_functional", "batch_norm_backward",
-             "native_layer_norm", "native_layer_norm_backward", "native_group_norm", "native_group_norm_backward",
-             "_fused_rms_norm", "_fused_rms_norm_backward"),
-    "math": ("gelu", "gelu_backward", "silu", "silu_backward", "sigmoid", "sigmoid_backward", "tanh",
-             "tanh_backward", "exp", "log", "erf", "pow", "rsqrt", "sqrt", "_softmax", "_softmax_backward_data",
-             "_log_softmax", "_log_softmax_backward_data", "mish", "mish_backward", "hardswish",
-             "hardswish_backward"),
-    "pool": ("max_pool2d_with_indices", "max_pool2d_with_indices_backward", "avg_pool2d", "avg_pool2d_backward",
-             "_adaptive_avg_pool2d", "_adaptive_avg_pool2d_backward", "max_pool3d_with_indices",
-             "max_pool3d_with_indices_backward", "avg_pool3d", "avg_pool3d_backward", "_adaptive_avg_pool3d",
-             "_adaptive_avg_pool3d_backward", "upsample_bilinear2d", "upsample_nearest2d",
-             "upsample_bilinear2d_backward", "upsample_nearest2d_backward"),
-}
-_FAMILY = {name: family for family, names in _BY_NAME.items() for name in names}
-_FREE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "lift_fresh",
-         "_unsafe_view", "set_", "resize_", "_local_scalar_dense", "sym_size", "sym_stride", "sym_numel",
-         "is_same_size", "_has_compatible_shallow_copy_type"}
-"""Operators that run no kernel (allocations, metadata), beside views."""
+BUSY_LOAD = 0.5
+"""The load per core at or above which a calibration counts the machine as busy and warns: the larger 1-minute load
+average read before and after measuring, over the machine's cores. At 0.5 other work holds half the cores on
+average, and a rate measured beside it may be far below what the device does alone."""
+BUSY_ENV = "PPLL_BUSY_LOAD"
+"""Environment variable setting another busy threshold than :data:`BUSY_LOAD` (``0``: every calibration warns,
+``inf``: none does)."""
 
 
-@dataclass(frozen=True)
-class Op:
-    """One operator run: its family (one of :data:`FAMILIES`), dtype, FLOPs and bytes read plus written."""
-
-    kind: str
-    dtype: str
-    flops: int
-    bytes: int
-    call: tuple[Any, ...] = ()
-    """A compute family's operator as it was called: its name and every argument, a tensor as ``("T", shape,
-    stride, dtype)``; what :func:`measure_calls` re-creates and times. Empty for memory-bound operators."""
-
-
-def _is_view(func: Any) -> bool:
-    """Whether an operator only makes a view (its output aliases an input and nothing is written): no kernel."""
-    returns = func._schema.returns
-    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
-
-
-def _nbytes(t: Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-class OpLog(TorchDispatchMode):
-    """Records an :class:`Op` for every operator that runs a kernel (views and allocations run none)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[Op] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        name = func._overloadpacket.__name__
-        if name in _FREE or _is_view(func):
-            return out
-        seen: dict[int, Tensor] = {}
-        for t in pytree.tree_leaves((args, kwargs, out)):
-            if isinstance(t, Tensor):
-                seen.setdefault(id(t), t)
-        tensors = list(seen.values())
-        formula = _REGISTRY.get(func._overloadpacket)
-        flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
-        kind = _FAMILY.get(name) or ("attention" if "attention" in name else "matmul" if flops else "memory")
-        floating = next((t.dtype for t in tensors if t.is_floating_point()), torch.float32)
-        call = (str(func), _describe(args), _describe(kwargs)) if kind in _COMPUTE else ()
-        self.ops.append(Op(kind, str(floating).removeprefix("torch."), flops, sum(_nbytes(t) for t in tensors), call))
-        return out
-
-
-def _describe(value: Any) -> Any:
-    """Arguments as hashable plain data: a tensor as ``("T", shape, stride, dtype)``, sequences as tuples."""
-    if isinstance(value, Tensor):
-        return "T", tuple(int(s) for s in value.shape), tuple(int(s) for s in value.stride()), \
-            str(value.dtype).removeprefix("torch.")
-    if isinstance(value, (list, tuple)):
-        return tuple(_describe(v) for v in value)
-    if isinstance(value, dict):
-        return "K", tuple(sorted((k, _describe(v)) for k, v in value.items()))
-    if isinstance(value, (torch.device, torch.dtype, torch.layout, torch.memory_format)):
-        return "D", str(value)
+def busy_threshold() -> float:
+    """The load per core at or above which a calibration warns: :data:`BUSY_ENV`, else :data:`BUSY_LOAD`."""
+    text = os.environ.get(BUSY_ENV, "").strip()
+    if not text:
+        return BUSY_LOAD
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0:
+        raise PlanError(f"{BUSY_ENV}={text!r} is not a load per core; expected a number >= 0 (default {BUSY_LOAD}; "
+                        f"0 warns on every calibration, inf on none), or unset {BUSY_ENV}")
     return value
 
 
-def _rebuild(value: Any, device: torch.device) -> Any:
-    """Real tensors (random values) and arguments from :func:`_describe`'s description, on ``device``."""
+def _rebuild(value: Any, device: torch.device, generator: torch.Generator) -> Any:
+    """Real tensors (random values drawn from ``generator``) and arguments from the description
+    :attr:`Op.call` holds, on ``device``."""
     if isinstance(value, tuple) and len(value) == 4 and value[0] == "T":
         _, shape, stride, dtype = value
         t = torch.empty_strided(shape, stride, dtype=getattr(torch, dtype), device=device)
-        return t.normal_() if t.is_floating_point() else t.zero_()
+        return t.normal_(generator=generator) if t.is_floating_point() else t.zero_()
     if isinstance(value, tuple) and len(value) == 2 and value[0] == "K":
-        return {k: _rebuild(v, device) for k, v in value[1]}
+        return {k: _rebuild(v, device, generator) for k, v in value[1]}
     if isinstance(value, tuple) and len(value) == 2 and value[0] == "D":
         text = value[1]
         return getattr(torch, text.removeprefix("torch.")) if text.startswith("torch.") else torch.device(text)
     if isinstance(value, tuple):
-        return [_rebuild(v, device) for v in value]
+        return [_rebuild(v, device, generator) for v in value]
     return value
 
 
 @dataclass(frozen=True, kw_only=True)
 class DeviceFigures:
-    """What one device does per second, measured by :func:`calibrate`."""
+    """What one device does per second, measured by :func:`measure_device`."""
 
     device: str
     """The device's name (a CPU's model name and thread count, a GPU's name)."""
@@ -176,26 +119,53 @@ class DeviceFigures:
     overhead: float = 5e-6
     """Seconds every operator costs beyond its work (dispatch, launch)."""
     source: str = "measured"
-    """Where the figures came from: ``measured``, ``cache`` or a pinned file's path."""
+    """Where the figures came from: ``measured`` (now), ``cache`` or a pinned file's path."""
+    load: dict[str, float] = field(default_factory=dict)
+    """The machine's load while the rates were measured: the 1-minute load average ``before`` and ``after``
+    measuring, and its ``cores``; empty when unknown (figures written by hand or by an earlier version, or a
+    system without a load average)."""
 
     def rate(self, family: str, dtype: str) -> float:
         """The rate of ``family`` at ``dtype`` (float32's when that dtype was not measured)."""
         return self.rates.get(f"{family}:{dtype}") or self.rates[f"{family}:float32"]
 
+    def load_per_core(self) -> float | None:
+        """The larger load average read while measuring, over the cores (``None`` when not recorded)."""
+        if not self.load:
+            return None
+        return max(self.load["before"], self.load["after"]) / max(self.load["cores"], 1)
+
+    def busy(self) -> bool:
+        """Whether the machine was busy while measuring: its load per core at or above :func:`busy_threshold`."""
+        load = self.load_per_core()
+        return load is not None and load >= busy_threshold()
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def record(self) -> dict[str, Any]:
-        """The figures as a plan records them: the per-call seconds counted, not listed."""
-        return {**{k: v for k, v in self.to_dict().items() if k != "calls"}, "timed_calls": len(self.calls)}
+        """The figures as a plan records them: the per-call seconds counted, not listed (the load when known)."""
+        return {**{k: v for k, v in self.to_dict().items() if k != "calls" and (k != "load" or v)},
+                "timed_calls": len(self.calls)}
 
     def describe(self) -> str:
-        """One line for a plan's notes."""
+        """One line for a plan's notes: the figures, where they came from, and how to measure them again."""
         timed = f", {len(self.calls)} operator shapes timed" if self.calls else ""
         source = f"pinned by {Path(self.source).name}" if self.source not in ("measured", "cache") else self.source
-        return (f"costs are seconds on {self.device} (roofline, {source} figures: "
+        text = (f"costs are seconds on {self.device} (roofline, {source} figures: "
                 f"{self.rate('matmul', 'float32') / 1e9:.0f} GFLOP/s matmul, "
                 f"{self.rate('memory', 'float32') / 1e9:.0f} GB/s memory{timed})")
+        load = self.load_per_core()
+        at = f" at load {load:.2f} per core" + (" (busy: they may be slow)" if self.busy() else "") \
+            if load is not None else ""
+        if self.source == "measured":
+            return text + f"; measured now{at} and cached: {_REDO}"
+        if self.source == "cache" and self.busy():
+            return text + f"; measured{at}: {_REDO}"
+        return text
+
+
+_REDO = "`ppll-plan --recalibrate` or `ppll_compile.calibrate(refresh=True)` measures them again"
 
 
 def seconds(ops: Iterable[Op], figures: DeviceFigures) -> float:
@@ -208,7 +178,7 @@ def seconds(ops: Iterable[Op], figures: DeviceFigures) -> float:
         if measured is not None:
             total += measured
             continue
-        if op.kind in _COMPUTE:
+        if op.kind in COMPUTE:
             work = max(op.flops / figures.rate(op.kind, op.dtype), op.bytes / figures.rate("memory", op.dtype))
         else:
             work = op.bytes / figures.rate(op.kind, op.dtype)
@@ -243,6 +213,12 @@ def device_name(device: torch.device, threads: int) -> str:
     return device.type
 
 
+def stage_threads(device: torch.device, stages: int) -> int:
+    """Threads a stage computes on when ``stages`` stages share the machine: on a CPU, its share of the cores
+    (``cores // stages``, as the runtimes give it); else 1."""
+    return max(1, (os.cpu_count() or 1) // max(1, stages)) if device.type == "cpu" else 1
+
+
 def cache_path() -> Path:
     """The calibration cache file."""
     base = os.environ.get(CACHE_ENV)
@@ -252,29 +228,34 @@ def cache_path() -> Path:
     return Path(root) / "ppll-compile" / "devices.json"
 
 
-def _best(fn: Callable[[], Any], sync: Callable[[], None], runs: int = 5) -> float:
+Clock = Callable[[], float]
+"""Seconds from an arbitrary start: :func:`time.perf_counter`, or a stand-in that tests control."""
+
+
+def _best(fn: Callable[[], Any], sync: Callable[[], None], runs: int = 5, clock: Clock = time.perf_counter) -> float:
     """The fastest of ``runs`` timed calls (after one warm-up): the device's rate, undisturbed by other work."""
     fn()
     sync()
     times = []
     for _ in range(runs):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
         sync()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return min(times)
 
 
-def _benchmarks(device: torch.device, dtype: torch.dtype) -> dict[str, Callable[[], Any]]:
-    """A representative training-step operator (forward and backward where it has one) per family, at ``dtype``."""
+def _benchmarks(device: torch.device, dtype: torch.dtype, g: torch.Generator) -> dict[str, Callable[[], Any]]:
+    """A representative training-step operator (forward and backward where it has one) per family, at ``dtype``,
+    on random tensors drawn from ``g``."""
     def t(*shape: int, grad: bool = False) -> Tensor:
-        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=grad)
+        return torch.randn(*shape, device=device, dtype=dtype, generator=g, requires_grad=grad)
 
     a, b = t(512, 512), t(512, 512)
     q, k, v = t(32, 4, 64, 48, grad=True), t(32, 4, 64, 48, grad=True), t(32, 4, 64, 48, grad=True)
     x, w = t(16, 128, 16, 16, grad=True), t(128, 128, 3, 3, grad=True)
     y = F.conv2d(x, w, padding=1)
-    dy = torch.randn_like(y)
+    dy = t(*y.shape)
     h = t(32, 64, 32, 32, grad=True)  # 8 MiB in float32
     gamma, beta = t(64, grad=True), t(64, grad=True)
 
@@ -290,62 +271,79 @@ def _benchmarks(device: torch.device, dtype: torch.dtype) -> dict[str, Callable[
         "math": lambda: backward(F.gelu(h), h),
         "pool": lambda: backward(F.max_pool2d(h, 3, 2, 1), h),
         "memory": lambda: h.detach() + h.detach(),
-        "step": _sgd_step(device, dtype),
+        "step": _sgd_step(device, dtype, g),
     }
 
 
-def _sgd_step(device: torch.device, dtype: torch.dtype) -> Callable[[], Any]:
+def _sgd_step(device: torch.device, dtype: torch.dtype, g: torch.Generator) -> Callable[[], Any]:
     """A momentum SGD step over 32 MiB of float32 parameters (8 tensors), as a stage's optimizer runs it."""
     params = [torch.zeros(2 ** 20, device=device, dtype=dtype, requires_grad=True) for _ in range(8)]
     for p in params:
-        p.grad = torch.randn_like(p)
+        p.grad = torch.randn(p.shape, device=device, dtype=dtype, generator=g)
     opt = torch.optim.SGD(params, lr=1e-3, momentum=0.9)
 
     def step() -> list[Op]:
         opt.step()
-        return step_ops([_nbytes(p) for p in params], "momentum", str(dtype).removeprefix("torch."))
+        return step_ops([nbytes(p) for p in params], "momentum", str(dtype).removeprefix("torch."))
     return step
 
 
-def _rate(family: str, fn: Callable[[], Any], sync: Callable[[], None]) -> float:
+def _rate(family: str, fn: Callable[[], Any], sync: Callable[[], None], clock: Clock) -> float:
     """``fn``'s rate in its family's unit: FLOP/s or bytes/s, from what :class:`OpLog` counts."""
     with OpLog() as log:
         returned = fn()
     ops = returned if family == "step" else [op for op in log.ops if op.kind == family]
-    work = sum(op.flops if family in _COMPUTE else op.bytes for op in ops)
-    return work / _best(fn, sync)
+    work = sum(op.flops if family in COMPUTE else op.bytes for op in ops)
+    return work / _best(fn, sync, clock=clock)
 
 
 @contextlib.contextmanager
-def _measuring(device: torch.device, threads: int) -> Iterator[Callable[[], None]]:
-    """Measure on ``device`` as a stage runs: under the runtimes' allocator setting, a CPU at ``threads`` threads
-    (restored afterwards); yields the device's synchronisation."""
-    keep_freed_memory()
-    before = torch.get_num_threads()
-    if device.type == "cpu":
-        torch.set_num_threads(threads)
+def _isolated(device: torch.device, threads: int) -> Iterator[tuple[Callable[[], None], torch.Generator]]:
+    """Measure on ``device`` as a stage runs (a CPU at ``threads`` threads) and leave the process as it was: torch's
+    global CPU generator and the measured GPU's, the intra-op thread count and Python's warning filters are
+    restored afterwards, and the allocator is not touched. Yields the device's synchronisation and a generator of
+    its own (seeded, so that the inputs are the same every time) to draw the inputs from."""
+    threads_before = torch.get_num_threads()
+    gpus = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=gpus), warnings.catch_warnings():
+        if device.type == "cpu":
+            torch.set_num_threads(threads)
+        try:
+            sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+            yield sync, torch.Generator(device=device).manual_seed(0)
+        finally:
+            torch.set_num_threads(threads_before)
+
+
+def _load_average() -> float | None:
+    """The 1-minute load average (``None`` where the system has none)."""
     try:
-        yield (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    finally:
-        torch.set_num_threads(before)
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
 
 
-def calibrate(device: torch.device, threads: int = 1) -> DeviceFigures:
+def measure_device(device: torch.device, threads: int = 1, *, clock: Clock = time.perf_counter) -> DeviceFigures:
     """Measure ``device``'s figures (about a second): per family, the rate of a representative operator (FLOPs or
-    bytes as :class:`OpLog` counts them, over the fastest of a few runs), float32, and on a GPU half precision too
-    for the compute families; and a one-element add's time as the per-operator overhead. Under the runtimes'
-    allocator setting, as :func:`measure_calls`."""
+    bytes as :class:`OpLog` counts them, over the fastest of a few runs timed by ``clock``), float32, and on a GPU
+    half precision too for the compute families; a one-element add's time as the per-operator overhead; and the
+    machine's load before and after. Leaves the process as it was (see the module's text)."""
     rates: dict[str, float] = {}
-    with _measuring(device, threads) as sync:
+    before = _load_average()
+    with _isolated(device, threads) as (sync, g):
         for dtype in [torch.float32] + ([torch.bfloat16, torch.float16] if device.type == "cuda" else []):
             name = str(dtype).removeprefix("torch.")
-            for family, fn in _benchmarks(device, dtype).items():
-                if dtype == torch.float32 or family in _COMPUTE:
-                    rates[f"{family}:{name}"] = _rate(family, fn, sync)
+            for family, fn in _benchmarks(device, dtype, g).items():
+                if dtype == torch.float32 or family in COMPUTE:
+                    rates[f"{family}:{name}"] = _rate(family, fn, sync, clock)
         one = torch.ones(1, device=device)
         reps = 200
-        overhead = _best(lambda: [one.add(one) for _ in range(reps)], sync) / reps
-    return DeviceFigures(device=device_name(device, threads), torch=torch.__version__, rates=rates, overhead=overhead)
+        overhead = _best(lambda: [one.add(one) for _ in range(reps)], sync, clock=clock) / reps
+    after = _load_average()
+    load = {"before": before, "after": after, "cores": os.cpu_count() or 1} \
+        if before is not None and after is not None else {}
+    return DeviceFigures(device=device_name(device, threads), torch=torch.__version__, rates=rates, overhead=overhead,
+                         load=load)
 
 
 def _pinned(path: str) -> DeviceFigures:
@@ -355,7 +353,8 @@ def _pinned(path: str) -> DeviceFigures:
     except (OSError, ValueError, TypeError) as e:
         raise PlanError(f"{FIGURES_ENV}={path}: cannot read device figures ({e}); give a JSON object with the fields "
                         f"device, torch, rates (by 'family:float32' for every family of {', '.join(FAMILIES)}) and "
-                        f"overhead (s), or unset {FIGURES_ENV} to calibrate") from None
+                        f"overhead (s) (`ppll-plan --calibrate --figures {path}` writes one), or unset "
+                        f"{FIGURES_ENV} to calibrate") from None
 
 
 def _operator(name: str) -> Any:
@@ -368,17 +367,16 @@ def measure_calls(calls: Iterable[tuple[Any, ...]], device: torch.device, thread
     """Seconds of every operator call (an :attr:`Op.call`) on ``device``, re-created on random tensors of its
     shapes: the fastest of three timed repeats after a warm-up, each repeat running it often enough to last a
     millisecond, on rotating copies of its arguments (at least 8 MiB of them, so that it does not read from a
-    warm cache), under the runtimes' allocator setting (:func:`~ppll_compile.allocator.keep_freed_memory`, so that
-    its outputs are not faulted in afresh), as in a training step. A call that cannot be re-created is left out
-    (its roofline estimate stands)."""
+    warm cache), as in a training step. Leaves the process as it was (see the module's text). A call that cannot
+    be re-created is left out (its roofline estimate stands)."""
     out: dict[str, float] = {}
-    with _measuring(device, threads) as sync, torch.no_grad():
+    with _isolated(device, threads) as (sync, g), torch.no_grad():
         for call in calls:
             try:
                 func = _operator(call[0])
-                made = [(_rebuild(call[1], device), _rebuild(call[2], device))]
-                size = sum(_nbytes(t) for t in pytree.tree_leaves(made) if isinstance(t, Tensor))
-                made += [(_rebuild(call[1], device), _rebuild(call[2], device))
+                made = [(_rebuild(call[1], device, g), _rebuild(call[2], device, g))]
+                size = sum(nbytes(t) for t in pytree.tree_leaves(made) if isinstance(t, Tensor))
+                made += [(_rebuild(call[1], device, g), _rebuild(call[2], device, g))
                          for _ in range(min(15, (8 * 2 ** 20) // max(size, 1)))]
                 t0 = time.perf_counter()
                 func(*made[0][0], **made[0][1])
@@ -391,21 +389,27 @@ def measure_calls(calls: Iterable[tuple[Any, ...]], device: torch.device, thread
     return out
 
 
-def device_figures(device: torch.device, threads: int = 1, *, calls: Iterable[tuple[Any, ...]] = (),
-                   refresh: bool = False) -> DeviceFigures:
-    """The figures of ``device`` (a CPU at ``threads`` threads) with the seconds of ``calls`` (compute-family
-    :attr:`Op.call` values): pinned by :data:`FIGURES_ENV`, else cached, else calibrated now; calls not cached
-    yet are measured now (:func:`measure_calls`), and the cache is updated. ``refresh`` measures everything
-    again."""
-    pinned = os.environ.get(FIGURES_ENV)
-    if pinned:
-        return _pinned(pinned)
-    key = f"{device_name(device, threads)} | torch {torch.__version__}"
-    path = cache_path()
+def _read_cache(path: Path) -> dict[str, Any]:
     try:
         cache = json.loads(path.read_text()) if path.exists() else {}
     except (OSError, ValueError):
-        cache = {}
+        return {}
+    return cache if isinstance(cache, dict) else {}
+
+
+def device_figures(device: torch.device, threads: int = 1, *, calls: Iterable[tuple[Any, ...]] = (),
+                   refresh: bool = False, pinned: bool = True) -> DeviceFigures:
+    """The figures of ``device`` (a CPU at ``threads`` threads) with the seconds of ``calls`` (compute-family
+    :attr:`Op.call` values): pinned by :data:`FIGURES_ENV` (unless ``pinned=False``), else cached, else measured
+    now (:func:`measure_device`; a warning when the machine was busy meanwhile); calls not cached yet are measured
+    now (:func:`measure_calls`), and the cache is updated. ``refresh`` measures everything again and replaces the
+    cached figures, per-shape times included."""
+    pin = os.environ.get(FIGURES_ENV) if pinned else None
+    if pin:
+        return _pinned(pin)
+    key = f"{device_name(device, threads)} | torch {torch.__version__}"
+    path = cache_path()
+    cache = _read_cache(path)
     figures = None
     if not refresh and isinstance(cache.get(key), dict):
         try:
@@ -414,7 +418,13 @@ def device_figures(device: torch.device, threads: int = 1, *, calls: Iterable[tu
             pass  # written by another version: measure again
     changed = figures is None
     if figures is None:
-        figures = calibrate(device, threads)
+        threshold = busy_threshold()  # a bad setting fails before the measurement
+        figures = measure_device(device, threads)
+        if figures.busy():
+            warnings.warn(f"the machine was busy while the figures of {figures.device} were measured (load average "
+                          f"{figures.load_per_core():.2f} per core over {figures.load['cores']:.0f} cores, at or "
+                          f"above {threshold}; {BUSY_ENV} sets the threshold): they may be slow, and they are "
+                          f"cached; when it is quieter, {_REDO}", stacklevel=2)
     missing = {repr(c): c for c in calls if c and repr(c) not in figures.calls}
     if missing:
         figures = dataclasses.replace(figures, calls={**figures.calls,

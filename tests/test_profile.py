@@ -16,7 +16,7 @@ from ppll_compile.heads import head_spec
 from ppll_compile.options import PlanOptions
 from ppll_compile.plan import HeadSpec
 from ppll_compile.policy import Policy, load_policy
-from ppll_compile.profile import StageTime, round_statistics, time_stages
+from ppll_compile.profile import StageTime, round_statistics, time_blocks, time_stages
 
 CPU = torch.device("cpu")
 
@@ -216,3 +216,22 @@ def test_an_unknown_optimizer_is_refused(cnn):
     _, a, heads, policy = cnn
     with pytest.raises(ValueError, match="optimizer must be one of sgd, momentum, adam"):
         time_stages(a, heads, policy, CPU, "lamb", [(0, 0)])
+
+
+def test_timing_distillation_blocks_leaves_the_generator_as_it_was():
+    # a student with dropout draws random numbers in every timed step; the caller's stream goes on as before
+    class Block(nn.Module):  # as a stage module: the values it sends on, as a tuple
+        def __init__(self, dropout: float):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(6, 6), nn.Dropout(dropout))
+
+        def forward(self, x):
+            return (self.body(x),)
+
+    teacher, student = [Block(0.0), Block(0.0)], [Block(0.5), Block(0.5)]
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    times = time_blocks(teacher, student, [F.mse_loss, F.mse_loss], (torch.ones(4, 6),), torch.device("cpu"), 2)
+    assert [len(t) for t in times] == [2, 2] and all(s > 0 for t in times for s in t)
+    assert torch.equal(torch.rand(3), expected)

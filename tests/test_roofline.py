@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 
@@ -76,10 +77,10 @@ def test_figures_are_measured_once_and_cached(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv(roofline.CACHE_ENV, str(tmp_path))
     made = []
 
-    def calibrate(device, threads):
+    def measure_device(device, threads):
         made.append((device, threads))
         return _figures()
-    monkeypatch.setattr(roofline, "calibrate", calibrate)
+    monkeypatch.setattr(roofline, "measure_device", measure_device)
     first = roofline.device_figures(torch.device("cpu"), 1)
     again = roofline.device_figures(torch.device("cpu"), 1)
     roofline.device_figures(torch.device("cpu"), 2)
@@ -95,7 +96,7 @@ def test_figures_are_measured_once_and_cached(tmp_path, monkeypatch) -> None:
 def test_operator_shapes_are_timed_once_and_cached(tmp_path, monkeypatch) -> None:
     monkeypatch.delenv(roofline.FIGURES_ENV, raising=False)
     monkeypatch.setenv(roofline.CACHE_ENV, str(tmp_path))
-    monkeypatch.setattr(roofline, "calibrate", lambda device, threads: _figures())
+    monkeypatch.setattr(roofline, "measure_device", lambda device, threads: _figures())
     a, b = torch.randn(64, 32), torch.randn(32, 16)
     with OpLog() as log:
         a @ b
@@ -121,10 +122,54 @@ def test_pinned_figures(tmp_path, monkeypatch) -> None:
 
 
 def test_calibration_measures_every_family() -> None:
-    fig = roofline.calibrate(torch.device("cpu"), 1)
+    fig = roofline.measure_device(torch.device("cpu"), 1)
     assert fig.device == roofline.device_name(torch.device("cpu"), 1) and fig.device.endswith("x1 thread")
     assert sorted(k.split(":")[0] for k in fig.rates) == sorted(roofline.FAMILIES)
     assert all(v > 0 for v in fig.rates.values()) and 0 < fig.overhead < 1e-3
+
+
+def test_calibrated_rates_are_counted_work_over_the_measured_time() -> None:
+    # a clock that advances 2**-10 s per reading: every timed run lasts exactly one tick, so a rate times the tick
+    # is the work counted for the family's representative operator, FLOPs for a compute family, bytes otherwise
+    tick = 2.0 ** -10
+    readings = iter(range(10**9))
+    fig = roofline.measure_device(torch.device("cpu"), 1, clock=lambda: next(readings) * tick)
+    counted = {f: fig.rates[f"{f}:float32"] * tick for f in ("matmul", "conv", "conv_bwd", "memory", "step")}
+    assert counted == {
+        "matmul": 2 * 512 ** 3,  # 512x512 @ 512x512
+        "conv": 2 * (16 * 128 * 16 * 16) * (128 * 3 * 3),  # every output element: 128 x 3 x 3 multiply-adds
+        "conv_bwd": 2 * 2 * (16 * 128 * 16 * 16) * (128 * 3 * 3),  # the input's and the weight's gradients
+        "memory": 3 * 32 * 64 * 32 * 32 * 4,  # h + h: reads two 8 MiB tensors, writes one
+        "step": 5 * 8 * 2 ** 20 * 4,  # momentum SGD: 5 passes over 32 MiB of parameters
+    }
+    assert fig.overhead == tick / 200
+
+
+def test_old_cached_figures_still_load(tmp_path, monkeypatch) -> None:
+    # figures cached before the load was recorded: read as they are, not measured again
+    monkeypatch.delenv(roofline.FIGURES_ENV, raising=False)
+    monkeypatch.setenv(roofline.CACHE_ENV, str(tmp_path))
+    old = {k: v for k, v in _figures().to_dict().items() if k != "load"}
+    key = f"{roofline.device_name(torch.device('cpu'), 1)} | torch {torch.__version__}"
+    (tmp_path / "devices.json").write_text(json.dumps({key: old}))
+    monkeypatch.setattr(roofline, "measure_device", lambda *a: pytest.fail("measured again"))
+    fig = roofline.device_figures(torch.device("cpu"), 1)
+    assert (fig.source, fig.rates, fig.load, fig.load_per_core(), fig.busy()) == ("cache", old["rates"], {}, None,
+                                                                                   False)
+    assert "load" not in fig.record() and fig.describe().endswith("GB/s memory)")
+
+
+def test_the_notes_of_figures_measured_now_say_how_to_measure_again() -> None:
+    fig = dataclasses.replace(_figures(), source="measured", load={"before": 0.5, "after": 0.7, "cores": 4})
+    assert fig.load_per_core() == 0.7 / 4 and not fig.busy()
+    assert fig.describe() == ("costs are seconds on d (roofline, measured figures: 1 GFLOP/s matmul, 1 GB/s memory); "
+                              "measured now at load 0.17 per core and cached: `ppll-plan --recalibrate` or "
+                              "`ppll_compile.calibrate(refresh=True)` measures them again")
+    busy = dataclasses.replace(fig, source="cache", load={"before": 3.0, "after": 1.0, "cores": 4})
+    assert busy.busy() and busy.describe().endswith("memory); measured at load 0.75 per core (busy: they may be "
+                                                    "slow): `ppll-plan --recalibrate` or "
+                                                    "`ppll_compile.calibrate(refresh=True)` measures them again")
+    assert busy.record()["load"] == {"before": 3.0, "after": 1.0, "cores": 4}
 
 
 def _mlp() -> nn.Module:
