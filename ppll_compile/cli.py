@@ -27,10 +27,10 @@ from typing import Any, TextIO
 
 from .api import compile, plan
 from .calibration import calibrate, summary
-from .optimizers import OPTIMIZERS
 from .draw.graph import DETAILS, MAX_NODES
 from .errors import PlanError, PPLLError
 from .model_file import load_model
+from .optimizers import OPTIMIZERS
 from .options import PROFILES, TIED, TRACERS, PlanOptions, read_saved_plan
 from .plan import HeadSpec, Plan
 from .profile import first_device
