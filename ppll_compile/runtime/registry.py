@@ -64,7 +64,9 @@ def _check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
 
 
 def _quoted(names: Sequence[str], joint: str) -> str:
-    return f" {joint} ".join(f'"{n}"' for n in names)
+    """``"a", "b" and "c"`` (``joint``: and, or)."""
+    quoted = [f'"{n}"' for n in names]
+    return f" {joint} ".join([", ".join(quoted[:-1]), quoted[-1]] if len(quoted) > 1 else quoted)
 
 
 def check_options(plan: Plan, *, runtime: str, queue: str, optimizer: Any, queue_depth: Any, loss: Any,
