@@ -57,8 +57,9 @@ class CountingRuntime(Runtime):
         self.fed += 1
         losses: Losses = []
         for r in self.runners:
-            msg, loss = r.train_step(msg)
+            out, loss = r.train_step(msg)
             losses.append([float(loss)])
+            msg = out if out is not None else msg  # the last stage sends nothing on
         return losses
 
     def finish(self) -> Losses:

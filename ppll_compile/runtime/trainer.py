@@ -373,7 +373,8 @@ def _warn_optimizer_mismatch(plan: Plan, runners: list[Runner]) -> None:
 
 
 def _scores(counts: Counts, mode: str) -> dict[str, Any]:
-    """What :meth:`Trainer.evaluate` returns for every stage's tally: accuracies (``ppll``) or block losses (``pipebd``)."""
+    """What :meth:`Trainer.evaluate` returns for every stage's tally: accuracies (``ppll``), block losses
+    (``pipebd``)."""
     if mode == "pipebd":
         n = counts[-1][1]
         block = [total / n if n else None for tally, _ in counts for total in (tally or ())]
