@@ -76,7 +76,8 @@ def _in_thread(fn: Any, *args: Any) -> Any:
 
 
 def _start_runtime(name: str) -> None:
-    """Build (and close) a trainer with runtime ``name`` on a small model; nothing else touches the allocator."""
+    """Build a trainer with runtime ``name`` on a small model, train it on one batch and close it; nothing else touches
+    the allocator."""
     import torch
 
     import ppll_compile
@@ -92,6 +93,7 @@ def _start_runtime(name: str) -> None:
         else:
             compiled = ppll_compile.compile(conv_student(), 2, example_inputs=(x,), split_points=["5"])
     trainer = compiled.trainer(optimizer=lambda p: torch.optim.SGD(p, lr=0.01), runtime=name)
+    trainer.fit([(x, torch.zeros(4, dtype=torch.long))], progress=False)
     trainer.close()
 
 
@@ -194,17 +196,52 @@ def test_a_runtime_start_applies_it(runtime: str) -> None:
     assert out["faults_41mib"] <= FEW and out["faults_150mib"] <= FEW, out
 
 
-def test_every_runtime_starts_through_the_base() -> None:
+def test_every_runtime_starts_through_the_base(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every registered runtime trains through the trainer, which applies the setting before the first step of any
+    runtime (a step or a whole fit), and only then: building a trainer leaves the allocator alone."""
+    import torch
+
+    import ppll_compile
+    from ppll_compile.runtime import trainer as trainer_module
     from ppll_compile.runtime.base import Runtime
-    from ppll_compile.runtime.dna import DNA_RUNTIMES
-    from ppll_compile.runtime.trainer import DistributedRuntime, SequentialRuntime, ThreadsRuntime
+    from ppll_compile.runtime.distributed import DistributedRuntime
+    from ppll_compile.runtime.dna import DNAPerBlockRuntime, DNARuntime
+    from ppll_compile.runtime.registry import RUNTIME_CLASSES
+    from ppll_compile.runtime.sequential import SequentialRuntime
+    from ppll_compile.runtime.threads import ThreadsRuntime
+    from tests.models import conv_student, conv_teacher
 
     def subclasses(c: type) -> set[type]:
         return {s for d in c.__subclasses__() for s in {d, *subclasses(d)}}
 
     found = subclasses(Runtime)
-    assert {DistributedRuntime, SequentialRuntime, ThreadsRuntime, *DNA_RUNTIMES.values()} <= found
-    assert all(c.__new__ is Runtime.__new__ for c in found), "a runtime overrides __new__ and skips the setting"
+    assert {DistributedRuntime, SequentialRuntime, ThreadsRuntime, DNARuntime, DNAPerBlockRuntime} <= found
+    assert set(RUNTIME_CLASSES.values()) <= found
+    assert all(c.__new__ is object.__new__ for c in found), "a runtime allocates with a side effect"
+    steps_then: list[int] = []
+    trainers: list[Any] = []
+    monkeypatch.setattr(trainer_module, "keep_freed_memory",
+                        lambda: steps_then.append(sum(r.steps for r in trainers[0].runners)))
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 3, 16, 16), torch.zeros(4, dtype=torch.long)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ppll = ppll_compile.compile(conv_student(), 2, example_inputs=(x,), split_points=["5"])
+        pipebd = ppll_compile.compile(conv_student(), teacher=conv_teacher(), example_inputs=(x,),
+                                      split_points=["5"], replicas=(1, 1))
+    sgd = lambda p: torch.optim.SGD(p, lr=0.01)  # noqa: E731
+    for name, compiled, by_step in [("sequential", ppll, True), ("threads", ppll, True), ("threads", ppll, False),
+                                    ("dna", pipebd, True), ("dna-per-block", pipebd, False)]:
+        steps_then.clear()
+        trainers[:] = [compiled.trainer(optimizer=sgd, runtime=name)]
+        assert steps_then == [], name
+        if by_step:
+            trainers[0].step(x, y)
+            trainers[0].step(x, y)
+        else:
+            trainers[0].fit([(x, y), (x, y)], progress=False)
+        trainers[0].close()
+        assert steps_then == [0], (name, by_step, steps_then)  # once, before the first step
 
 
 def test_setting_reads_well() -> None:

@@ -1,16 +1,25 @@
-"""``Runtime``: what a trainer drives (step, finish, evaluate, an epoch loop), and the losses and tallies it returns."""
+"""``Runtime``: what a trainer drives (step, finish, evaluate, an epoch loop, a moved cut), what each runtime can do
+(its declared capabilities), how it is built, and the losses and tallies it returns."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeAlias
+
+import torch
 
 from ..errors import StageError
-from ..allocator import keep_freed_memory
+from ..lowered import Lowered
+from ..plan import Plan
+from .config import TrainConfig
 from .messages import Message, add_counts
+from .momentum import link_local
 from .runner import Runner
+from .runners import make_runners
 
-__all__ = ["Runtime", "Losses", "Counts", "progress_bar"]
+__all__ = ["Runtime", "RuntimeSetup", "Losses", "Counts", "progress_bar"]
 
 Losses = list[list[float]]
 """Per stage, the losses of the batches it finished since the last call, in order."""
@@ -19,8 +28,65 @@ Counts = list[tuple[tuple[float, ...] | None, int]]
 Pipe-BD stage each block's summed loss; ``None`` when not countable."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class RuntimeSetup:
+    """What a runtime is built from: the plan, its lowered modules, how every stage trains, and the trainer's
+    runtime options (each runtime reads those it needs)."""
+
+    plan: Plan
+    """The plan whose stages the runtime trains."""
+    lowered: Lowered
+    """The plan's stage modules and heads (the model's own parameters)."""
+    config: TrainConfig
+    """How every stage trains (optimizer and scheduler factories, loss, clipping, autocast, seed)."""
+    depth: int = 2
+    """Batches a queue between two stages holds (``queue_depth``)."""
+    queue: str = "fifo"
+    """The queue rule between stages: ``fifo``, ``latest`` or ``reuse``."""
+    threads_per_stage: int | None = None
+    """CPU threads each stage's worker uses (``None``: the machine's cores shared out)."""
+    timeout: float = 300.0
+    """Seconds a process waits for the others (process groups)."""
+    decoupled: bool = True
+    """``False``: a barrier of all the stages before every optimizer step."""
+
+    def local_runners(self) -> list[Runner]:
+        """A runner for every stage of the plan, each on its device, in this process (momentum heads linked to the
+        stage they follow)."""
+        k = self.plan.num_stages
+        runners = make_runners(self.plan, self.lowered, self.config, range(k),
+                               [torch.device(self.plan.devices[i]) for i in range(k)])
+        link_local(runners, self.lowered)
+        return runners
+
+    def threads_each(self) -> int:
+        """CPU threads per stage: ``threads_per_stage``, else the machine's cores shared out over the stages."""
+        return self.threads_per_stage or max(1, (os.cpu_count() or 1) // self.plan.num_stages)
+
+
 class Runtime:
-    """What a trainer drives: ``step`` one batch in, ``finish`` to drain, ``evaluate`` and an epoch loop."""
+    """What a trainer drives: ``step`` one batch in, ``finish`` to drain, ``evaluate`` and an epoch loop.
+
+    A runtime declares what it can do as class attributes (read by the trainer's option checks, never its name),
+    and :meth:`build` makes one from a :class:`RuntimeSetup`. A new runtime is a subclass in its own module and one
+    entry in :mod:`.registry`.
+    """
+
+    Setup: TypeAlias = RuntimeSetup
+    """What :meth:`build` is given (:class:`RuntimeSetup`, by a name every runtime's module has)."""
+    modes: ClassVar[tuple[str, ...]] = ("ppll", "pipebd")
+    """The plan kinds it trains: ``ppll`` (local learning) and/or ``pipebd`` (blockwise distillation)."""
+    queues: ClassVar[tuple[str, ...]] = ("fifo",)
+    """The queue rules between stages it runs (``fifo``, ``latest``, ``reuse``)."""
+    pipelined: ClassVar[bool] = False
+    """Whether its stages run at once, so that ``decoupled=False`` (a barrier before every step) applies."""
+    one_process_per_stage: ClassVar[bool] = False
+    """Whether every stage runs in another process (under torchrun)."""
+    can_move_cuts: ClassVar[bool] = False
+    """Whether a trainer may move its cuts (``rebalance=True``, ``replan``): it implements :meth:`drain` and
+    :meth:`replace_runners`."""
+    whole_fit: ClassVar[bool] = False
+    """Whether it trains over all the epochs itself (:meth:`fit`) instead of batch by batch (:meth:`epoch`)."""
 
     runners: list[Runner]
     """The stages this process runs (all of them, except under ``distributed``)."""
@@ -36,10 +102,10 @@ class Runtime:
     error: StageError | None = None
     """The failure of a stage, once one was raised; every later call raises it again."""
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> Runtime:
-        # every runtime starts alike: freed memory stays in the process for the next step (see ppll_compile.allocator)
-        keep_freed_memory()
-        return super().__new__(cls)
+    @classmethod
+    def build(cls, setup: RuntimeSetup) -> Runtime:
+        """The runtime for ``setup``, its runners built for ``setup.plan``."""
+        raise NotImplementedError(f"{cls.__name__} does not say how it is built; give it a build(setup) classmethod")
 
     @property
     def stopped(self) -> bool:
@@ -54,6 +120,21 @@ class Runtime:
     def finish(self) -> Losses:
         """Wait until every submitted batch went through every stage; the losses not yet returned."""
         raise NotImplementedError
+
+    def drain(self) -> None:
+        """Wait until every batch fed in went through every stage, keeping their losses for the next :meth:`step` or
+        :meth:`finish` (a runtime that ``can_move_cuts``)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot drain its stages (it cannot move cuts)")
+
+    def replace_runners(self, runners: list[Runner]) -> None:
+        """Train ``runners`` from the next batch on, as many as before (a moved cut; :meth:`drain` first)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot replace its stages (it cannot move cuts)")
+
+    def fit(self, loader: Iterable[Any], epochs: int, *, first: int = 0,
+            progress: bool | str = False) -> tuple[list[dict[str, Any]], int]:
+        """Train over every epoch of ``loader`` (a runtime with ``whole_fit``); per epoch the record
+        :meth:`~.trainer.Trainer.fit` gives, and the batch count after (batches numbered from ``first``)."""
+        raise NotImplementedError(f"{type(self).__name__} trains batch by batch (epoch), not over the whole data")
 
     def evaluate(self, messages: Iterable[Message]) -> Counts:
         """Eval-mode forward of every batch through every stage, with each stage's tally (see ``Counts``)."""

@@ -63,6 +63,16 @@ class DistributedRuntime(Runtime):
     on a failed process, even one that stays alive.
     """
 
+    queues = ("fifo", "latest", "reuse")
+    pipelined = True
+    one_process_per_stage = True
+
+    @classmethod
+    def build(cls, setup: Runtime.Setup) -> DistributedRuntime:
+        """This process's place in the process group (under torchrun) and the stage it trains."""
+        return cls(setup.plan, setup.lowered, setup.config, depth=setup.depth, queue=setup.queue,
+                   timeout=setup.timeout, decoupled=setup.decoupled)
+
     def __init__(self, plan: Plan, lowered: Lowered, config: TrainConfig, *, depth: int, queue: str,
                  timeout: float, decoupled: bool = True) -> None:
         self._owns_group = init_group(plan.world_size, timeout)

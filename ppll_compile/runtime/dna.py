@@ -33,7 +33,7 @@ from .rng import StageRNG, stream_seed
 from .runner import Runner
 from .runners import make_runners
 
-__all__ = ["DNARuntime", "DNAPerBlockRuntime", "DNA_RUNTIMES"]
+__all__ = ["DNARuntime", "DNAPerBlockRuntime"]
 
 
 class DNARuntime(Runtime):
@@ -48,6 +48,13 @@ class DNARuntime(Runtime):
     data, because each block depends only on the frozen teacher. A stage's blocks draw their randomness from
     one stream per batch, in block order, as the pipelined runtimes draw it.
     """
+
+    modes = ("pipebd",)
+
+    @classmethod
+    def build(cls, setup: Runtime.Setup) -> DNARuntime:
+        """Every block on this process (data-parallel under torchrun)."""
+        return cls(setup.plan, setup.lowered, setup.config, timeout=setup.timeout)
 
     def __init__(self, plan: Plan, lowered: Lowered, config: TrainConfig, *, timeout: float) -> None:
         self._owns_group = False
@@ -163,6 +170,8 @@ class DNAPerBlockRuntime(DNARuntime):
     on the shapes (dropout, drop-path), not on the values.
     """
 
+    whole_fit = True
+
     def __init__(self, plan: Plan, lowered: Lowered, config: TrainConfig, *, timeout: float) -> None:
         super().__init__(plan, lowered, config, timeout=timeout)
         self._plan, self._lowered, self._seed = plan, lowered, config.seed
@@ -209,7 +218,7 @@ class DNAPerBlockRuntime(DNARuntime):
         return out
 
     def fit(self, loader: Iterable[Any], epochs: int, *, first: int = 0,
-            progress: bool = False) -> tuple[list[dict[str, Any]], int]:
+            progress: bool | str = False) -> tuple[list[dict[str, Any]], int]:
         """Train every block in turn over ``epochs`` passes of ``loader``; per epoch the record that
         :meth:`Trainer.fit` gives, and the batch count after (batches are numbered from ``first``).
 
@@ -224,7 +233,7 @@ class DNAPerBlockRuntime(DNARuntime):
         for k, (r, i, _) in enumerate(self._parts):
             for e in range(epochs):
                 bar = progress_bar(total, f"block {k + 1}/{len(self._parts)}, epoch {e + 1}/{epochs}",
-                                progress and self.is_main)
+                                   bool(progress) and self.is_main)
                 start = time.perf_counter()
                 try:
                     done = self._block_pass(k, loader, first + sum(batches[:e]), bar)
@@ -258,7 +267,3 @@ def _replay(block: nn.Module, inputs: tuple[Any, ...]) -> None:
     for b, value in zip(block.buffers(), saved):
         b.copy_(value)
 
-
-
-DNA_RUNTIMES: dict[str, type[DNARuntime]] = {"dna": DNARuntime, "dna-per-block": DNAPerBlockRuntime}
-"""The DNA baselines by runtime name (``pipebd`` plans only)."""

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from ..errors import PPLLError
 from ..plan import Plan
 
-__all__ = ["Placement", "init_group", "release", "abort", "rank_device", "check_world", "check_same_plan", "place",
-           "stage_group"]
+__all__ = ["Placement", "init_group", "release", "abort", "rank_device", "check_world", "check_same_plan",
+           "plan_identity", "plan_mismatch", "place", "stage_group"]
 
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _ABORT_TAG = 0x7A11  # a tag no message is ever sent with
@@ -112,18 +112,31 @@ def check_world(plan: Plan, world: int, queue: str) -> None:
                         f'on the same batches; compile with replicas=False or use queue="fifo"')
 
 
+def plan_identity(plan: Plan) -> dict[str, Any]:
+    """What every rank's plan must share: cuts, heads, replicas and blocks."""
+    return {"cuts": list(plan.cuts), "heads": [s.head.config for s in plan.stages],
+            "replicas": [s.replicas for s in plan.stages], "blocks": [list(s.blocks) for s in plan.stages]}
+
+
+def plan_mismatch(plans: list[dict[str, Any]]) -> str | None:
+    """What to tell the user when the :func:`plan_identity` of every rank (in rank order) are not all the same;
+    ``None`` when they are."""
+    differ = [r for r, p in enumerate(plans) if p != plans[0]]
+    if not differ:
+        return None
+    other = " (and other heads or replicas)" if plans[0]["cuts"] == plans[differ[0]]["cuts"] else ""
+    return (f"the processes compiled different plans: rank 0 cuts after {plans[0]['cuts']}, rank "
+            f"{differ[0]} after {plans[differ[0]]['cuts']}{other}. Plan once (e.g. "
+            "plan.save('plan.json') on one process) and compile with plan='plan.json' on every rank")
+
+
 def check_same_plan(plan: Plan, world: int) -> None:
     """Every rank must run the same cuts and heads: a plan measured by time may differ from process to process."""
-    mine = {"cuts": list(plan.cuts), "heads": [s.head.config for s in plan.stages],
-            "replicas": [s.replicas for s in plan.stages], "blocks": [list(s.blocks) for s in plan.stages]}
     plans: list[Any] = [None] * world
-    dist.all_gather_object(plans, mine)
-    differ = [r for r, p in enumerate(plans) if p != plans[0]]
-    if differ:
-        other = " (and other heads or replicas)" if plans[0]["cuts"] == plans[differ[0]]["cuts"] else ""
-        raise PPLLError(f"the processes compiled different plans: rank 0 cuts after {plans[0]['cuts']}, rank "
-                        f"{differ[0]} after {plans[differ[0]]['cuts']}{other}. Plan once (e.g. "
-                        "plan.save('plan.json') on one process) and compile with plan='plan.json' on every rank")
+    dist.all_gather_object(plans, plan_identity(plan))
+    mismatch = plan_mismatch(plans)
+    if mismatch is not None:
+        raise PPLLError(mismatch)
 
 
 @dataclass(frozen=True, kw_only=True)

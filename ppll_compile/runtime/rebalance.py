@@ -28,17 +28,21 @@ import numbers
 import statistics
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
+from ..lowered import Lowered
 from ..plan import Plan
+from .base import Runtime
+from .registry import runtime_names
 from .rng import stream_seed
 from .runner import Runner
 
-__all__ = ["REBALANCE_STEPS", "REBALANCE_THRESHOLD", "Rebalance", "Move", "check_rebalance", "median_seconds",
-           "shrinking_moves", "estimate_times", "choose_move", "head_seed", "StateSnapshot", "carry_state"]
+__all__ = ["REBALANCE_STEPS", "REBALANCE_THRESHOLD", "Replanning", "Rebalance", "Move", "check_rebalance",
+           "median_seconds", "shrinking_moves", "estimate_times", "choose_move", "head_seed", "StateSnapshot",
+           "carry_state"]
 
 REBALANCE_STEPS = 20
 """Training steps measured before a rebalancing check (``rebalance_steps``)."""
@@ -46,6 +50,19 @@ REBALANCE_THRESHOLD = 0.1
 """How much faster (a fraction) the slowest stage must get for a cut to move (``rebalance_threshold``)."""
 _HEAD_STREAM = 0x4EAD
 """Stands for the replica in :func:`~.rng.stream_seed` when seeding a new head: a stream no forward draws from."""
+
+
+class Replanning(Protocol):
+    """What plans and re-splits a compiled pipeline for a move (:class:`~ppll_compile.pipeline.Replanner`)."""
+
+    def check(self) -> None:
+        """Raise saying why the pipeline's cuts cannot move (if they cannot)."""
+
+    def candidate(self, cuts: Sequence[str]) -> Plan:
+        """The plan with the cuts ``cuts``, costed afresh."""
+
+    def recut(self, cuts: Sequence[str], *, seed: int | None, note: str | None = None) -> tuple[Plan, Lowered]:
+        """Re-split the pipeline at ``cuts``: the new plan and modules."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,10 +97,10 @@ class Move:
         return iter((self.batch, self.old_cuts, self.new_cuts, self.times))
 
 
-def check_rebalance(rebalance: Any, steps: Any, threshold: Any, policy: Any, *, runtime: str, plan: Plan
-                    ) -> Rebalance | None:
-    """The rebalancing the trainer options ask for (``None``: none), each option checked alone and with the runtime
-    and the plan's kind."""
+def check_rebalance(rebalance: Any, steps: Any, threshold: Any, policy: Any, *, runtime: str, kind: type[Runtime],
+                    plan: Plan, replanner: Replanning | None) -> Rebalance | None:
+    """The rebalancing the trainer options ask for (``None``: none), each option checked alone and with the plan's
+    kind, what the runtime ``runtime`` (of class ``kind``) can do and whether ``replanner`` can move the cuts."""
     if not isinstance(rebalance, bool):
         raise TypeError(f"rebalance must be True or False (measure the stages and move a cut when that makes the "
                         f"slowest one faster), got {rebalance!r}")
@@ -103,13 +120,18 @@ def check_rebalance(rebalance: Any, steps: Any, threshold: Any, policy: Any, *, 
     if plan.mode != "ppll":
         raise ValueError("rebalance=True moves the cuts of a ppll plan; a pipebd plan's stages are distillation "
                          "blocks: re-plan it with blocks=... (or more replicas=) instead")
-    if runtime == "distributed":
-        raise ValueError("rebalance=True moves layers between stages of one process; under runtime='distributed' "
-                         "every stage is another process. Measure and rebalance with runtime='threads' on one "
-                         "machine, save the plan it ends with (trainer.plan.save('plan.yaml')), and compile with "
-                         "plan='plan.yaml' for torchrun")
-    if runtime not in ("sequential", "threads"):
-        raise ValueError(f"rebalance=True applies to the runtimes 'sequential' and 'threads', not {runtime!r}")
+    if kind.one_process_per_stage:
+        raise ValueError(f"rebalance=True moves layers between stages of one process; under runtime={runtime!r} "
+                         f"every stage is another process. Measure and rebalance with runtime='threads' on one "
+                         f"machine, save the plan it ends with (trainer.plan.save('plan.yaml')), and compile with "
+                         f"plan='plan.yaml' for torchrun")
+    if not kind.can_move_cuts:
+        movers = " and ".join(map(repr, runtime_names(plan.mode, lambda c: c.can_move_cuts)))
+        raise ValueError(f"rebalance=True applies to the runtimes {movers}, not {runtime!r}")
+    if replanner is None:
+        raise ValueError("rebalance=True re-splits the compiled pipeline's model; build the trainer with "
+                         "compiled.trainer(..., rebalance=True)")
+    replanner.check()
     return Rebalance(steps=steps, threshold=float(threshold))
 
 

@@ -15,6 +15,13 @@ __all__ = ["SequentialRuntime"]
 class SequentialRuntime(Runtime):
     """Every stage in order on each batch, in the calling thread: local learning without pipelining."""
 
+    can_move_cuts = True
+
+    @classmethod
+    def build(cls, setup: Runtime.Setup) -> SequentialRuntime:
+        """Every stage of ``setup.plan`` on its device, in this thread."""
+        return cls(setup.local_runners())
+
     def __init__(self, runners: list[Runner]) -> None:
         self.runners = runners
         self.num_stages = len(runners)

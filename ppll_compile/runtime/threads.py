@@ -43,6 +43,16 @@ class ThreadsRuntime(Runtime):
     (relaying alone, without decoupled updates).
     """
 
+    queues = ("fifo", "latest", "reuse")
+    pipelined = True
+    can_move_cuts = True
+
+    @classmethod
+    def build(cls, setup: Runtime.Setup) -> ThreadsRuntime:
+        """A worker thread for every stage of ``setup.plan`` on its device, with its share of the CPU threads."""
+        return cls(setup.local_runners(), depth=setup.depth, queue=setup.queue, threads_per_stage=setup.threads_each(),
+                   decoupled=setup.decoupled)
+
     def __init__(self, runners: list[Runner], *, depth: int, queue: str, threads_per_stage: int,
                  decoupled: bool = True) -> None:
         self.runners = runners

@@ -1,0 +1,113 @@
+"""The runtimes by name, and the trainer's options checked against what the chosen runtime declares it can do."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..plan import Plan
+from .base import Runtime
+from .distributed import DistributedRuntime
+from .dna import DNAPerBlockRuntime, DNARuntime
+from .sequential import SequentialRuntime
+from .threads import ThreadsRuntime
+
+__all__ = ["RUNTIME_CLASSES", "RUNTIMES", "QUEUES", "register", "runtime_class", "runtime_names", "check_options",
+           "autocast_per_stage"]
+
+RUNTIME_CLASSES: dict[str, type[Runtime]] = {
+    "sequential": SequentialRuntime,
+    "threads": ThreadsRuntime,
+    "distributed": DistributedRuntime,
+    "dna": DNARuntime,
+    "dna-per-block": DNAPerBlockRuntime,
+}
+"""Every runtime a trainer can be built with, by the name ``compiled.trainer(runtime=...)`` takes; a runtime's
+capabilities are its class attributes (see :class:`~.base.Runtime`)."""
+QUEUES = ("fifo", "latest", "reuse")
+"""The queue rules between stages (``queue=``)."""
+
+
+def runtime_names(mode: str | None = None, where: Callable[[type[Runtime]], bool] = lambda c: True) -> list[str]:
+    """The names of the runtimes that train plans of kind ``mode`` (any kind: ``None``) and satisfy ``where``, in
+    the registry's order."""
+    return [n for n, c in RUNTIME_CLASSES.items() if (mode is None or mode in c.modes) and where(c)]
+
+
+RUNTIMES = tuple(runtime_names("ppll"))
+"""The runtimes of a ``ppll`` plan; a ``pipebd`` plan also takes the DNA baselines (``dna``, ``dna-per-block``)."""
+
+
+def register(name: str, cls: type[Runtime]) -> type[Runtime]:
+    """Make ``cls`` (a :class:`~.base.Runtime` with its capabilities and ``build``) the runtime called ``name``."""
+    if not (isinstance(cls, type) and issubclass(cls, Runtime)):
+        raise TypeError(f"a runtime is a subclass of ppll_compile.runtime.base.Runtime, got {cls!r}")
+    if name in RUNTIME_CLASSES and RUNTIME_CLASSES[name] is not cls:
+        raise ValueError(f"runtime {name!r} is taken by {RUNTIME_CLASSES[name].__name__}; register {cls.__name__} "
+                         f"under another name")
+    RUNTIME_CLASSES[name] = cls
+    return cls
+
+
+def runtime_class(name: Any, plan: Plan) -> type[Runtime]:
+    """The runtime called ``name``, if it trains ``plan``'s kind; else an error listing those that do."""
+    choices = runtime_names(plan.mode)
+    _check_choice("runtime", name, choices)
+    return RUNTIME_CLASSES[name]
+
+
+def _check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not known; choose one of {', '.join(choices)}")
+
+
+def _quoted(names: Sequence[str], joint: str) -> str:
+    """``"a", "b" and "c"`` (``joint``: and, or)."""
+    quoted = [f'"{n}"' for n in names]
+    return f" {joint} ".join([", ".join(quoted[:-1]), quoted[-1]] if len(quoted) > 1 else quoted)
+
+
+def check_options(plan: Plan, *, runtime: str, queue: str, optimizer: Any, queue_depth: Any, loss: Any,
+                  decoupled: bool, trace: Any, seed: Any) -> type[Runtime]:
+    """The trainer's options, each alone and together with the plan's kind and what the runtime declares; the
+    runtime's class."""
+    cls = runtime_class(runtime, plan)
+    _check_choice("queue", queue, QUEUES)
+    if not callable(optimizer):
+        raise TypeError(f"optimizer must be a factory fn(params) -> torch.optim.Optimizer, e.g. "
+                        f"lambda p: torch.optim.SGD(p, lr=0.1); got {optimizer!r}")
+    if not (isinstance(queue_depth, int) and queue_depth >= 1):
+        raise ValueError(f"queue_depth must be an integer >= 1, got {queue_depth!r}")
+    if queue not in cls.queues:
+        able = runtime_names(plan.mode, lambda c: queue in c.queues)
+        why = "never waits" if not cls.pipelined else f"runs {', '.join(cls.queues)} queues only"
+        raise ValueError(f'queue="{queue}" needs a pipelined runtime ({_quoted(able, "or")}); the {runtime} runtime '
+                         f'{why}')
+    if plan.mode == "pipebd" and loss is not None:
+        raise ValueError("a pipebd plan trains on the distillation losses of its policy; drop loss= and "
+                         "compile with policy=... (pipebd, mse, kl or your YAML file) instead")
+    if not decoupled and (queue != "fifo" or not cls.pipelined):
+        pipelined = runtime_names(plan.mode, lambda c: c.pipelined)
+        raise ValueError(f'decoupled=False (a barrier of all the stages before every optimizer step) applies to the '
+                         f'pipelined runtimes {_quoted(pipelined, "and")} with queue="fifo"')
+    if not isinstance(trace, bool):
+        raise TypeError(f"trace must be True or False, got {trace!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise TypeError(f"seed must be an int (the seed of every stage's dropout and other training randomness) "
+                        f"or None (draw from torch's global generator, unseeded); got {seed!r}")
+    return cls
+
+
+def autocast_per_stage(value: Any, n: int) -> tuple[torch.dtype | None, ...]:
+    """The ``autocast`` option as one dtype-or-None per stage of ``n`` (empty: none anywhere)."""
+    if value is None:
+        return ()
+    if isinstance(value, torch.dtype):
+        return (value,) * n
+    if isinstance(value, Sequence) and len(value) == n and all(v is None or isinstance(v, torch.dtype)
+                                                                 for v in value):
+        return tuple(value)
+    raise ValueError(f"autocast must be a dtype (e.g. torch.bfloat16), None, or one dtype-or-None per stage "
+                     f"({n} stages); got {value!r}")
