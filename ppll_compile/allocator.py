@@ -2,11 +2,11 @@
 (its gradients, under ``zero_grad(set_to_none=True)``) is not handed back to the kernel and faulted in again.
 
 A trainer calls :func:`keep_freed_memory` before its first training step, whatever its runtime (never earlier:
-building a trainer or a runtime leaves the allocator alone, and planning never sets
-it: glibc cannot read these settings back, so a plan could not restore them). Without it, glibc gives the freed gradients back (it
-trims the top of the main heap, unmaps chunks above its mmap threshold and drops whole heaps of a thread's arena),
-and the next backward takes a minor page fault for every page it writes into them: thousands per step for a
-ResNet-18 stage, in worker threads above all. The three settings, applied at run time (thread arenas that
+building a trainer or a runtime leaves the allocator alone, and planning never sets it: glibc cannot read these
+settings back, so a plan could not restore them). Without it, glibc gives the freed gradients back (it trims the
+top of the main heap, unmaps chunks above its mmap threshold and drops whole heaps of a thread's arena), and the
+next backward takes a minor page fault for every page it writes into them: thousands per step for a ResNet-18
+stage, in worker threads above all. The three settings, applied at run time (thread arenas that
 exist already included):
 
 - ``M_MMAP_THRESHOLD`` 32 MiB (glibc's largest): blocks below it come from the heaps, not from ``mmap``;
