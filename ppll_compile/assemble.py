@@ -148,7 +148,8 @@ def assemble_ppll(model: str, a: Analysis, heads: Mapping[int, HeadSpec], costs:
     or over its ``measured`` time (by first and last segment) under a time profile; its all-reduce counts a
     parameter shared inside the stage once. A head that saves its input, which the stage saves already, does
     not count it twice."""
-    devices = stage_devices(sum(layout.replicas), opts.devices)
+    used = sum(layout.replicas)  # the replica partitioner may use fewer devices than given
+    devices = stage_devices(used, opts.devices[:used] if opts.devices else None)
     multi = tuple(c.node for c in a.cuts if len(c.boundary) > 1)
     last_stage = len(layout.ends) - 1
     head_grad = costs.head_grad_bytes
