@@ -1,4 +1,4 @@
-"""The partitioning problem every solver reads, its errors, and the float64 prefix sums solvers evaluate it with."""
+"""The partitioning problem every solver reads, its checks and errors, and the arrays solvers evaluate it with."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from torch import nn
 import partitioners
 import ppll_compile
 from partitioners.objective import Segments, stage_seconds
-from partitioners.replicas import ReplicaProblem, brute_force_replicated, layout_costs, solve_replicated
+from partitioners.replicas import brute_force_replicated, layout_costs, solve_replicated
 from ppll_compile import api
 from ppll_compile.errors import InfeasibleMemoryError, PartitionError, PPLLError
 from partitioners.problem import format_bytes
