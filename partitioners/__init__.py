@@ -6,7 +6,8 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 
-from .problem import Arrays, InfeasibleMemoryError, PartitionError, Problem, check_ends, check_stages, infeasible
+from .errors import InfeasibleMemoryError, PartitionError
+from .problem import Arrays, Problem, check_ends, check_stages, infeasible
 
 __all__ = [
     "Problem",

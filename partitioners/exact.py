@@ -8,6 +8,7 @@ import math
 import numpy as np
 
 from . import register
+from .objective import Segments, stage_seconds
 from .problem import Arrays, Problem, infeasible
 
 __all__ = ["exact_partition"]
@@ -34,14 +35,14 @@ def exact_partition(problem: Problem, num_stages: int) -> tuple[int, ...]:
 def _dynamic(t: Arrays) -> tuple[int, ...]:
     """The min-max partition by a DP over (stage, end), every start tried: for costs with a ``start`` term, which the
     probes' window bounds do not cover. ``O(k n^2)``."""
-    n, k = len(t.comm), len(t.speeds)
+    n, k = len(t.segments.comm), len(t.speeds)
     a, b = np.arange(n)[:, None], np.arange(1, n + 1)[None, :]
     memory = np.where(a < b, t.memory_top[b - 1] - t.memory_prefix[a], math.inf)
     best = np.full((k + 1, n + 1), math.inf)
     best[0, 0] = 0.0
     start = np.zeros((k + 1, n + 1), dtype=int)
     for j in range(k):
-        cost = (t.compute_top[b - 1] - t.compute_bottom[a]) / t.speeds[j] + t.comm[b - 1]
+        cost = t.segments.cost(a, b, speed=t.speeds[j])
         cost = np.where((a < b) & (memory <= t.caps[j]), cost, math.inf)
         step = np.maximum(best[j][:n, None], cost)
         best[j + 1, 1:], start[j + 1, 1:] = step.min(axis=0), step.argmin(axis=0)
@@ -56,13 +57,11 @@ def _dynamic(t: Arrays) -> tuple[int, ...]:
 
 def _min_limit(t: Arrays) -> float:
     """Smallest uniform memory cap that some partition fits: the min-max over stage memory instead of time."""
-    k = len(t.speeds)
+    k, n = len(t.speeds), len(t.memory_top)
     by_memory = dataclasses.replace(
         t,
-        compute_prefix=t.memory_prefix,
-        compute_top=t.memory_top,
-        compute_bottom=t.memory_prefix[:-1],
-        comm=np.zeros(len(t.comm)),
+        segments=Segments(compute_prefix=t.memory_prefix, compute_top=t.memory_top, compute_bottom=t.memory_prefix,
+                          comm=np.zeros(n), grad_prefix=np.zeros(n + 1), grad_top=np.zeros(n)),
         speeds=np.ones(k),
         caps=np.full(k, math.inf),
     )
@@ -80,7 +79,7 @@ def _min_max(t: Arrays, ends: tuple[int, ...]) -> tuple[int, ...]:
     Probes start just above the lower bound ``total compute / total speed``, where the reachability
     windows are narrow and probes cheap, and widen towards bisection after each failure.
     """
-    lo = float(t.compute_prefix[-1] / t.speeds.sum()) * (1 - _SLACK)
+    lo = float(t.segments.compute_prefix[-1] / t.speeds.sum()) * (1 - _SLACK)
     hi, fraction = _bottleneck(t, ends), 1 / 64
     while lo < hi:
         limit = lo + (hi - lo) * fraction
@@ -105,8 +104,8 @@ def _probe(t: Arrays, limit: float) -> tuple[tuple[int, ...] | None, float]:
     a stage cannot end after compute ``limit * speed`` beyond the last reachable position, nor so early
     that the later stages cannot carry the rest of the compute at ``limit``.
     """
-    n, k = len(t.comm), len(t.speeds)
-    prefix, total = t.compute_prefix, float(t.compute_prefix[-1])
+    n, k = len(t.segments.comm), len(t.speeds)
+    prefix, total = t.segments.compute_prefix, float(t.segments.compute_prefix[-1])
     later_speed = np.append(np.cumsum(t.speeds[::-1])[-2::-1], 0.0)  # total speed of the stages after j
     positions = np.arange(n)
     reach = np.zeros(n + 1, dtype=bool)
@@ -130,7 +129,9 @@ def _probe(t: Arrays, limit: float) -> tuple[tuple[int, ...] | None, float]:
         if low > high:
             return None, bound
         start = np.maximum.accumulate(positions[first:high] * reach[first:high])[low - 1 - first :]
-        cost = (t.compute_top[low - 1 : high] - prefix[start]) / t.speeds[j] + t.comm[low - 1 : high]
+        compute, send = stage_seconds(t.segments.compute_top[low - 1 : high] - prefix[start],
+                                      t.segments.comm[low - 1 : high], speed=t.speeds[j])
+        cost = compute + send  # start[a] is 0 here (else _dynamic): prefix[start] is the stage's bottom
         good = cost <= limit
         over = ~good
         if t.caps[j] < math.inf:

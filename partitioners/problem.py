@@ -1,4 +1,4 @@
-"""The partitioning problem every solver reads, its errors, and the float64 prefix sums solvers evaluate it with."""
+"""The partitioning problem every solver reads, its checks and errors, and the arrays solvers evaluate it with."""
 
 from __future__ import annotations
 
@@ -8,23 +8,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import InfeasibleMemoryError, PartitionError
+from .objective import Segments
+
 __all__ = ["Problem", "PartitionError", "InfeasibleMemoryError", "Arrays", "vector", "check_stages", "check_ends",
            "infeasible", "format_bytes"]
-
-
-class PartitionError(ValueError):
-    """A partitioning problem or request that cannot be solved as given."""
-
-
-class InfeasibleMemoryError(PartitionError):
-    """No partition into the requested number of stages fits the per-device memory limits.
-
-    ``min_limit`` is the smallest uniform per-device limit that admits a partition into as many stages.
-    """
-
-    def __init__(self, message: str, *, min_limit: float) -> None:
-        super().__init__(message)
-        self.min_limit = min_limit
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,7 +20,8 @@ class Problem:
     """Per-segment costs of a model cut into ``n`` atomic segments, plus the devices' speeds and memory limits.
 
     A stage ``j`` covering segments ``[a, b)`` costs
-    ``(sum(compute[a:b]) - start[a] + head[b-1]) / speeds[j] + comm[b-1]`` seconds and needs
+    ``(sum(compute[a:b]) - start[a] + head[b-1]) / speeds[j] + comm[b-1]`` seconds (the objective of
+    :mod:`partitioners.objective` on one replica) and needs
     ``sum(memory[a:b]) + head_memory[b-1]`` bytes, which must not exceed ``memory_limit[j]``.
     ``None`` means zeros for per-segment fields, ones for ``speeds`` and no cap for ``memory_limit``.
     Sums are evaluated as differences of float64 prefix sums, identically by every function here, so
@@ -84,14 +73,8 @@ class Problem:
 class Arrays:
     """A validated problem for a fixed stage count, as prefix sums and per-cut terms in float64."""
 
-    compute_prefix: np.ndarray
-    """``compute_prefix[i]`` is the summed compute of segments ``0 .. i-1`` (length n + 1)."""
-    compute_top: np.ndarray
-    """``compute_prefix[b] + head[b-1]`` at index ``b-1``: what a stage ending at ``b`` adds before its start."""
-    compute_bottom: np.ndarray
-    """``compute_prefix[a] + start[a]`` at index ``a``: what a stage starting at ``a`` takes off (length n)."""
-    comm: np.ndarray
-    """Per segment ``i``: send time of the boundary after ``i``."""
+    segments: Segments
+    """The per-segment seconds as the sums the stage-cost objective reads."""
     memory_prefix: np.ndarray
     """``memory_prefix[i]`` is the summed memory of segments ``0 .. i-1`` (length n + 1)."""
     memory_top: np.ndarray
@@ -106,38 +89,29 @@ class Arrays:
         """Check the stage count against ``problem`` and precompute the arrays every solver works on."""
         n = len(problem.compute)
         check_stages(num_stages, n)
-
-        def column(values: Sequence[float] | None) -> np.ndarray:
-            return np.zeros(n) if values is None else np.asarray(values, dtype=np.float64)
-
-        compute_prefix = np.concatenate(([0.0], np.cumsum(column(problem.compute))))
-        memory_prefix = np.concatenate(([0.0], np.cumsum(column(problem.memory))))
+        memory_prefix = np.concatenate(([0.0], np.cumsum(np.zeros(n) if problem.memory is None
+                                                         else np.asarray(problem.memory, dtype=np.float64))))
+        head_memory = np.zeros(n) if problem.head_memory is None else np.asarray(problem.head_memory, np.float64)
         return cls(
-            compute_prefix=compute_prefix,
-            compute_top=compute_prefix[1:] + column(problem.head),
-            compute_bottom=compute_prefix[:-1] + column(problem.start),
-            comm=column(problem.comm),
+            segments=Segments.of(problem.compute, head=problem.head, comm=problem.comm, start=problem.start),
             memory_prefix=memory_prefix,
-            memory_top=memory_prefix[1:] + column(problem.head_memory),
+            memory_top=memory_prefix[1:] + head_memory,
             speeds=_per_device("speeds", problem.speeds, num_stages, 1.0),
             caps=_per_device("memory_limit", problem.memory_limit, num_stages, math.inf),
         )
 
     def stage_cost(self, j: int, a: int, b: int) -> float:
-        """Time of stage ``j`` over segments ``[a, b)``; the exact solver evaluates this same expression."""
-        return float((self.compute_top[b - 1] - self.compute_bottom[a]) / self.speeds[j] + self.comm[b - 1])
+        """Time of stage ``j`` over segments ``[a, b)``: the objective of :mod:`partitioners.objective`."""
+        return float(self.segments.cost(a, b, speed=self.speeds[j]))
 
     @property
     def starts(self) -> bool:
         """Whether a stage's cost depends on where it starts beyond its segments (``start`` is not all zero)."""
-        return bool((self.compute_bottom != self.compute_prefix[:-1]).any())
+        return bool((self.segments.compute_bottom != self.segments.compute_prefix).any())
 
     def stage_memory(self, a: int, b: int) -> float:
         """Bytes of a stage over segments ``[a, b)``; the exact solver evaluates this same expression."""
         return float(self.memory_top[b - 1] - self.memory_prefix[a])
-
-
-
 
 
 def _per_device(name: str, values: float | Sequence[float] | None, num_stages: int, default: float) -> np.ndarray:

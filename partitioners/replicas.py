@@ -10,28 +10,23 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .problem import InfeasibleMemoryError, PartitionError, check_ends, format_bytes, vector
+from .errors import InfeasibleMemoryError, PartitionError
+from .objective import Segments
+from .problem import check_ends, format_bytes, vector
 
 __all__ = ["ReplicaProblem", "Layout", "solve_replicated", "solve_fixed_replicas", "brute_force_replicated",
-           "layout_costs", "allreduce_seconds"]
+           "layout_costs"]
 
 _SEGMENT_FIELDS = ("head", "comm", "start", "grad_bytes", "head_grad_bytes", "memory", "head_memory")
-
-
-def allreduce_seconds(nbytes, replicas, bandwidth):
-    """Seconds of a ring all-reduce of ``nbytes`` over ``replicas`` devices: ``2 (r-1)/r * nbytes / bandwidth``.
-
-    Exactly 0 for one replica; scalars or broadcast arrays, identical bits either way.
-    """
-    return 2 * (replicas - 1) / replicas * nbytes / bandwidth
 
 
 @dataclass(frozen=True, kw_only=True)
 class ReplicaProblem:
     """Per-segment costs of a model cut into ``n`` segments, to be laid out as replicated stages on ``devices`` devices.
 
-    A stage over segments ``[a, b)`` with ``r`` replicas costs ``work / r + sync`` seconds, where
-    ``work = sum(compute[a:b]) - start[a] + head[b-1] + comm[b-1]`` and, when ``r > 1``,
+    A stage over segments ``[a, b)`` with ``r`` replicas costs ``(work + comm[b-1]) / r + sync`` seconds (the
+    objective of :mod:`partitioners.objective` at speed 1), where ``work = sum(compute[a:b]) - start[a] + head[b-1]``
+    and, when ``r > 1``,
     ``sync = 2 (r-1)/r * (sum(grad_bytes[a:b]) + head_grad_bytes[b-1]) / allreduce_bandwidth``; each replica
     needs ``sum(memory[a:b]) + head_memory[b-1]`` bytes. ``None`` means zeros for per-segment fields. With
     ``split_compute`` (measured times at each replica's share of the batch), ``sum(compute[a:b]) / r`` is
@@ -144,7 +139,7 @@ def solve_replicated(problem: ReplicaProblem) -> Layout:
     Raises ``InfeasibleMemoryError`` (with the smallest memory limit that would work) when no layout fits.
     """
     t = _Tables.of(problem)
-    n, counts = len(t.work_top), _stage_counts(problem)
+    n, counts = len(t.memory_top), _stage_counts(problem)
     a, b = np.arange(n + 1)[:, None], np.arange(n + 1)[None, :]
     memory = np.where(a < b, _memory(t, a, np.maximum(b, 1)), math.inf)
     min_limit = float(min(_layers(memory, np.maximum, max(counts))[s, n] for s in counts))
@@ -183,7 +178,7 @@ def solve_fixed_replicas(problem: ReplicaProblem, replicas: Sequence[int]) -> La
     A min-max DP over (stage, end); ``problem.stages`` and ``max_replicas`` are ignored (the replicas are given).
     """
     t = _Tables.of(problem)
-    n, k = len(t.work_top), len(replicas)
+    n, k = len(t.memory_top), len(replicas)
     if not (1 <= k <= n) or not all(_is_whole(r) and r >= 1 for r in replicas):
         raise PartitionError(f"replicas {tuple(replicas)} must be 1 to {n} positive whole numbers, one per stage "
                              f"of {n} segments")
@@ -211,7 +206,7 @@ def solve_fixed_replicas(problem: ReplicaProblem, replicas: Sequence[int]) -> La
 def brute_force_replicated(problem: ReplicaProblem) -> Layout:
     """Reference layout found by trying every stage split and every replica assignment; for small problems and tests."""
     t = _Tables.of(problem)
-    n = len(t.work_top)
+    n = len(t.memory_top)
     best: tuple[tuple[float, int, int], Layout] | None = None
     min_limit = math.inf
     for k in _stage_counts(problem):
@@ -234,7 +229,7 @@ def brute_force_replicated(problem: ReplicaProblem) -> Layout:
 def layout_costs(problem: ReplicaProblem, ends: Sequence[int], replicas: Sequence[int]) -> list[float]:
     """Time in seconds of each stage of the layout ``ends`` with ``replicas`` per stage."""
     t = _Tables.of(problem)
-    check_ends(tuple(ends), len(t.work_top))
+    check_ends(tuple(ends), len(t.memory_top))
     if len(replicas) != len(ends):
         raise PartitionError(
             f"{len(replicas)} replica counts for {len(ends)} stages; expected one replica count per stage"
@@ -257,23 +252,12 @@ def layout_costs(problem: ReplicaProblem, ends: Sequence[int], replicas: Sequenc
 class _Tables:
     """A validated problem as float64 prefix sums and per-cut terms."""
 
-    compute_prefix: np.ndarray
-    """``compute_prefix[i]`` is the summed compute of segments ``0 .. i-1`` (length n + 1)."""
-    compute_bottom: np.ndarray
-    """``compute_prefix[a] + start[a]`` at index ``a`` (and ``compute_prefix[n]`` at ``n``): what a stage starting at
-    ``a`` takes off."""
-    work_top: np.ndarray
-    """``compute_prefix[b] + head[b-1] + comm[b-1]`` at index ``b-1``: a stage's work ending at ``b``, from 0."""
-    grad_prefix: np.ndarray
-    """``grad_prefix[i]`` is the summed gradient bytes of segments ``0 .. i-1`` (length n + 1)."""
-    grad_top: np.ndarray
-    """``grad_prefix[b] + head_grad_bytes[b-1]`` at index ``b-1``."""
+    segments: Segments
+    """The per-segment seconds and gradient bytes as the sums the stage-cost objective reads."""
     memory_prefix: np.ndarray
     """``memory_prefix[i]`` is the summed memory of segments ``0 .. i-1`` (length n + 1)."""
     memory_top: np.ndarray
     """``memory_prefix[b] + head_memory[b-1]`` at index ``b-1``."""
-    split_prefix: np.ndarray | None
-    """``split_prefix[r-2, i]``: summed ``split_compute[r-2]`` of segments ``0 .. i-1`` (``None`` if not given)."""
     bandwidth: float
     """Bytes per second of the all-reduce."""
     limit: float
@@ -284,27 +268,18 @@ class _Tables:
     @classmethod
     def of(cls, problem: ReplicaProblem) -> _Tables:
         n = len(problem.compute)
-
-        def column(values: Sequence[float] | None) -> np.ndarray:
-            return np.zeros(n) if values is None else np.asarray(values, dtype=np.float64)
-
-        def prefix(values: Sequence[float] | None) -> np.ndarray:
-            return np.concatenate(([0.0], np.cumsum(column(values))))
-
-        compute, grad, memory = prefix(problem.compute), prefix(problem.grad_bytes), prefix(problem.memory)
+        memory = np.concatenate(([0.0], np.cumsum(np.zeros(n) if problem.memory is None
+                                                  else np.asarray(problem.memory, dtype=np.float64))))
+        head_memory = np.zeros(n) if problem.head_memory is None else np.asarray(problem.head_memory, np.float64)
         split = problem.split_compute
         cap = min(problem.max_replicas or problem.devices, problem.devices)
         if split is not None:
             cap = min(cap, len(split) + 1)
         return cls(
-            compute_prefix=compute,
-            compute_bottom=compute + np.append(column(problem.start), 0.0),
-            work_top=compute[1:] + column(problem.head) + column(problem.comm),
-            grad_prefix=grad,
-            grad_top=grad[1:] + column(problem.head_grad_bytes),
+            segments=Segments.of(problem.compute, head=problem.head, comm=problem.comm, start=problem.start,
+                                 grad_bytes=problem.grad_bytes, head_grad_bytes=problem.head_grad_bytes, split=split),
             memory_prefix=memory,
-            memory_top=memory[1:] + column(problem.head_memory),
-            split_prefix=np.stack([prefix(row) for row in split]) if split else None,
+            memory_top=memory[1:] + head_memory,
             bandwidth=float(problem.allreduce_bandwidth),
             limit=math.inf if problem.memory_limit is None else float(problem.memory_limit),
             max_replicas=cap,
@@ -312,18 +287,8 @@ class _Tables:
 
 
 def _cost(t: _Tables, a, b, r):
-    """Time of the stage ``[a, b)`` on ``r`` replicas; scalars or broadcast arrays, identical bits either way.
-
-    With ``r == 1`` the all-reduce term is exactly zero, so the cost is exactly the stage's work.
-    """
-    work = t.work_top[b - 1] - t.compute_bottom[a]
-    grad = t.grad_top[b - 1] - t.grad_prefix[a]
-    each = work / r
-    if t.split_prefix is not None:  # measured shares: the split compute, plus the head and send divided
-        row = np.maximum(np.asarray(r) - 2, 0)
-        rest = (t.work_top[b - 1] - t.compute_prefix[b]) / r
-        each = np.where(np.asarray(r) == 1, each, t.split_prefix[row, b] - t.split_prefix[row, a] + rest)
-    return each + allreduce_seconds(grad, r, t.bandwidth)
+    """Time of the stage ``[a, b)`` on ``r`` replicas: the objective; scalars or broadcast arrays, identical bits."""
+    return t.segments.cost(a, b, replicas=r, bandwidth=t.bandwidth)
 
 
 def _memory(t: _Tables, a, b):

@@ -59,9 +59,11 @@ class Summary:
         return dataclasses.asdict(self)
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class Analysis:
-    """A traced model measured node by node, with its legal cuts; segment ``i`` ends at cut ``i``."""
+    """A traced model measured node by node, with its legal cuts; segment ``i`` ends at cut ``i``.
+
+    Not changed once made: a step that drops cuts returns a new analysis (:meth:`keep_cuts`)."""
 
     gm: fx.GraphModule
     """The traced model; every node carries its :class:`~ppll_compile.cost.NodeCost` in ``meta``."""
@@ -83,7 +85,7 @@ class Analysis:
     """Names of the parameters that require gradients."""
     tracer: str = "fx"
     """The front end that captured the graph: ``fx`` or ``export``."""
-    notes: list[str] = field(default_factory=list)
+    notes: tuple[str, ...] = ()
     """What the plan should tell the user about the capture and the cuts."""
     dropped: dict[str, str] = field(default_factory=dict)
     """Legal cuts taken out of :attr:`cuts` (node name -> why), so that naming one gets the reason."""
@@ -198,8 +200,9 @@ class Analysis:
         out = self.output_spec()
         return out is not None and len(out.shape) == 3 and out.dtype not in ("int64", "int32", "bool")
 
-    def keep_cuts(self, reason: Callable[[Cut], str | None], summary: str) -> None:
-        """Drop the cuts for which ``reason`` gives a reason (``None`` keeps the cut); a note counts them."""
+    def keep_cuts(self, reason: Callable[[Cut], str | None], summary: str) -> Analysis:
+        """This analysis without the cuts for which ``reason`` gives a reason (``None`` keeps the cut); a note
+        counts them."""
         kept, dropped = [], {}
         for c in self.cuts:
             why = reason(c)
@@ -207,10 +210,10 @@ class Analysis:
                 kept.append(c)
             else:
                 dropped[c.node] = why
-        if dropped:
-            self.notes.append(f"{len(dropped)} of {len(self.cuts)} legal cuts dropped: {summary} ({_reasons(dropped)})")
-        self.cuts = kept
-        self.dropped = {**self.dropped, **dropped}
+        if not dropped:
+            return self
+        note = f"{len(dropped)} of {len(self.cuts)} legal cuts dropped: {summary} ({_reasons(dropped)})"
+        return dataclasses.replace(self, cuts=kept, dropped={**self.dropped, **dropped}, notes=(*self.notes, note))
 
     def shared_parameters(self) -> list[tuple[int, int, tuple[str, ...]]]:
         """Parameters that nodes at different places use (a module called at two depths, tied weights): per
@@ -228,8 +231,8 @@ class Analysis:
                 names.setdefault(key, set()).add(name)
         return [(min(u), max(u), tuple(sorted(names[k]))) for k, u in uses.items() if u and min(u) != max(u)]
 
-    def drop_shared_cuts(self) -> None:
-        """Drop the cuts that would put one parameter into two stages (``tied='error'``)."""
+    def drop_shared_cuts(self) -> Analysis:
+        """This analysis without the cuts that would put one parameter into two stages (``tied='error'``)."""
         spans = self.shared_parameters()
 
         def reason(cut: Cut) -> str | None:
@@ -237,16 +240,16 @@ class Analysis:
             return (f"parameter {' = '.join(crossing[0])} is used on both sides of it, so two stages would train "
                     f"one tensor (tied='untie' gives each stage its own copy)") if crossing else None
 
-        self.keep_cuts(reason, "parameters used on both sides")
+        return self.keep_cuts(reason, "parameters used on both sides")
 
-    def drop_untrained_cuts(self) -> None:
-        """Drop the cuts that leave the stage before or after them nothing to train (only parameter-free layers,
-        such as a final flatten)."""
+    def drop_untrained_cuts(self) -> Analysis:
+        """This analysis without the cuts that leave the stage before or after them nothing to train (only
+        parameter-free layers, such as a final flatten)."""
         trained = [i for i, n in enumerate(self.nodes) if n.op not in ("get_attr", "output") and self.trains([n])]
         if not trained:
-            return
+            return self
         first, last = trained[0], trained[-1]
-        self.keep_cuts(lambda c: None if first <= c.position < last else "no parameter to train on one side",
+        return self.keep_cuts(lambda c: None if first <= c.position < last else "no parameter to train on one side",
                        "a stage would have nothing to train")
 
     def dropped_summary(self) -> str:
@@ -420,9 +423,9 @@ def analyse(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwar
         inputs=tuple(dataclasses.replace(n.meta[META_KEY].value, name=n.name) for n in nodes
                      if n.op == "placeholder"),
         real_inputs=real_inputs, fixed_args=captured.fixed, num_classes=0, tracer=captured.tracer,
-        notes=list(captured.notes),
+        notes=captured.notes,
         param_bytes={k: p.numel() * p.element_size() for k, p in gm.named_parameters(remove_duplicate=False)},
         trainable={k for k, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad},
     )
-    analysis.num_classes = _num_classes(model, analysis.output_spec(), opts.num_classes, need_classes)
-    return analysis
+    return dataclasses.replace(
+        analysis, num_classes=_num_classes(model, analysis.output_spec(), opts.num_classes, need_classes))

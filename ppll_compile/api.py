@@ -107,34 +107,37 @@ def _plan_ppll(model: nn.Module, example_inputs: Sequence[Any] | None, example_k
     policy = load_policy(opts.policy)
     if saved is not None:
         a.check_saved_cuts(saved.cuts, saved.source)
-    _drop_unusable_cuts(a, policy, opts.tied, type(model).__name__)
-    _drop_blockless_cuts(a, policy, model)
-    notes = list(a.notes)
+    a = _drop_unusable_cuts(a, policy, opts.tied, type(model).__name__)
+    a = _drop_blockless_cuts(a, policy, model)
     request = stage_request(a, opts, saved)
     heads, head_costs = _heads(a, request, saved, policy, opts.optimizer, model)
     devices = sum(opts.replicas) if isinstance(opts.replicas, tuple) else opts.gpus or request.stages
-    costs, figures = segment_costs(a, heads, head_costs, policy, opts, notes, devices)
+    costs, figures, notes = segment_costs(a, heads, head_costs, policy, opts, devices)
     layout = ppll_layout(costs, request, opts)
     measured = None
     if opts.profile == "time":
         search = request.manual is None and not opts.replicas_chosen and not isinstance(opts.replicas, tuple)
-        layout, measured = time_layout(a, heads, policy, opts, layout, devices, notes, search=search)
-    result = assemble_ppll(type(model).__name__, a, heads, costs, layout, opts, policy.name, notes, figures,
-                           measured)
+        layout, measured, timed = time_layout(a, heads, policy, opts, layout, devices, search=search)
+        notes += (timed,)
+    result = assemble_ppll(type(model).__name__, a, heads, costs, layout, opts, policy.name, (*a.notes, *notes),
+                           figures, measured)
     untied = _untied(a, result)
-    return (dataclasses.replace(result, notes=(*result.notes, *untied)) if untied else result), a, policy
+    if untied:
+        result = dataclasses.replace(result, untied=tuple(name for names, _ in untied for name in names),
+                                     notes=(*result.notes, *(note for _, note in untied)))
+    return result, a, policy
 
 
-def _drop_unusable_cuts(a: Analysis, policy: Policy, tied: str, model: str) -> None:
-    """Take out of ``a.cuts`` those a ``ppll`` plan cannot use: a stage on one side would train nothing, a
-    parameter would be trained on both sides (``tied='error'``), or no head of ``policy`` reads the tensor."""
+def _drop_unusable_cuts(a: Analysis, policy: Policy, tied: str, model: str) -> Analysis:
+    """``a`` without the cuts a ``ppll`` plan cannot use: a stage on one side would train nothing, a parameter
+    would be trained on both sides (``tied='error'``), or no head of ``policy`` reads the tensor."""
     if a.per_token and policy.builder is None and policy.per_token is None:
         raise PolicyError(f"policy {policy.name!r} has no per-token head, but {model} gives per-token scores "
                           f"(N x L x C), so its labels are per token (N x L); use policy='lm', or add a "
                           f"'per_token:' entry (type lm) to {policy.source or 'the policy file'}")
-    a.drop_untrained_cuts()
+    a = a.drop_untrained_cuts()
     if tied == "error":
-        a.drop_shared_cuts()
+        a = a.drop_shared_cuts()
 
     def unread(cut: Cut) -> str | None:
         spec = a.boundary(cut)[0]
@@ -144,7 +147,7 @@ def _drop_unusable_cuts(a: Analysis, policy: Policy, tied: str, model: str) -> N
         return f"{len(spec.shape)}-D{'' if readable else ' ' + spec.dtype} {tuple(spec.shape)}" + \
             (f" {spec.layout}" if spec.layout else "")
 
-    a.keep_cuts(unread, f"no head of policy {policy.name!r} reads their tensors")
+    return a.keep_cuts(unread, f"no head of policy {policy.name!r} reads their tensors")
 
 
 def _copied(a: Analysis, policy: Policy, cut: Cut, config: Any, model: nn.Module) -> list[nn.Module] | None:
@@ -157,9 +160,9 @@ def _copied(a: Analysis, policy: Policy, cut: Cut, config: Any, model: nn.Module
     return [m for _, m in next_blocks(model, a.nodes, cut.node, depth, config=config)] if depth else None
 
 
-def _drop_blockless_cuts(a: Analysis, policy: Policy, model: nn.Module) -> None:
-    """Take out of ``a.cuts`` those after which no block begins, where the policy's head copies or follows the
-    next blocks (a ``transformer`` head with ``init: copy``, a ``momentum`` head)."""
+def _drop_blockless_cuts(a: Analysis, policy: Policy, model: nn.Module) -> Analysis:
+    """``a`` without the cuts after which no block begins, where the policy's head copies or follows the next
+    blocks (a ``transformer`` head with ``init: copy``, a ``momentum`` head)."""
     def blockless(cut: Cut) -> str | None:
         try:
             _copied(a, policy, cut, None, model)
@@ -167,11 +170,13 @@ def _drop_blockless_cuts(a: Analysis, policy: Policy, model: nn.Module) -> None:
             return str(e)
         return None
 
-    a.keep_cuts(blockless, f"policy {policy.name!r} copies or follows the blocks after a cut, and too few begin there")
+    return a.keep_cuts(blockless,
+                       f"policy {policy.name!r} copies or follows the blocks after a cut, and too few begin there")
 
 
-def _untied(a: Analysis, plan: Plan) -> list[str]:
-    """Notes on the parameters stages use on both sides of a chosen cut (``tied='untie'``)."""
+def _untied(a: Analysis, plan: Plan) -> list[tuple[list[str], str]]:
+    """The parameters stages use on both sides of a chosen cut (``tied='untie'``), by the stages that use them:
+    per tensor, its names joined by `` = ``; and the plan's note on them."""
     order = {n.name: i for i, n in enumerate(a.nodes)}
     ends = [order[c] for c in plan.cuts]
     by_stages: dict[tuple[int, int], list[str]] = {}
@@ -179,8 +184,9 @@ def _untied(a: Analysis, plan: Plan) -> list[str]:
         first, last = bisect.bisect_left(ends, lo), bisect.bisect_left(ends, hi)
         if first != last:
             by_stages.setdefault((first, last), []).append(" = ".join(names))
-    return [f"tied parameter(s) {', '.join(names)} used by stages {first} to {last}: untied, each stage trains its "
-            f"own copy; the model keeps stage {first}'s" for (first, last), names in sorted(by_stages.items())]
+    return [(names, f"tied parameter(s) {', '.join(names)} used by stages {first} to {last}: untied, each stage "
+                    f"trains its own copy; the model keeps stage {first}'s")
+            for (first, last), names in sorted(by_stages.items())]
 
 
 def _heads(a: Analysis, request: StageRequest, saved: SavedPlan | None, policy: Policy,

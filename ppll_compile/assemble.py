@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from partitioners.replicas import allreduce_seconds
+from partitioners.objective import stage_seconds
 
 from .analysis import Analysis, Summary
 from .heads import head_notes, model_head, stage_head
@@ -52,12 +52,14 @@ class StageParts:
     """Step time in seconds."""
     blocks: tuple[int, ...] = ()
     """``pipebd``: the blocks it trains."""
+    notes: tuple[str, ...] = ()
+    """What the plan should say about the stage (its head's transfers, a boundary of several values)."""
 
 
-def stage_devices(n: int, requested: Sequence[str] | None, notes: list[str]) -> tuple[str, ...]:
+def stage_devices(n: int, requested: Sequence[str] | None) -> tuple[str, ...]:
     """One device per stage replica (``n`` in all): ``requested`` or ``cuda:0..n-1``, or every one the CPU when
-    this machine lacks a CUDA device asked for. :func:`assemble`, which knows the stages, notes and warns of that
-    fallback; ``notes`` is not written here (kept for the callers that pass it)."""
+    this machine lacks a CUDA device asked for (:func:`assemble`, which knows the stages, notes and warns of
+    that fallback)."""
     if requested is not None and len(requested) != n:
         raise ValueError(f"devices lists {len(requested)} device(s) for {n} stages; give one per stage")
     wanted = _wanted(n, requested)
@@ -85,16 +87,17 @@ def _fallback_message(missing: Sequence[str], stages: int, devices: int) -> str:
             f"{'runs' if stages == 1 else 'run'} on the CPU (pass devices=[...] to choose)")
 
 
-def _note_cpu_fallback(layout: StageLayout, opts: PlanOptions, notes: list[str]) -> None:
-    """Note, and warn once (on the first process of a machine under torchrun), that the stages run on the CPU."""
+def _cpu_fallback(layout: StageLayout, opts: PlanOptions) -> tuple[str, ...]:
+    """The note that the stages run on the CPU (if they do), also warned once (on the first process of a machine
+    under torchrun)."""
     n = sum(layout.replicas)
     missing = _missing_cuda(_wanted(n, opts.devices[:n] if opts.devices else None))
     if not missing:
-        return
+        return ()
     msg = _fallback_message(missing, len(layout.ends), n)
-    notes.append(msg)
     if os.environ.get("LOCAL_RANK", "0") == "0":  # torchrun starts a process per stage: the first one says it
         warnings.warn(msg, stacklevel=_caller_level())
+    return (msg,)
 
 
 def _caller_level() -> int:
@@ -108,10 +111,11 @@ def _caller_level() -> int:
 
 def assemble(layout: StageLayout, devices: Sequence[str], parts: Callable[[int, int, int, int], StageParts], *,
              analysis: Analysis, opts: PlanOptions, model: str, policy: str, sequential: float,
-             notes: list[str], figures: DeviceFigures | None = None, **kind: Any) -> Plan:
+             notes: Sequence[str], figures: DeviceFigures | None = None, **kind: Any) -> Plan:
     """The validated plan of ``layout``: ``parts(j, start, end, replicas)`` describes stage ``j`` over units
-    ``start .. end - 1``; ``kind`` holds the plan kind's own fields (``mode``, ``teacher``, ``blocks``, ...)."""
-    _note_cpu_fallback(layout, opts, notes)
+    ``start .. end - 1``; ``notes`` are the earlier steps' (the CPU fallback's and the stages' follow them);
+    ``kind`` holds the plan kind's own fields (``mode``, ``teacher``, ``blocks``, ...)."""
+    notes = (*notes, *_cpu_fallback(layout, opts))
     stages = []
     start = offset = 0
     for j, (end, r) in enumerate(zip(layout.ends, layout.replicas)):
@@ -122,6 +126,7 @@ def assemble(layout: StageLayout, devices: Sequence[str], parts: Callable[[int, 
             nodes=tuple(n.name for n in p.nodes), aux_flops=p.aux_flops, memory_bytes=p.memory_bytes,
             boundary=p.boundary, head=p.head, compute_cost=p.compute_cost, comm_cost=p.comm_cost, cost=p.cost,
             step_cost=p.step_cost, blocks=p.blocks, **p.summary.fields()))
+        notes += p.notes
         start, offset = end, offset + r
     a = analysis
     plan = Plan(
@@ -129,24 +134,27 @@ def assemble(layout: StageLayout, devices: Sequence[str], parts: Callable[[int, 
         num_classes=a.num_classes, policy=policy, partitioner=layout.partitioner, profile=opts.profile,
         optimizer=opts.optimizer, flops_per_second=opts.flops_per_second, link_bandwidth=opts.link_bandwidth,
         device_speeds=layout.speeds, memory_limit=opts.memory_limit, legal_cuts=tuple(c.node for c in a.cuts),
-        stages=tuple(stages), sequential_cost=sequential, notes=tuple(notes),
+        stages=tuple(stages), sequential_cost=sequential, notes=notes, tracer=a.tracer,
         calibration=figures.record() if figures is not None else {}, **kind)
     plan.validate()
     return plan
 
 
 def assemble_ppll(model: str, a: Analysis, heads: Mapping[int, HeadSpec], costs: Costs, layout: StageLayout,
-                  opts: PlanOptions, policy: str, notes: list[str], figures: DeviceFigures | None = None,
+                  opts: PlanOptions, policy: str, notes: Sequence[str], figures: DeviceFigures | None = None,
                   measured: Mapping[tuple[int, int], StageTime] | None = None) -> Plan:
     """The ``ppll`` plan: stage ``j`` trains segments up to a cut, with the head chosen there (the last stage:
-    the model's own output); its compute (``measured``, by first and last segment, under a time profile; else
-    from ``costs``) is split over its replicas, plus their gradient all-reduce. A head that saves its input,
-    which the stage saves already, does not count it twice."""
-    devices = stage_devices(sum(layout.replicas), opts.devices, notes)
+    the model's own output). Its cost is the solvers' objective (:mod:`partitioners.objective`) over ``costs``,
+    or over its ``measured`` time (by first and last segment) under a time profile; its all-reduce counts a
+    parameter shared inside the stage once. A head that saves its input, which the stage saves already, does
+    not count it twice."""
+    used = sum(layout.replicas)  # the replica partitioner may use fewer devices than given
+    devices = stage_devices(used, opts.devices[:used] if opts.devices else None)
     multi = tuple(c.node for c in a.cuts if len(c.boundary) > 1)
     last_stage = len(layout.ends) - 1
-    head_time, head_grad = costs.head, costs.head_grad_bytes
-    assert head_time is not None and head_grad is not None, "ppll costs price a head at every cut"
+    head_grad = costs.head_grad_bytes
+    assert costs.head is not None and head_grad is not None, "ppll costs price a head at every cut"
+    segments = costs.segments()
 
     def parts(j: int, start: int, end: int, r: int) -> StageParts:
         nodes = [n for n in a.segment_nodes(start, end - 1) if n.op not in ("placeholder", "get_attr")] \
@@ -155,31 +163,31 @@ def assemble_ppll(model: str, a: Analysis, heads: Mapping[int, HeadSpec], costs:
         last = j == last_stage
         cut = None if last else a.cuts[end - 1]
         head = model_head() if last else stage_head(heads[end - 1], j, last_stage + 1)
-        sync = allreduce_seconds(s.grad_bytes + (0 if last else head_grad[end - 1]), r, opts.link_bandwidth)
+        grad = s.grad_bytes + (0 if last else head_grad[end - 1])
+        speed, bandwidth = layout.speeds[j], opts.link_bandwidth
         if measured is not None:
             work, step = measured[(start, end - 1)].seconds, measured[(start, end - 1)].step_seconds
+            compute, send = stage_seconds(work, costs.comm[end - 1], speed=speed, replicas=r, grad_bytes=grad,
+                                          bandwidth=bandwidth)
         else:
-            work = sum(costs.compute[start:end]) - (costs.start[start] if costs.start else 0.0) \
-                + (0.0 if last else head_time[end - 1])
+            compute, send = segments.seconds(start, end, speed=speed, replicas=r, bandwidth=bandwidth, grad_bytes=grad)
             step = sum(costs.step[start:end]) + (0.0 if last or not costs.head_step else costs.head_step[end - 1]) \
                 if costs.step else 0.0
-        compute = work / layout.speeds[j] / r + sync
-        step /= layout.speeds[j] * r
-        send = 0.0 if last else costs.comm[end - 1] / r
-        notes.extend([] if last else head_notes(head, j, opts.link_bandwidth))
+        step /= speed * r
+        said = tuple(() if last else head_notes(head, j, bandwidth))
         if cut is not None and cut.node in multi:
-            notes.append(f"stage {j} sends {len(cut.boundary)} values ({', '.join(cut.boundary)}); its aux head "
-                         f"reads the first")
+            said += (f"stage {j} sends {len(cut.boundary)} values ({', '.join(cut.boundary)}); its aux head reads "
+                     f"the first",)
         twice = head.input_saved_bytes if cut is not None and a.saves(nodes, cut.node) else 0
         return StageParts(nodes=nodes, summary=s, head=head, boundary=() if cut is None else a.boundary(cut),
                           aux_flops=head.flops_fwd + head.flops_bwd,
                           memory_bytes=s.memory + head.memory_bytes - twice, step_cost=step,
-                          compute_cost=compute, comm_cost=send, cost=compute + send)
+                          compute_cost=float(compute), comm_cost=float(send), cost=float(compute + send), notes=said)
 
     if measured is not None:
         sequential = sum(t.seconds for t in measured.values())
     else:  # every stage's input arrives detached, as in the pipeline
-        sequential = sum(costs.compute) + sum(head_time[e - 1] for e in layout.ends[:-1]) \
+        sequential = sum(costs.compute) + sum(costs.head[e - 1] for e in layout.ends[:-1]) \
             - (sum(costs.start[s] for s in (0, *layout.ends[:-1])) if costs.start else 0.0)
     return assemble(layout, devices, parts, analysis=a, opts=opts, model=model, policy=policy,
                     sequential=sequential, notes=notes, figures=figures, multi_tensor_cuts=multi)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch.fx as fx
@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from .errors import TraceError
 from .export import export
+from .plan_file import EXPORT_NOTE
 from .trace import check_leaf_names, fixed_arguments, trace
 
 __all__ = ["Capture", "capture", "BUFFER_OWNERS"]
@@ -35,7 +36,7 @@ def _buffer_owners(model: nn.Module, gm: fx.GraphModule) -> dict[str, tuple[nn.M
     return owners
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class Capture:
     """A model captured as an fx graph over its own parameters, with how its ``forward`` arguments map onto it."""
 
@@ -48,7 +49,7 @@ class Capture:
     """The ``forward`` arguments captured as constants: name -> value."""
     tracer: str
     """The front end that captured the graph: ``fx`` or ``export``."""
-    notes: list[str] = field(default_factory=list)
+    notes: tuple[str, ...] = ()
     """What the user should know about the capture (e.g. why ``torch.export`` was used)."""
 
 
@@ -93,4 +94,4 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dic
     gm.meta[BUFFER_OWNERS] = _buffer_owners(model, gm)
     reason = f" (symbolic tracing cannot take it: {str(fx_error).split(';')[0]})" if fx_error is not None else ""
     return Capture(gm=gm, inputs=tuple(values.values()), fixed=fixed, tracer="export",
-                   notes=[f"captured with torch.export{reason}", *notes])
+                   notes=(f"{EXPORT_NOTE}{reason}", *notes))

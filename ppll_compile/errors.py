@@ -1,11 +1,14 @@
-"""The exceptions ppll-compile raises; each message says what was found, what was expected and the way out."""
+"""Every exception ppll-compile raises; each message says what was found, what was expected and the way out.
 
-__all__ = ["PPLLError", "TraceError", "CutError", "PolicyError", "PlanError", "PartitionError", "StageError",
-           "CheckpointError"]
+:class:`PPLLError`, :class:`PartitionError` and :class:`InfeasibleMemoryError` are defined in the torch-free
+:mod:`partitioners.errors` (the solvers raise them and must not import torch, which importing this package does)
+and re-exported here as members of the one family; the others are defined here.
+"""
 
+from partitioners.errors import InfeasibleMemoryError, PartitionError, PPLLError
 
-class PPLLError(Exception):
-    """Base class of every error ppll-compile raises on bad input."""
+__all__ = ["PPLLError", "TraceError", "CutError", "PolicyError", "PlanError", "PartitionError",
+           "InfeasibleMemoryError", "StageError", "CheckpointError", "ModelFileError"]
 
 
 class TraceError(PPLLError):
@@ -24,10 +27,6 @@ class PlanError(PPLLError, ValueError):
     """A plan is inconsistent or does not fit the model it is applied to."""
 
 
-class PartitionError(PPLLError, ValueError):
-    """The partitioner cannot satisfy the request (unknown solver, infeasible memory cap, ...)."""
-
-
 class StageError(PPLLError, RuntimeError):
     """A stage raised (or produced a non-finite loss) while the pipeline ran; it names the stage and batch."""
 
@@ -44,3 +43,7 @@ class StageError(PPLLError, RuntimeError):
 
 class CheckpointError(PPLLError, ValueError):
     """A checkpoint is missing, incomplete, corrupt, or was saved for another model, plan or trainer."""
+
+
+class ModelFileError(PPLLError):
+    """A MODEL.py that is missing, cannot be imported, raises, or does not define what a plan needs."""

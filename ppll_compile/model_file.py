@@ -19,15 +19,11 @@ from typing import Any, NamedTuple
 
 from torch import Tensor, nn
 
-from .errors import PPLLError
+from .errors import ModelFileError
 
-__all__ = ["ModelFileError", "ModelFile", "load_model"]
+__all__ = ["ModelFile", "load_model"]
 
 _module_ids = itertools.count()
-
-
-class ModelFileError(PPLLError):
-    """A MODEL.py that is missing, cannot be imported, raises, or does not define what a plan needs."""
 
 
 class ModelFile(NamedTuple):

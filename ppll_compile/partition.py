@@ -12,11 +12,12 @@ from typing import Any
 import torch
 
 import partitioners
+from partitioners.objective import Segments
 from partitioners.replicas import Layout, ReplicaProblem, layout_costs, solve_fixed_replicas, solve_replicated
 
 from .analysis import Analysis
 from .cost import ModuleCost
-from .errors import CutError, PartitionError
+from .errors import CutError
 from .options import PlanOptions, SavedPlan
 from .phases import phase
 from .plan import HeadSpec
@@ -69,6 +70,17 @@ class Costs:
                               memory=self.memory, head_memory=self.head_memory, memory_limit=opts.memory_limit,
                               devices=devices, max_replicas=cap, split_compute=self.split)
 
+    def problem(self, speeds: Sequence[float] | None, memory_limit: float | None) -> partitioners.Problem:
+        """The stage-count solvers' problem, stage ``j`` on a device of relative speed ``speeds[j]``."""
+        return partitioners.Problem(compute=self.compute, head=self.head, comm=self.comm, start=self.start,
+                                    memory=self.memory, head_memory=self.head_memory, params=self.params,
+                                    speeds=speeds, memory_limit=memory_limit)
+
+    def segments(self) -> Segments:
+        """The sums the stage-cost objective reads, as the solvers read them (so a plan's costs are theirs)."""
+        return Segments.of(self.compute, head=self.head, comm=self.comm, start=self.start,
+                           grad_bytes=self.grad_bytes, head_grad_bytes=self.head_grad_bytes, split=self.split)
+
 
 @dataclass(frozen=True, kw_only=True)
 class StageRequest:
@@ -95,19 +107,20 @@ class StageLayout:
     partitioner: str
     """``manual``, a solver's name, or ``exact-replicas``."""
     costs: tuple[float, ...] = ()
-    """Per stage: seconds as the replica partitioner costs it (empty for the stage-count solvers)."""
+    """Per stage: seconds as the solver's objective costs it (empty for cuts given by hand in a ``ppll`` plan)."""
 
 
 def segment_costs(a: Analysis, heads: Mapping[int, HeadSpec], head_costs: Mapping[int, ModuleCost], policy: Policy,
-                  opts: PlanOptions, notes: list[str], devices: int) -> tuple[Costs, DeviceFigures | None]:
+                  opts: PlanOptions, devices: int) -> tuple[Costs, DeviceFigures | None, tuple[str, ...]]:
     """The ``ppll`` cost vectors, by ``opts.profile``: ``roofline`` (every operator's FLOPs and bytes over the
     calibrated figures of the first device, whose cores ``devices`` stages share on a CPU, plus the optimizer
     step; also the starting point of ``time``, see :func:`time_layout`) or ``flops`` (counted FLOPs over
-    ``flops_per_second``); and the roofline figures used."""
+    ``flops_per_second``); the roofline figures used; and the plan's notes on them."""
     n = len(a.cuts) + 1
     nodes = [a.segment_nodes(i, i) for i in range(n)]
     seg = [a.summary(ns, opts.optimizer, detached=False) for ns in nodes]  # as part of a larger stage
     figures = None
+    notes: tuple[str, ...] = ()
     if opts.profile == "flops":
         seg_time = [(s.flops_fwd + s.flops_bwd) / opts.flops_per_second for s in seg]
         start = [0.0] + [(seg[i].flops_bwd - a.summary(nodes[i], opts.optimizer).flops_bwd) / opts.flops_per_second
@@ -124,14 +137,14 @@ def segment_costs(a: Analysis, heads: Mapping[int, HeadSpec], head_costs: Mappin
         steps = {i: seconds(step_ops(_param_tensors(c), opts.optimizer), figures) for i, c in head_costs.items()}
         head_time = {i: seconds(c.ops, figures) + steps[i] for i, c in head_costs.items()}
         head_step = [steps.get(i, 0.0) for i in range(n)]
-        notes.append(figures.describe())
+        notes = (figures.describe(),)
     return Costs(
         compute=seg_time, head=[head_time.get(i, 0.0) for i in range(n)], start=start, step=step, head_step=head_step,
         comm=[sum(t.bytes for t in a.boundary(c)) / opts.link_bandwidth for c in a.cuts] + [0.0],
         memory=[s.memory for s in seg], grad_bytes=[s.grad_bytes for s in seg],
         head_memory=[heads[i].memory_bytes if i in heads else 0 for i in range(n)],
         head_grad_bytes=[heads[i].param_count * 4 if i in heads else 0 for i in range(n)],  # float32 heads
-        params=[s.param_count for s in seg]), figures
+        params=[s.param_count for s in seg]), figures, notes
 
 
 def _param_tensors(cost: ModuleCost) -> list[int]:
@@ -156,13 +169,14 @@ def _stage_threads(device: torch.device, devices: int) -> int:
 
 
 def time_layout(a: Analysis, heads: Mapping[int, HeadSpec], policy: Policy, opts: PlanOptions, seed: StageLayout,
-                devices: int, notes: list[str], *, search: bool = True
-                ) -> tuple[StageLayout, dict[tuple[int, int], StageTime]]:
+                devices: int, *, search: bool = True
+                ) -> tuple[StageLayout, dict[tuple[int, int], StageTime], str]:
     """The ``time`` profile: whole candidate stages timed on the first device (a full training step each: forward,
     head, backward, optimizer step; :func:`~ppll_compile.profile.time_stages`), and the layout whose slowest
     measured stage is fastest. The candidates are the stages whose ends lie within 2 legal cuts (1 beyond 2
     stages) of ``seed``'s, the roofline plan; ``search=False`` times ``seed``'s own stages only (cuts given by
-    hand, replicated stages). Returns the layout and its stages' times, by (first, last) segment."""
+    hand, replicated stages). Returns the layout, its stages' times by (first, last) segment, and the plan's note
+    on the measurement."""
     n = len(a.cuts) + 1
     k = len(seed.ends)
     reach = (2 if k <= 2 else 1) if search else 0
@@ -180,11 +194,11 @@ def time_layout(a: Analysis, heads: Mapping[int, HeadSpec], policy: Policy, opts
         torch.set_num_threads(threads)
     ends = _fastest(options, {(s, e + 1): t.seconds for (s, e), t in times.items()}, seed.speeds)
     spread = max(t.spread for t in times.values())
-    notes.append(f"costs measured on {device} as whole training steps of {len(intervals)} candidate stage(s) "
-                 f"(forward, head, backward, optimizer step; the least of 3 rounds' medians of 3 steps, rounds "
-                 f"within {100 * spread:.0f}% of each other) in {time.perf_counter() - began:.1f} s")
-    layout = dataclasses.replace(seed, ends=ends)
-    return layout, {(s, e - 1): times[(s, e - 1)] for s, e in zip((0, *ends), ends)}
+    note = (f"costs measured on {device} as whole training steps of {len(intervals)} candidate stage(s) "
+            f"(forward, head, backward, optimizer step; the least of 3 rounds' medians of 3 steps, rounds "
+            f"within {100 * spread:.0f}% of each other) in {time.perf_counter() - began:.1f} s")
+    layout = dataclasses.replace(seed, ends=ends, costs=())
+    return layout, {(s, e - 1): times[(s, e - 1)] for s, e in zip((0, *ends), ends)}, note
 
 
 def _fastest(options: list[list[int]], seconds: Mapping[tuple[int, int], float],
@@ -252,12 +266,9 @@ def _stage_count(opts: PlanOptions, manual: list[int] | None, fixed: tuple[int, 
 
 
 def _solved(solve: Callable[[], Any]) -> Any:
-    """``solve()``, timed as the ``partition`` phase, its errors raised as this package's PartitionError."""
-    try:
-        with phase("partition"):
-            return solve()
-    except partitioners.PartitionError as e:
-        raise PartitionError(str(e)) from None
+    """``solve()``, timed as the ``partition`` phase (its errors are the package's own, ``min_limit`` kept)."""
+    with phase("partition"):
+        return solve()
 
 
 def ppll_layout(costs: Costs, request: StageRequest, opts: PlanOptions) -> StageLayout:
@@ -274,13 +285,10 @@ def ppll_layout(costs: Costs, request: StageRequest, opts: PlanOptions) -> Stage
         layout = _solved(lambda: solve_fixed_replicas(problem, fixed) if fixed else solve_replicated(problem))
         return StageLayout(ends=layout.ends, replicas=layout.replicas, speeds=(1.0,) * len(layout.ends),
                            partitioner="exact-replicas", costs=layout.costs)
-    problem = partitioners.Problem(compute=costs.compute, head=costs.head, comm=costs.comm, start=costs.start,
-                                   memory=costs.memory,
-                                   head_memory=costs.head_memory, params=costs.params, speeds=request.speeds,
-                                   memory_limit=opts.memory_limit)
+    problem = costs.problem(request.speeds, opts.memory_limit)
     ends = _solved(lambda: partitioners.solve(problem, request.stages, opts.partitioner))
     return StageLayout(ends=ends, replicas=(1,) * request.stages, speeds=request.speeds,  # type: ignore[arg-type]
-                       partitioner=opts.partitioner)
+                       partitioner=opts.partitioner, costs=tuple(partitioners.stage_costs(problem, ends)))
 
 
 def _speeds(opts: PlanOptions, n_stages: int) -> tuple[float, ...]:

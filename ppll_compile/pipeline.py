@@ -131,12 +131,6 @@ class DistillPipeline(CompiledPipeline):
         return self.lowered.devices
 
 
-_EXPORTED = "captured with torch.export"
-"""How a plan's notes begin when ``torch.export`` captured the model."""
-_UNTIED = "tied parameter(s)"
-"""How a plan's notes begin when stages train their own copies of a tied parameter (``tied='untie'``)."""
-
-
 @contextlib.contextmanager
 def _seeded(seed: int | None) -> Iterator[None]:
     """Torch's default CPU generator seeded by ``seed`` in the body, restored afterwards (a no-op for ``None``)."""
@@ -179,7 +173,7 @@ class Replanner:
         elif following := [t.name for s in plan.stages if (t := head_type_for(s.head.config)) and t.follows_next]:
             why = (f"a {following[0]} head follows the next stage's parameters (compile with another head type to "
                    "rebalance, or move the cuts by compiling again with split_points=...)")
-        elif any(n.startswith(_UNTIED) for n in plan.notes):
+        elif plan.untied:
             why = ("stages train their own copies of a tied parameter (tied='untie'), which a re-split would copy "
                    "afresh (move the cuts by compiling again with split_points=...)")
         elif self.pipeline.front is None:
@@ -258,10 +252,9 @@ class Replanner:
     def _capture(self) -> dict[str, Any]:
         """The options that trace the model as the pipeline's graph was traced, and the plan's policy."""
         plan, gm, binder = self.pipeline.plan, self.pipeline.graph_module, self.pipeline.lowered.inputs
-        exported = any(n.startswith(_EXPORTED) for n in plan.notes)
         options: dict[str, Any] = {"policy": self.policy if self.policy is not None else plan.policy,
-                                   "tracer": "export" if exported else "fx"}
-        if not exported:
+                                   "tracer": plan.tracer}
+        if plan.tracer == "fx":
             options["leaf_modules"] = sorted({str(n.target) for n in gm.graph.nodes if n.op == "call_module"})
         values = [_example(s.shape, s.dtype, i) for i, s in enumerate(plan.inputs)]
         params = binder.signature.parameters

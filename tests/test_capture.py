@@ -22,7 +22,7 @@ from transformers import (
 )
 
 import ppll_compile
-from ppll_compile import CutError, PolicyError, TraceError
+from ppll_compile import CutError, PolicyError, PPLLError, TraceError
 
 CUDA = "0 CUDA device(s)"
 
@@ -491,6 +491,10 @@ def test_tied_untie_gives_the_later_stage_its_own_copy(one_thread_quietly):
     c = _compile(model, example_inputs=(x,), policy="dgl", split_points=["b"], tied="untie")
     assert ("tied parameter(s) shared.weight, shared.bias used by stages 0 to 1: untied, each stage trains its own "
             "copy; the model keeps stage 0's") in c.plan.notes
+    assert c.plan.untied == ("shared.weight", "shared.bias")
+    with c.trainer(optimizer=lambda p: torch.optim.SGD(p, lr=0.1)) as trainer:  # a re-split would copy them afresh
+        with pytest.raises(PPLLError, match=re.escape("stages train their own copies of a tied parameter")):
+            trainer.move_cut(0, "b")
     ids = _param_ids(c.stages)
     assert len(ids) == len(set(ids))
     first, second = ({id(p) for p in s.parameters()} for s in c.stages)

@@ -32,7 +32,7 @@ def _cnn(width: int = 8, classes: int = 10) -> nn.Module:
 def _setup(model: nn.Module, x: torch.Tensor, **options) -> tuple[Analysis, dict[int, HeadSpec], Policy]:
     """The analysis, the policy's head at every cut, and the policy, as planning hands them to the profile."""
     a = analyse(model, (x,), None, PlanOptions(gpus=2, **options))
-    a.drop_untrained_cuts()
+    a = a.drop_untrained_cuts()
     policy = load_policy("auto")
     shape = a.inputs[0].shape
     heads = {i: head_spec(policy, None, a.boundary(c)[0], a.num_classes, shape, "sgd") for i, c in enumerate(a.cuts)}

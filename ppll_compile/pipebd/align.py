@@ -14,13 +14,18 @@ from ..plan import TensorSpec
 __all__ = ["Blocks", "align", "output_spec", "stage_ends"]
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class Blocks:
     """Both traced models and the aligned block ends (indices into each side's cuts)."""
 
     teacher: Analysis
+    """The frozen teacher, traced and measured."""
     student: Analysis
+    """The student, traced and measured."""
     ends: list[tuple[int, int]]
+    """Per block but the last: where it ends, as (teacher cut, student cut) indices."""
+    notes: tuple[str, ...] = ()
+    """What the plan should say about the alignment (student blocks merged for want of parameters)."""
 
     def nodes(self, k: int) -> tuple[list[Any], list[Any]]:
         """Teacher and student nodes of block ``k`` (placeholders and attribute reads dropped)."""
@@ -122,9 +127,10 @@ def _named(t: Analysis, s: Analysis, blocks: Sequence[Sequence[str]]) -> list[tu
     return pairs
 
 
-def _ends(t: Analysis, s: Analysis, blocks: Sequence[Sequence[str]] | None,
-          notes: list[str]) -> list[tuple[int, int]]:
-    """The block ends as (teacher cut, student cut) index pairs; student blocks without parameters are merged."""
+def _ends(t: Analysis, s: Analysis, blocks: Sequence[Sequence[str]] | None
+          ) -> tuple[list[tuple[int, int]], list[str]]:
+    """The block ends as (teacher cut, student cut) index pairs, student blocks without parameters merged; and
+    notes on the merges."""
     pairs = _named(t, s, blocks) if blocks is not None else _match(t, s)
     if not pairs and blocks is None:
         raise CutError(f"the teacher and the student share no boundary shape, so they cannot be cut into aligned "
@@ -132,6 +138,7 @@ def _ends(t: Analysis, s: Analysis, blocks: Sequence[Sequence[str]] | None,
                        f"  {_listing(t, 'teacher')}\n  {_listing(s, 'student')}\n"
                        f"Name the block ends with blocks=[(teacher_module, student_module), ...]")
     kept: list[tuple[int, int]] = []
+    notes: list[str] = []
     start = 0
     for ti, si in pairs:
         if s.trains(s.segment_nodes(start, si)):
@@ -143,7 +150,7 @@ def _ends(t: Analysis, s: Analysis, blocks: Sequence[Sequence[str]] | None,
         dropped = kept.pop()
         notes.append(f"the last student block has no parameters; merged with the one ending at "
                      f"{s.cuts[dropped[1]].node!r}")
-    return kept
+    return kept, notes
 
 
 def stage_ends(b: Blocks, split_points: Sequence[str]) -> list[int]:
@@ -161,7 +168,8 @@ def stage_ends(b: Blocks, split_points: Sequence[str]) -> list[int]:
     return out + [len(b.ends) + 1]
 
 
-def align(t: Analysis, s: Analysis, blocks: Sequence[Sequence[str]] | None, notes: list[str]) -> Blocks:
+def align(t: Analysis, s: Analysis, blocks: Sequence[Sequence[str]] | None) -> Blocks:
     """The aligned blocks of teacher ``t`` and student ``s``: matched in order by boundary shape, or named with
-    ``blocks=[(teacher_module, student_module), ...]``; student blocks without parameters are merged."""
-    return Blocks(teacher=t, student=s, ends=_ends(t, s, blocks, notes))
+    ``blocks=[(teacher_module, student_module), ...]``; student blocks without parameters are merged (noted)."""
+    ends, notes = _ends(t, s, blocks)
+    return Blocks(teacher=t, student=s, ends=ends, notes=tuple(notes))

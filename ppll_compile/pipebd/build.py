@@ -74,32 +74,33 @@ def _most_replicas(opts: PlanOptions, gpus: int | None) -> int:
 
 
 def _block_costs(b: Blocks, summaries: list[tuple[Summary, Summary]], teacher: list[Stage], student: list[Stage],
-                 losses: list[Callable], opts: PlanOptions, gpus: int | None, notes: list[str]
-                 ) -> tuple[Costs, DeviceFigures | None]:
+                 losses: list[Callable], opts: PlanOptions, gpus: int | None
+                 ) -> tuple[Costs, DeviceFigures | None, str | None]:
     """Per block: teacher forward plus student forward, backward and step (by the roofline, counted FLOPs, or timed
-    at every replica share); and the roofline figures used."""
+    at every replica share); the roofline figures used; and the plan's note on the costs."""
     split: list[list[float]] = []
     step = None
     figures = None
+    note = None
     if opts.profile == "time":
         device = first_device(opts.devices)
         most = _most_replicas(opts, gpus)
         compute, *split = time_blocks(teacher, student, losses, b.teacher.real_inputs, device, most)
-        notes.append(f"costs measured as median teacher forward + student forward/backward time on {device}"
-                     + (f", also at 1/2 .. 1/{most} of the batch (replicas)" if most > 1 else ""))
+        note = (f"costs measured as median teacher forward + student forward/backward time on {device}"
+                + (f", also at 1/2 .. 1/{most} of the batch (replicas)" if most > 1 else ""))
     elif opts.profile == "roofline":
         work = [(b.teacher.forward_ops(b.nodes(k)[0]), b.student.ops(b.nodes(k)[1]),
                  step_ops(b.student.trained_param_bytes(b.nodes(k)[1]), opts.optimizer)) for k in range(len(summaries))]
         figures = plan_figures(opts, gpus or 1, [op for t, s, _ in work for op in t + s])
         step = [seconds(st, figures) for _, _, st in work]
         compute = [seconds(t, figures) + seconds(s, figures) + st for (t, s, _), st in zip(work, step)]
-        notes.append(figures.describe())
+        note = figures.describe()
     else:
         compute = [(ts.flops_fwd + ss.flops_fwd + ss.flops_bwd) / opts.flops_per_second for ts, ss in summaries]
     comm = [sum(v.bytes for v in b.teacher.boundary(c)) / opts.link_bandwidth for c in b.cuts(0)] + [0.0]
     return Costs(compute=compute, comm=comm, step=step,
                  memory=[ts.param_bytes + ss.memory for ts, ss in summaries],
-                 grad_bytes=[ss.grad_bytes for _, ss in summaries], split=split or None), figures
+                 grad_bytes=[ss.grad_bytes for _, ss in summaries], split=split or None), figures, note
 
 
 def _block_plans(b: Blocks, summaries: list[tuple[Summary, Summary]], costs: Costs, losses: list[dict[str, Any]],
@@ -127,13 +128,14 @@ def _checked_options(opts: PlanOptions) -> None:
                          f"partitioner={opts.partitioner!r} (drop it)")
 
 
-def _default_rules(output: TensorSpec, notes: list[str]) -> DistillPolicy:
-    """The policy ``auto``: Pipe-BD's own (``pipebd``) when the models return N x C logits, else ``mse``."""
+def _default_rules(output: TensorSpec) -> tuple[DistillPolicy, str | None]:
+    """The policy ``auto``: Pipe-BD's own (``pipebd``) when the models return N x C logits, else ``mse`` (and the
+    plan's note saying why)."""
     if len(output.shape) == 2:
-        return load_distill_policy("pipebd")
-    notes.append(f"policy auto: the models return shape {list(output.shape)}, not N x C logits, so the last block "
-                 f"learns under mse like the others (policy 'mse'); Pipe-BD's soft-target cross-entropy needs logits")
-    return load_distill_policy("mse")
+        return load_distill_policy("pipebd"), None
+    return load_distill_policy("mse"), (
+        f"policy auto: the models return shape {list(output.shape)}, not N x C logits, so the last block learns "
+        f"under mse like the others (policy 'mse'); Pipe-BD's soft-target cross-entropy needs logits")
 
 
 def _loss_configs(rules: DistillPolicy, n: int, output: TensorSpec) -> list[dict[str, Any]]:
@@ -159,38 +161,39 @@ def plan_pipebd(student: nn.Module, teacher: nn.Module, example_inputs: Sequence
     with ``requires_grad=False``.
     """
     _checked_options(opts)
-    notes: list[str] = []
     chosen = None if opts.policy == "auto" else load_distill_policy(opts.policy)
     t, s, output = _analysed_pair(student, teacher, example_inputs, example_kwargs, opts)
-    rules = chosen or _default_rules(output, notes)
-    b = align(t, s, blocks, notes)
+    rules, why = (chosen, None) if chosen is not None else _default_rules(output)
+    b = align(t, s, blocks)
     loss_cfg = _loss_configs(rules, len(b.ends) + 1, output)
     losses = [distill_loss(c) for c in loss_cfg]
     tb, sb = split_stages(t.gm, b.cuts(0)), split_stages(s.gm, b.cuts(1))
     summaries = [(t.summary(tn, opts.optimizer), s.summary(sn, opts.optimizer))
                  for tn, sn in map(b.nodes, range(len(b.ends) + 1))]
     gpus = opts.gpus or (len(opts.devices) if opts.devices else None)
-    costs, figures = _block_costs(b, summaries, tb, sb, losses, opts, gpus, notes)
+    costs, figures, costed = _block_costs(b, summaries, tb, sb, losses, opts, gpus)
     manual = stage_ends(b, opts.split_points) if opts.split_points is not None else None
     layout = block_layout(costs, manual, opts, gpus)
-    devices = stage_devices(sum(layout.replicas), opts.devices[:sum(layout.replicas)] if opts.devices else None,
-                            notes)
+    devices = stage_devices(sum(layout.replicas), opts.devices[:sum(layout.replicas)] if opts.devices else None)
     block_plans = _block_plans(b, summaries, costs, loss_cfg, output)
+
+    segments = costs.segments()
 
     def parts(j: int, start: int, end: int, r: int) -> StageParts:
         own = block_plans[start:end]
         nodes = [x for k in range(start, end) for x in b.nodes(k)[1]]
         last = j == len(layout.ends) - 1
         boundary = () if last else b.teacher.boundary(b.cuts(0)[end - 1])  # the output, and any side values
-        send = sum(v.bytes for v in boundary) / opts.link_bandwidth / r
+        compute, send = segments.seconds(start, end, replicas=r, bandwidth=opts.link_bandwidth)  # the objective
         types = list(dict.fromkeys(k.loss["type"] for k in own))
         return StageParts(nodes=nodes, summary=s.summary(nodes, opts.optimizer),
                           head=HeadSpec(policy=rules.name, kind="distill", config={"type": "+".join(types)}),
                           boundary=boundary, aux_flops=sum(k.teacher_flops for k in own),
-                          memory_bytes=sum(k.memory_bytes for k in own), compute_cost=layout.costs[j] - send,
+                          memory_bytes=sum(k.memory_bytes for k in own), compute_cost=float(compute),
                           step_cost=sum(costs.step[start:end]) / r if costs.step else 0.0,
-                          comm_cost=send, cost=layout.costs[j], blocks=tuple(range(start, end)))
+                          comm_cost=float(send), cost=float(compute + send), blocks=tuple(range(start, end)))
 
+    notes = tuple(n for n in (why, *b.notes, costed) if n is not None)
     plan = assemble(layout, devices, parts, analysis=s, opts=opts, model=type(student).__name__, policy=rules.name,
                     sequential=sum(costs.compute), notes=notes, figures=figures, mode="pipebd",
                     teacher=type(teacher).__name__,

@@ -1,0 +1,93 @@
+"""A plan printed as text: the stage table with its totals and notes, and a ``pipebd`` plan's block table."""
+
+from __future__ import annotations
+
+__all__ = ["PlanTable", "format_bytes", "format_flops"]
+
+
+class PlanTable:
+    """What :class:`~ppll_compile.plan.Plan` prints (a base class, so the plan's own class stays about its data)."""
+
+    def table(self) -> str:
+        """The stage table and totals as plain aligned text."""
+        header = ["stage", "device", "first", "last", "nodes", "params", "fwd", "bwd",
+                  "teacher" if self.blocks else "aux",
+                  "memory", "boundary", "head", "cost ms"]
+        rows = []
+        b = self.bottleneck_stage
+        for s in self.stages:
+            bnd = " + ".join("x".join(map(str, t.shape)) or "int" for t in s.boundary) or "-"
+            head = s.head.config.get("type", "?") if s.head.kind != "model" else "model"
+            rows.append([
+                f"{s.index}{'*' if s.index == b else ''}",
+                s.device + (f" x{s.replicas}" if s.replicas > 1 else ""), s.first_module or s.first_node,
+                s.last_module or s.last_node, str(len(s.nodes)), f"{s.param_count / 1e6:.2f}M",
+                format_flops(s.flops_fwd), format_flops(s.flops_bwd), format_flops(s.aux_flops),
+                format_bytes(s.memory_bytes), bnd, head, f"{s.cost * 1e3:.3f}",
+            ])
+        teacher = f" from teacher {self.teacher} ({len(self.blocks)} blocks)" if self.blocks else ""
+        lines = [
+            f"{self.mode.upper()} plan for {self.model}{teacher}: {len(self.stages)} stages on "
+            f"{self.world_size} devices, batch {self.batch_size}, policy {self.policy}, partitioner "
+            f"{self.partitioner}, profile {self.profile}",
+            _aligned(header, rows, right={4, 5, 6, 7, 8, 9, 12}),
+            f"bottleneck {self.bottleneck_cost * 1e3:.3f} ms (stage {b}, marked *)  "
+            f"ideal {self.ideal_cost * 1e3:.3f} ms  imbalance {self.imbalance:.3f}  "
+            f"predicted speedup {self.predicted_speedup:.2f}x over sequential "
+            f"({self.sequential_cost * 1e3:.3f} ms)",
+            f"{len(self.legal_cuts)} legal cuts; costs {self._cost_basis()}, "
+            f"{format_bytes(self.link_bandwidth)}/s links, optimizer {self.optimizer}"
+            + (f", memory limit {format_bytes(self.memory_limit)}" if self.memory_limit else ""),
+        ]
+        if self.blocks:
+            lines += ["", self.block_table()]
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def _cost_basis(self) -> str:
+        if self.profile == "roofline":
+            return f"in seconds of {self.calibration.get('device', 'the device')} (roofline, step included)"
+        if self.profile == "time":
+            return "measured on the device"
+        return f"assume {format_flops(self.flops_per_second)}/s per device"
+
+    def block_table(self) -> str:
+        """``pipebd``: each block's teacher and student ends, the teacher output it learns, and its loss."""
+        stage_of = {b: s.index for s in self.stages for b in s.blocks}
+        header = ["block", "stage", "teacher ends at", "student ends at", "output", "teacher fwd", "student fwd",
+                  "params", "loss", "cost ms"]
+        rows = [[str(k.index), str(stage_of[k.index]), k.teacher_module or k.teacher_nodes[-1],
+                 k.student_module or k.student_nodes[-1], "x".join(map(str, k.output.shape)),
+                 format_flops(k.teacher_flops), format_flops(k.flops_fwd), f"{k.param_count / 1e6:.2f}M",
+                 " ".join(f"{key}={v}" if key != "type" else str(v) for key, v in k.loss.items()),
+                 f"{k.cost * 1e3:.3f}"] for k in self.blocks]
+        return _aligned(header, rows, right={5, 6, 7, 9})
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+
+def _aligned(header: list[str], rows: list[list[str]], *, right: set[int]) -> str:
+    """A text table: the header, a rule, the rows; columns in ``right`` right-aligned."""
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+    return "\n".join("  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                     for r in [header, ["-" * w for w in widths], *rows])
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable binary size, e.g. ``1.5 MiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_flops(n: float) -> str:
+    """Human-readable FLOP count, e.g. ``2.3G``."""
+    for unit in ("", "K", "M", "G", "T", "P"):
+        if abs(n) < 1000 or unit == "P":
+            return f"{n:.0f}" if unit == "" else f"{n:.1f}{unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
