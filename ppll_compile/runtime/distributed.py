@@ -2,35 +2,28 @@
 
 from __future__ import annotations
 
-import dataclasses
-import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..errors import PPLLError, StageError
 from ..lowered import Lowered
-from ..plan import Plan, TensorSpec
-from ..timeline import span
+from ..plan import Plan
 from .base import Counts, Losses, Runtime
 from .config import TrainConfig
 from .faults import ERROR_KEY, Faults
 from .group import abort, check_same_plan, check_world, init_group, place, rank_device, release, stage_group
-from .inbox import Failure, Inbox
+from .links import BatchSender, BatchTaker, WeightLinks, feed
 from .messages import EVAL, TRAIN, Message, add_counts, dtype_of
-from .momentum import WeightsReceiver, WeightsSender, check_distributed, momentum_pairs
+from .momentum import check_distributed, momentum_pairs
 from .outbox import Outbox
-from .queues import Recent
 from .runners import make_runners
-from .schedule import StageRule, next_input
-from .wire import END, Stop, Wire, check_splittable, split
+from .schedule import StageRule
+from .wire import END, Wire, check_splittable
 
 __all__ = ["DistributedRuntime", "ERROR_KEY"]
-
-_STORE_POLL = 0.25  # seconds between looks at the store while waiting for a thread
-_WEIGHTS_WAIT = 5.0  # seconds close() waits for a momentum head's receiving thread to take the end marker
 
 
 class DistributedRuntime(Runtime):
@@ -91,9 +84,6 @@ class DistributedRuntime(Runtime):
         self._connect(plan)
         check_splittable(plan)
         self._faults.watch(self._groups)
-        self._inbox: Inbox | None = None
-        self._recent = Recent()
-        self._open = False  # batches sent (rank 0) or taken (others) since the last END
         self._ended = False  # an END taken by step() that no finish() has matched yet
         self._closed = False
 
@@ -120,33 +110,26 @@ class DistributedRuntime(Runtime):
             self.runners[0].before_step = lambda: self._faults.collective(lambda: dist.barrier(group=sync))
 
     def _connect(self, plan: Plan) -> None:
-        """The wire format, fault protocol and send queue between this rank and its neighbours."""
+        """The wire format, fault protocol, sending, taking and weight links between this rank and its neighbours."""
         p = self._place
         backend = str(dist.get_backend())
         comm = self.device if self.device.type == "cuda" and "nccl" in backend else torch.device("cpu")
         in_specs = plan.inputs if p.fed else plan.stages[self.stage - 1].boundary if self.stage > 0 else ()
         raw_spec = next((s for s in plan.inputs if dtype_of(s.dtype) is not None), None)
-        self._wire = Wire(stage=self.stage, planned=plan.batch_size, in_specs=in_specs, raw_spec=raw_spec, comm=comm)
-        self._wire.receiving_from = p.upstream[0] if p.upstream else 0
-        self._receivers = p.feeds + p.downstream
-        """The ranks this rank sends batches to: rank 0's further replicas of stage 0, then the next stage."""
-        self._faults = Faults(rank=self.rank, stage=self.stage, stage_of=p.stage_of, receivers=self._receivers,
-                              wire=self._wire)
-        self._outbox = Outbox(rank=self.rank, depth=self._depth, faults=self._faults)
-        self._sender: WeightsSender | None = None
-        self._receiver: WeightsReceiver | None = None
-        self._weights_open = False  # this epoch's receiving thread of a momentum head runs
-        for i, head, mirrored in self._pairs:
-            if self.stage == i + 1:
-                self._sender = WeightsSender(mirrored, p.ranks[i][0], comm)
-                self.runner.publish_weights = self._sender.publish
-                self.runner.publish_every = head.every
-            if self.stage == i:
-                self._receiver = WeightsReceiver(head, p.ranks[i + 1][0], comm)
-                self.runner.take_weights = self._receiver.board.take
-        self._data_specs: tuple[TensorSpec, ...] = plan.inputs
-        self._out_specs: tuple[TensorSpec, ...] = plan.stages[self.stage].boundary
-        self._planned = plan.batch_size
+        wire = Wire(stage=self.stage, planned=plan.batch_size, in_specs=in_specs, raw_spec=raw_spec, comm=comm)
+        wire.receiving_from = p.upstream[0] if p.upstream else 0
+        receivers = p.feeds + p.downstream  # rank 0's further replicas of stage 0, then the next stage
+        self._faults = Faults(rank=self.rank, stage=self.stage, stage_of=p.stage_of, receivers=receivers, wire=wire)
+        outbox = Outbox(rank=self.rank, depth=self._depth, faults=self._faults)
+        self._weights = WeightLinks(self._pairs, stage=self.stage, ranks=p.ranks, comm=comm, runner=self.runner,
+                                    faults=self._faults)
+        self._sending = BatchSender(wire=wire, faults=self._faults, outbox=outbox, feeds=p.feeds,
+                                    downstream=p.downstream, receivers=receivers, data_specs=plan.inputs,
+                                    out_specs=plan.stages[self.stage].boundary, planned=plan.batch_size,
+                                    runner=self.runner, weights=self._weights)
+        self._taking = BatchTaker(wire=wire, faults=self._faults, upstream=p.upstream, stage=self.stage,
+                                  depth=self._depth, device=self.device, rule=lambda: self._rule, runner=self.runner,
+                                  sender=self._sending)
 
     @property
     def _rule(self) -> StageRule:
@@ -167,18 +150,18 @@ class DistributedRuntime(Runtime):
         self._raise_if_failed()
         if self.rank == 0:
             assert msg is not None, "rank 0 reads the data: step() needs a batch there"
-            return self._losses([self._train(self._scatter(msg, TRAIN), False)])
-        item, reused = self._take(reuse=self._queue == "reuse")
+            return self._losses([self._train(self._sending.scatter(msg, TRAIN), False)])
+        item, reused = self._taking.take(reuse=self._queue == "reuse")
         if item is END:
             self._ended = True
             return self._losses([])
-        return self._losses([self._train(self._expect(item, TRAIN), reused)])
+        return self._losses([self._train(self._taking.expect(item, TRAIN), reused)])
 
     def finish(self) -> Losses:
         """Rank 0: wait for its sends and send END. Other ranks: train until END arrives, forward it, wait."""
         self._raise_if_failed()
         if self.rank == 0:
-            self._end()
+            self._sending.end()
             return self._losses([])
         if self._ended:
             self._ended = False
@@ -190,7 +173,7 @@ class DistributedRuntime(Runtime):
         mine: list[float] = []
         if self.rank == 0:
             assert messages is not None, "rank 0 reads the data: epoch() needs the batches there"
-            for msg in self._feed(messages):
+            for msg in feed(messages, self._faults):
                 losses = self.step(msg)
                 mine += losses[0]
                 on_step(losses, msg.size)  # the whole batch: rank 0 counts the samples fed in
@@ -225,18 +208,18 @@ class DistributedRuntime(Runtime):
         tally: Any = ()
         seen = 0
         if self.rank == 0:
-            batches: Iterable[Any] = (self._scatter(m, EVAL) for m in self._feed(messages))
+            batches: Iterable[Any] = (self._sending.scatter(m, EVAL) for m in feed(messages, self._faults))
         else:
             self._ended = False
-            batches = self._eval_batches()
+            batches = self._taking.batches(EVAL)
         for msg in batches:
             out, count = self._faults.guard(msg.index, lambda m=msg: self.runner.eval_step(m))
             tally = add_counts(tally, count)
             seen += msg.size
             if out is not None:
-                self._send(out, EVAL)
+                self._sending.send(out, EVAL)
         if self.rank == 0:
-            self._end()  # the other ranks forward END as they take it
+            self._sending.end()  # the other ranks forward END as they take it
         return tally, seen
 
     def states(self) -> list[dict[str, Any]]:
@@ -263,11 +246,10 @@ class DistributedRuntime(Runtime):
         if self._closed:
             return
         self._closed = True
-        failed = self._open or self._faults.error is not None
-        if self._open and self._faults.error is None:
+        failed = self._sending.open or self._faults.error is not None
+        if self._sending.open and self._faults.error is None:
             self._faults.closed_early()
-        if self._inbox is not None:
-            self._inbox.stop.set()
+        self._taking.stop()
         self._faults.unwatch()
         if not dist.is_initialized():
             return
@@ -276,11 +258,8 @@ class DistributedRuntime(Runtime):
                 self._faults.wait_taken(dist.get_world_size())
             abort(self._groups)
         else:
-            self._outbox.settle()
-            if self._sender is not None:
-                self._sender.settle()
-            if self._receiver is not None:
-                self._receiver.join(_WEIGHTS_WAIT)
+            self._sending.settle()
+            self._weights.settle()
         if self._owns_group:
             release()
 
@@ -296,141 +275,17 @@ class DistributedRuntime(Runtime):
             raise PPLLError("this distributed runtime was closed; build a new trainer")
 
     def _train(self, msg: Message, reused: bool) -> float:
-        if self._receiver is not None and not self._weights_open:
-            self._weights_open = True
-            self._receiver.start(self._wait_thread)
-        if self._sender is not None:
-            self._sender.trained = True
-        send = self._relay if self._rule.sends(reused) else None
+        self._weights.before_train()
+        send = self._sending.relay if self._rule.sends(reused) else None
         _, loss = self._faults.guard(msg.index, lambda: self.runner.train_step(msg, send))
         self.runner.reused += reused
         return float(loss)
 
-    def _relay(self, out: Message) -> None:
-        """Send a training output on (called by the stage as soon as its forward made it): early always, as an
-        ``isend`` posted at once finds room (the receiving thread of the next stage takes it into its queue)."""
-        with span(self.runner.recorder, "send", out.index):
-            self._send(out, TRAIN)
-
-    def _scatter(self, msg: Message, kind: str) -> Message:
-        """Rank 0: send the other replicas of stage 0 their slices of a batch; this rank's own slice."""
-        feeds = self._place.feeds
-        if not feeds:
-            return msg
-        guard, specs = self._faults.guard, self._data_specs
-        parts = guard(msg.index, lambda: split(msg, specs, self._planned, 1 + len(feeds)))
-        self._open = True
-        self._outbox.post([(dst, guard(msg.index, lambda p=p: self._wire.pack(p, kind, specs)))
-                           for dst, p in zip(feeds, parts[1:])])
-        return parts[0]
-
-    def _send(self, msg: Message, kind: str) -> None:
-        guard, specs, downstream = self._faults.guard, self._out_specs, self._place.downstream
-        parts = guard(msg.index, lambda: split(msg, specs, self._planned, len(downstream)))
-        packed = [(dst, guard(msg.index, lambda p=p: self._wire.pack(p, kind, specs)))
-                  for dst, p in zip(downstream, parts)]
-        self._open = True
-        self._outbox.post(packed)
-
-    def _end(self) -> None:
-        """Close an epoch: send END to every receiver (none on the last stage) and wait for every send."""
-        end = self._wire.end()
-        self._outbox.post([(dst, end) for dst in self._receivers])
-        self._outbox.drain(self._receivers)
-        self._open = self._weights_open = False
-        if self._sender is not None:
-            peer = self._place.ranks[self.stage - 1][0]
-            try:
-                self._sender.end()
-            except Exception as e:  # noqa: BLE001 - a send fails when the peer is gone
-                self._faults.lost(e, peer, "sending weights to")
-
-    def _feed(self, messages: Iterable[Message]) -> Iterator[Message]:
-        """Rank 0's batches; a loader that raises stops the other ranks before the error propagates."""
-        it = iter(messages)
-        while True:
-            try:
-                msg = next(it)
-            except StopIteration:
-                return
-            except Exception as e:
-                self._faults.data_failed(e)
-                raise
-            yield msg
-
     def _until_end(self) -> Iterator[tuple[float, int]]:
         """Train on every batch until END (forwarded on); each loss with its batch size (0 when reused)."""
         while True:
-            item, reused = self._take(reuse=self._queue == "reuse")
+            item, reused = self._taking.take(reuse=self._queue == "reuse")
             if item is END:
                 return
-            loss = self._train(self._expect(item, TRAIN), reused)
+            loss = self._train(self._taking.expect(item, TRAIN), reused)
             yield loss, 0 if reused else item.whole or item.size
-
-    def _eval_batches(self) -> Iterator[Message]:
-        while True:
-            item, _ = self._take(reuse=False)
-            if item is END:
-                return
-            yield self._expect(item, EVAL)
-
-    def _expect(self, msg: Message, kind: str) -> Message:
-        if msg.kind != kind:
-            error = PPLLError(f"stage {self.stage} received an {msg.kind} batch while it expected {kind} batches: "
-                              f"every process must make the same trainer calls (step/finish/fit/evaluate/save/"
-                              f"load) in the same order")
-
-            def fail() -> NoReturn:
-                raise error
-
-            self._faults.guard(msg.index, fail)
-        return msg
-
-    def _take(self, *, reuse: bool) -> tuple[Any, bool]:
-        """The next input (or END) and whether it is a reused one (``queue="reuse"``)."""
-        start = time.perf_counter()
-        item, reused = self._next(reuse=reuse)
-        recorder = self.runner.recorder
-        if recorder is not None and isinstance(item, Message) and item.kind == TRAIN and not reused:
-            recorder.add("receive", item.index, start, time.perf_counter())
-        return item, reused
-
-    def _next(self, *, reuse: bool) -> tuple[Any, bool]:
-        """The next input (or END) by :func:`.schedule.next_input`; ``reuse=False`` takes every input in order."""
-        rule = self._rule if reuse else dataclasses.replace(self._rule, queue="fifo")
-        item, reused = next_input(rule, poll=lambda: self._get(block=False), wait=lambda: self._get(block=True),
-                                  memory=self._recent)
-        if item is END:
-            self._recent.clear()
-            self._end()
-        return item, reused
-
-    def _get(self, *, block: bool) -> Any:
-        if self._inbox is None:
-            self._inbox = Inbox(self._receive, self._depth, self.device, latest=self._rule.takes_newest)
-        inbox = self._inbox
-        item = inbox.get(block=block, alarm=self._alarm, idle=self._faults.check_store)
-        self.runner.dropped += inbox.queue.dropped()
-        if item is None:
-            return None
-        if item is END:
-            self._inbox = None
-        else:
-            self._open = True
-        return item
-
-    def _wait_thread(self, thread: Any) -> None:
-        """Wait for the last epoch's receiving thread of the momentum head, looking for failures meanwhile."""
-        while thread.is_alive():
-            thread.join(_STORE_POLL)
-            self._faults.check_store()
-
-    def _alarm(self, alarm: Stop | Failure) -> NoReturn:
-        self._inbox = None
-        if isinstance(alarm, Stop):
-            self._faults.remote(alarm.report)
-        self._faults.lost(alarm.error, self._wire.receiving_from, "receiving from")
-
-    def _receive(self) -> Any:
-        """Receive one batch from the upstream ranks, a part from each, joined by rows (on the inbox thread)."""
-        return self._wire.receive(self._place.upstream)
