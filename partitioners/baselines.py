@@ -8,8 +8,6 @@ from __future__ import annotations
 from . import PartitionError, Problem, register
 from .exact import exact_partition
 
-__all__ = ["uniform_partition", "greedy_partition", "params_partition"]
-
 
 @register("uniform")
 def uniform_partition(problem: Problem, num_stages: int) -> tuple[int, ...]:

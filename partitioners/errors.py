@@ -11,8 +11,6 @@ errors, which is where users and the rest of the package import them from.
 
 from __future__ import annotations
 
-__all__ = ["PPLLError", "PartitionError", "InfeasibleMemoryError"]
-
 
 class PPLLError(Exception):
     """Base class of every error ppll-compile raises on bad input."""

@@ -11,8 +11,6 @@ from . import register
 from .objective import Segments, stage_seconds
 from .problem import Arrays, Problem, infeasible
 
-__all__ = ["exact_partition"]
-
 _SLACK = 1e-9
 """Relative margin that keeps the window pruning and the lower bounds safe against float rounding."""
 

@@ -20,8 +20,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["allreduce_seconds", "stage_seconds", "Segments"]
-
 
 def allreduce_seconds(nbytes, replicas, bandwidth):
     """Seconds of a ring all-reduce of ``nbytes`` over ``replicas`` devices: ``2 (r-1)/r * nbytes / bandwidth``.

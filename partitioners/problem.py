@@ -11,9 +11,6 @@ import numpy as np
 from .errors import InfeasibleMemoryError, PartitionError
 from .objective import Segments
 
-__all__ = ["Problem", "PartitionError", "InfeasibleMemoryError", "Arrays", "vector", "check_stages", "check_ends",
-           "infeasible", "format_bytes"]
-
 
 @dataclass(frozen=True, kw_only=True)
 class Problem:

@@ -14,9 +14,6 @@ from .errors import InfeasibleMemoryError, PartitionError
 from .objective import Segments
 from .problem import check_ends, format_bytes, vector
 
-__all__ = ["ReplicaProblem", "Layout", "solve_replicated", "solve_fixed_replicas", "brute_force_replicated",
-           "layout_costs"]
-
 _SEGMENT_FIELDS = ("head", "comm", "start", "grad_bytes", "head_grad_bytes", "memory", "head_memory")
 
 

@@ -6,7 +6,8 @@ from .errors import CutError, PartitionError, PlanError, PolicyError, PPLLError,
 from .lowered import Stage
 from .options import PlanOptions
 from .pipeline import CompiledPipeline, DistillPipeline
-from .plan import BlockPlan, HeadSpec, Plan, StagePlan, TensorSpec
+from .plan import BlockPlan, Plan, StagePlan, TensorSpec
+from .plan_specs import HeadSpec
 from .runtime import CheckpointError, StageError, Trainer
 from .simulate import Simulation, StageSimulation, simulate
 from .timeline import Event, Timeline

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from .errors import PPLLError
 
-__all__ = ["ENV", "SETTINGS", "AllocatorSetting", "applied_setting", "keep_freed_memory", "other_allocator"]
+__all__ = ["ENV", "keep_freed_memory", "applied_setting"]
 
 ENV = "PPLL_MALLOC"
 """The environment variable that chooses: ``keep`` (the default) or ``default`` (leave glibc's allocator alone)."""

@@ -14,7 +14,8 @@ import torch.fx as fx
 from torch import Tensor, nn
 
 from .capture import capture
-from .cost import META_KEY, OPTIMIZER_STATES, measure_graph
+from .cost import META_KEY, measure_graph
+from .optimizers import OPTIMIZER_STATES
 from .cuts import Cut, legal_cuts
 from .errors import CutError, PlanError
 from .layout import layout_of
@@ -23,8 +24,6 @@ from .phases import phase
 from .plan import TensorSpec
 from .roofline import Op
 from .trace import module_path
-
-__all__ = ["Analysis", "Summary", "analyse", "INFERRED_BATCH"]
 
 INFERRED_BATCH = 32
 """Batch size of an inferred example input (override with ``batch_size=``)."""

@@ -15,7 +15,7 @@ from .analysis import Analysis, analyse
 from .cuts import Cut
 from .assemble import assemble_ppll
 from .errors import PlanError, PolicyError
-from .cost import ModuleCost
+from .module_cost import ModuleCost
 from .heads import copied_blocks, counted_head
 from .lower import lower_ppll, next_blocks
 from .options import SavedPlan, check_no_blocks, read_saved_plan, resolve_mode, resolve_options
@@ -23,10 +23,9 @@ from .options import PlanOptions
 from .partition import StageRequest, ppll_layout, segment_costs, stage_request, time_layout
 from .pipebd.build import compile_pipebd, plan_pipebd
 from .pipeline import CompiledPipeline
-from .plan import HeadSpec, Plan
+from .plan import Plan
+from .plan_specs import HeadSpec
 from .policy import Policy, load_policy
-
-__all__ = ["plan", "compile"]
 
 
 def plan(model: nn.Module, gpus: int | None = None, *, teacher: nn.Module | None = None, mode: str | None = None,

@@ -19,11 +19,10 @@ from .heads import head_notes, model_head, stage_head
 from .options import PlanOptions
 from .partition import Costs, StageLayout
 from .profile import StageTime
-from .plan import HeadSpec, Plan, StagePlan, TensorSpec
+from .plan import Plan, StagePlan, TensorSpec
+from .plan_specs import HeadSpec
 from .roofline import DeviceFigures
 from .trace import module_path
-
-__all__ = ["StageParts", "stage_devices", "assemble", "assemble_ppll"]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,8 +11,6 @@ import torch
 from .errors import PlanError
 from .roofline import FIGURES_ENV, DeviceFigures, cache_path, device_figures, stage_threads
 
-__all__ = ["calibrate", "summary"]
-
 
 def calibrate(device: str | torch.device = "cpu", threads: int | None = None, refresh: bool = False, *,
               stages: int = 1, out: str | Path | None = None) -> DeviceFigures:

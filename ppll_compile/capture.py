@@ -15,8 +15,6 @@ from .export import export
 from .plan_file import EXPORT_NOTE
 from .trace import check_leaf_names, fixed_arguments, trace
 
-__all__ = ["Capture", "capture", "BUFFER_OWNERS"]
-
 BUFFER_OWNERS = "ppll_buffer_owners"
 """``GraphModule.meta`` key: for every buffer the graph reads by attribute, the model's module that holds it and
 its name there, so that a stage moved to a device can point the model at the moved buffer."""

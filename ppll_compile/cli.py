@@ -32,11 +32,10 @@ from .errors import PlanError, PPLLError
 from .model_file import load_model
 from .optimizers import OPTIMIZERS
 from .options import PROFILES, TIED, TRACERS, PlanOptions, read_saved_plan
-from .plan import HeadSpec, Plan
+from .plan import Plan
+from .plan_specs import HeadSpec
 from .profile import first_device
 from .roofline import FIGURES_ENV
-
-__all__ = ["main"]
 
 _PROG = "ppll-plan"
 _EPILOG = """\

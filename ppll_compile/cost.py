@@ -22,20 +22,9 @@ from .flops import flop_counter
 from .memo import PLAIN, Out, Outcome, Uncacheable, module_signature, plain, pure_function
 from .plan import TensorSpec
 from .errors import PlanError, PPLLError
-from .module_cost import ModuleCost, measure_module
-from .optimizers import OPTIMIZER_STATES
-from .roofline import Op, OpLog
+from .module_cost import measure_module
+from .oplog import Op, OpLog
 from .trace import misfit_message, module_path, train_mode
-
-__all__ = [
-    "META_KEY",
-    "OPTIMIZER_STATES",
-    "NodeCost",
-    "ModuleCost",
-    "measure_graph",
-    "measure_module",
-    "tensor_spec",
-]
 
 _VALUE_DEPENDENT = (DataDependentOutputException, GuardOnDataDependentSymNode)
 

@@ -13,8 +13,6 @@ import torch.fx as fx
 from .cost import META_KEY
 from .plan import TensorSpec
 
-__all__ = ["Cut", "legal_cuts", "MAX_SIDE_VALUES"]
-
 MAX_SIDE_VALUES = 3
 """At most this many side tensors (an attention mask; a rotary embedding's cos and sin) may travel with the main
 tensor across a cut."""

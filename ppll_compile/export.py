@@ -17,8 +17,6 @@ from .errors import PlanError, TraceError
 from .modes import merge_modes
 from .trace import attribute, in_mode, misfit_message, module_path, quiet, rejecting_module, warned
 
-__all__ = ["export", "OUTPUT_SPEC"]
-
 OUTPUT_SPEC = "ppll_output_spec"
 """``GraphModule.meta`` key of the pytree spec that rebuilds the model's output (a ``ModelOutput``, a tuple, a
 dict) from the exported graph's flat outputs."""

@@ -12,8 +12,6 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
-__all__ = ["FakeState", "storage_id"]
-
 
 def storage_id(t: Tensor) -> int:
     """The identity of a tensor's storage: views and in-place results share their base's."""

@@ -9,8 +9,6 @@ import torch
 from torch.utils import flop_counter as _torch_flops
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["flop_counter", "EXTRA_FORMULAS"]
-
 # torch wraps custom formulas so that they receive tensor shapes (torch.Size) instead of tensors
 
 def _sdpa_cpu(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:

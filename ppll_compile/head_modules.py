@@ -13,9 +13,6 @@ from torch import Tensor, nn
 
 from .errors import PolicyError
 
-__all__ = ["AuxHead", "InfoProHead", "MomentumHead", "head_loss", "model_loss", "logits_of", "cross_entropy",
-           "meta_copies", "IGNORE_INDEX", "CIFAR_MEAN", "CIFAR_STD"]
-
 IGNORE_INDEX = -100
 """Label of a position no loss is taken on (padding, a prompt, the last token of a causal LM), as in torch."""
 

@@ -13,9 +13,6 @@ from .errors import PolicyError
 from .head_modules import AuxHead
 from .schema import Opt
 
-__all__ = ["HeadRequest", "BlockUse", "HeadType", "register_head_type", "unregister_head_type", "head_type",
-           "head_type_for", "head_type_names"]
-
 
 @dataclass(frozen=True, kw_only=True)
 class HeadRequest:

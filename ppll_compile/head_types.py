@@ -22,8 +22,8 @@ from .head_registry import (BlockUse, HeadRequest, HeadType, head_type, head_typ
 from .plan import format_bytes
 from .schema import choice, fraction, integer, per_channel, positive, ramp
 
-__all__ = ["KINDS", "HeadType", "HeadRequest", "BlockUse", "register_head_type", "unregister_head_type", "head_type",
-           "head_type_for", "head_type_names", "stage_weights", "BUILT_IN"]
+__all__ = ["HeadType", "HeadRequest", "BlockUse", "register_head_type", "unregister_head_type", "head_type",
+           "head_type_for", "head_type_names"]
 
 KINDS = ("feature_map", "channels_last", "sequence", "vector")
 """The boundary tensor kinds a head type may read: N x C x H x W, N x H x W x C, N x L x D, N x D."""

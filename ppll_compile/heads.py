@@ -26,17 +26,15 @@ from torch import nn
 from .errors import PolicyError
 from .head_modules import (IGNORE_INDEX, AuxHead, InfoProHead, MomentumHead, head_loss, logits_of, meta_copies,
                            model_loss)
-from .head_types import HeadRequest, head_type, head_type_for, stage_weights
+from .head_types import HeadRequest, head_type, head_type_for
 from .module_cost import ModuleCost, measure_module
 from .optimizers import optimizer_spec
 from .phases import phase
-from .plan import HeadSpec, TensorSpec
+from .plan import TensorSpec
+from .plan_specs import HeadSpec
 from .policy import Policy, check_head_config, tensor_kind
 
-__all__ = ["AuxHead", "InfoProHead", "MomentumHead", "head_loss", "model_loss", "logits_of", "build_head",
-           "make_head", "head_for", "head_spec", "counted_head", "model_head", "copied_blocks", "stage_head",
-           "stage_weights",
-           "head_notes", "IGNORE_INDEX"]
+__all__ = ["AuxHead", "InfoProHead", "MomentumHead", "model_loss", "head_loss", "logits_of", "IGNORE_INDEX"]
 
 
 def copied_blocks(config: Mapping[str, Any]) -> int:

@@ -13,8 +13,6 @@ from collections import deque
 import torch.fx as fx
 from torch import nn
 
-__all__ = ["layout_of", "CHANNELS_LAST"]
-
 CHANNELS_LAST = "channels_last"
 _LAST = (nn.LayerNorm, nn.Linear)
 _FIRST = (nn.Conv2d, nn.BatchNorm2d, nn.GroupNorm, nn.InstanceNorm2d, nn.MaxPool2d, nn.AvgPool2d,

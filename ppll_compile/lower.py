@@ -25,8 +25,6 @@ from .plan import Plan
 from .policy import Policy
 from .trace import attribute, module_path, quiet
 
-__all__ = ["split_stages", "model_inputs", "lower_ppll", "next_blocks"]
-
 
 def split_stages(gm: fx.GraphModule, cuts: Sequence[Cut], *, untie: bool = False) -> list[Stage]:
     """Split ``gm`` after each of ``cuts`` (legal cuts, in graph order) into :class:`Stage` modules.

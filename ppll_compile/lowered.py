@@ -14,8 +14,6 @@ from torch.utils import _pytree as pytree
 
 from .plan import StagePlan
 
-__all__ = ["Stage", "Inputs", "Lowered", "move", "SOURCE_NAME"]
-
 SOURCE_NAME = "ppll_name"
 """``node.meta`` key that keeps a node's name in the traced graph after ``split_module`` renames it."""
 

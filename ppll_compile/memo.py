@@ -10,8 +10,6 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-__all__ = ["PLAIN", "Uncacheable", "plain", "pure_function", "module_signature", "Out", "Outcome"]
-
 PLAIN = (int, float, bool, str, type(None), type(Ellipsis), torch.dtype, torch.device, torch.memory_format,
           torch.layout)
 _PURE_MODULES = ("torch", "_operator", "operator", "builtins", "math")

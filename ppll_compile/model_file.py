@@ -21,8 +21,6 @@ from torch import Tensor, nn
 
 from .errors import ModelFileError
 
-__all__ = ["ModelFile", "load_model"]
-
 _module_ids = itertools.count()
 
 

@@ -23,8 +23,6 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-__all__ = ["TrainEval", "Merge", "merge_modes", "SWITCH_PREFIX"]
-
 SWITCH_PREFIX = "ppll_mode_"
 """Name prefix of the :class:`TrainEval` modules a merge adds to the graph module."""
 

@@ -12,9 +12,7 @@ from torch.utils import _pytree as pytree
 
 from .fake_state import storage_id
 from .flops import flop_counter
-from .roofline import Op, OpLog
-
-__all__ = ["ModuleCost", "measure_module"]
+from .oplog import Op, OpLog
 
 
 @dataclass(frozen=True, kw_only=True)

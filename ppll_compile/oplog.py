@@ -13,8 +13,6 @@ from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 from .flops import EXTRA_FORMULAS
 
-__all__ = ["FAMILIES", "COMPUTE", "Op", "OpLog", "nbytes"]
-
 FAMILIES = ("matmul", "attention", "conv", "conv_bwd", "norm", "math", "pool", "memory", "step")
 """Operator families, each with its own calibrated rate: FLOP/s for the first four, bytes/s for the others
 (``step``: an optimizer's update of parameters and state, streamed from memory)."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["OptimizerSpec", "OPTIMIZERS", "OPTIMIZER_STATES", "optimizer_spec", "states_of", "kind_of"]
+__all__ = ["OptimizerSpec", "OPTIMIZERS", "optimizer_spec"]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -14,12 +14,10 @@ from torch import nn
 
 import partitioners
 
-from .cost import OPTIMIZER_STATES
 from .errors import PartitionError, PlanError
-from .plan import MODES, PLAN_VERSION, Plan, TensorSpec, device_problem, read_plan_text
-
-__all__ = ["PlanOptions", "SavedPlan", "read_saved_plan", "resolve_options", "resolve_mode", "check_no_blocks",
-           "PROFILES", "TIED", "TRACERS", "DEFAULT_FLOPS_PER_SECOND", "DEFAULT_LINK_BANDWIDTH"]
+from .optimizers import OPTIMIZER_STATES
+from .plan import MODES, PLAN_VERSION, Plan, TensorSpec, device_problem
+from .plan_file import read_plan_text
 
 DEFAULT_FLOPS_PER_SECOND = 1e13
 """Sustained training throughput assumed per device when costs are counted in FLOPs (10 TFLOP/s)."""

@@ -16,17 +16,14 @@ from partitioners.objective import Segments
 from partitioners.replicas import Layout, ReplicaProblem, layout_costs, solve_fixed_replicas, solve_replicated
 
 from .analysis import Analysis
-from .cost import ModuleCost
+from .module_cost import ModuleCost
 from .errors import CutError
 from .options import PlanOptions, SavedPlan
 from .phases import phase
-from .plan import HeadSpec
+from .plan_specs import HeadSpec
 from .policy import Policy
 from .profile import StageTime, first_device, time_stages
 from .roofline import DeviceFigures, Op, device_figures, seconds, step_ops
-
-__all__ = ["Costs", "StageRequest", "StageLayout", "segment_costs", "plan_figures", "time_layout", "stage_request",
-           "ppll_layout", "block_layout"]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,7 +6,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["PHASES", "phase", "record_phases"]
+__all__ = ["PHASES", "record_phases"]
 
 PHASES = ("trace", "cost", "cuts", "heads", "partition")
 """The timed phases of planning: torch.fx capture, per-node measurement on fake tensors, legal cuts, the heads'

@@ -19,8 +19,6 @@ from .plan import Plan
 from .policy import load_policy
 from .runtime import Trainer
 
-__all__ = ["CompiledPipeline", "DistillPipeline", "Replanner"]
-
 
 class CompiledPipeline:
     """A model compiled into pipeline stages: ``plan``, ``stages``, ``heads``; calling it runs the stages in order.

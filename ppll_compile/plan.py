@@ -12,26 +12,9 @@ import torch
 from partitioners.objective import allreduce_seconds
 
 from .errors import PlanError
-from .plan_file import PLAN_VERSION, PlanFile, read_plan_text
-from .plan_specs import BlockPlan, FrozenDict, HeadSpec, StagePlan, TensorSpec
-from .plan_table import PlanTable, format_bytes, format_flops
-
-__all__ = [
-    "PLAN_VERSION",
-    "FrozenDict",
-    "TensorSpec",
-    "HeadSpec",
-    "StagePlan",
-    "BlockPlan",
-    "Plan",
-    "MODES",
-    "DEVICE_TYPES",
-    "TRACERS_USED",
-    "device_problem",
-    "read_plan_text",
-    "format_bytes",
-    "format_flops",
-]
+from .plan_file import PLAN_VERSION, PlanFile
+from .plan_specs import BlockPlan, FrozenDict, StagePlan, TensorSpec
+from .plan_table import PlanTable, format_bytes
 
 MODES = ("ppll", "pipebd")
 """Plan kinds: local learning with aux heads, and blockwise distillation from a teacher."""

@@ -13,8 +13,6 @@ import yaml
 from .errors import PlanError
 from .plan_specs import BlockPlan, FrozenDict, StagePlan, TensorSpec, required
 
-__all__ = ["PLAN_VERSION", "EXPORT_NOTE", "PlanFile", "read_plan_text"]
-
 PLAN_VERSION = 1
 """The plan file format's version."""
 

@@ -7,8 +7,6 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FrozenDict", "TensorSpec", "HeadSpec", "StagePlan", "BlockPlan", "required"]
-
 
 class FrozenDict(Mapping[str, Any]):
     """A read-only, hashable mapping: a head or loss config inside a frozen plan (nested mappings frozen too)."""

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-__all__ = ["PlanTable", "format_bytes", "format_flops"]
-
 
 class PlanTable:
     """What :class:`~ppll_compile.plan.Plan` prints (a base class, so the plan's own class stays about its data)."""

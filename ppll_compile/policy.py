@@ -21,8 +21,7 @@ from .head_types import BUILT_IN, KINDS, head_type, head_type_names
 from .plan import TensorSpec
 from .schema import Opt, choice, text, weight
 
-__all__ = ["KINDS", "HEAD_TYPES", "CIFAR_MEAN", "CIFAR_STD", "tensor_kind", "Policy", "load_policy", "validate_policy",
-           "check_head_config"]
+__all__ = ["Policy", "load_policy", "validate_policy"]
 
 _KIND_OF_RANK = {4: "feature_map", 3: "sequence", 2: "vector"}
 _LAYOUT = {"feature_map": "N x C x H x W", "channels_last": "N x H x W x C", "sequence": "N x L x D",

@@ -20,11 +20,8 @@ from .heads import head_for, head_loss, logits_of, model_loss
 from .lower import split_stages
 from .lowered import Stage, move
 from .optimizers import OPTIMIZERS
-from .plan import HeadSpec
+from .plan_specs import HeadSpec
 from .policy import Policy
-
-__all__ = ["first_device", "time_callable", "time_blocks", "StageTime", "round_statistics",
-           "make_optimizer", "time_stages", "OptimizerKind"]
 
 OptimizerKind = str | Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 """``sgd``, ``momentum`` or ``adam``, or a factory ``fn(params) -> Optimizer``."""

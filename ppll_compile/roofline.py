@@ -52,9 +52,7 @@ from .errors import PlanError
 from .oplog import COMPUTE, FAMILIES, Op, OpLog, nbytes
 from .optimizers import optimizer_spec
 
-__all__ = ["Op", "OpLog", "DeviceFigures", "FAMILIES", "device_figures", "measure_device", "measure_calls",
-           "cache_path", "device_name", "stage_threads", "busy_threshold", "seconds", "step_ops", "FIGURES_ENV",
-           "CACHE_ENV", "BUSY_ENV", "BUSY_LOAD"]
+__all__ = ["DeviceFigures", "device_figures", "FIGURES_ENV", "CACHE_ENV", "BUSY_ENV"]
 
 FIGURES_ENV = "PPLL_DEVICE_FIGURES"
 """Environment variable naming a JSON file of :class:`DeviceFigures` that every plan uses instead of calibrating."""

@@ -7,8 +7,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Opt", "integer", "weight", "text", "choice", "positive", "fraction", "ramp", "per_channel"]
-
 
 @dataclass(frozen=True)
 class Opt:

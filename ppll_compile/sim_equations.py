@@ -12,8 +12,6 @@ from dataclasses import dataclass, field
 
 from .runtime.schedule import StageRule
 
-__all__ = ["Work", "Pool", "Lanes", "equations", "add_step"]
-
 
 @dataclass(frozen=True, kw_only=True)
 class Work:

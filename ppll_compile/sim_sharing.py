@@ -14,8 +14,6 @@ from typing import Any, NamedTuple
 from .runtime.schedule import StageRule
 from .sim_equations import Lanes, Pool, Work
 
-__all__ = ["processor_sharing"]
-
 
 # The requests a stage's process yields to the event-driven schedule.
 class _Run(NamedTuple):

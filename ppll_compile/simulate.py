@@ -69,8 +69,6 @@ from .sim_equations import Lanes, Pool, Work, equations
 from .sim_sharing import processor_sharing
 from .timeline import Event, Timeline
 
-__all__ = ["simulate", "Simulation", "StageSimulation"]
-
 
 @dataclass(frozen=True, kw_only=True)
 class StageSimulation:

@@ -20,8 +20,6 @@ import torch
 
 from .errors import PPLLError
 
-__all__ = ["KINDS", "Event", "Timeline", "Recorder", "span"]
-
 KINDS = ("receive", "forward", "backward", "allreduce", "step", "send")
 """What a span is: waiting for the next input, the stage's forward (block, head, loss; under Pipe-BD also the
 teacher), its backward, the gradient all-reduce of a replicated stage (simulated only: the runtimes overlap

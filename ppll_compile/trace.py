@@ -26,8 +26,6 @@ from torch.utils import _pytree as pytree
 from .errors import TraceError
 from .modes import SWITCH_PREFIX, merge_modes
 
-__all__ = ["trace", "module_path", "train_mode", "in_mode", "fixed_arguments", "quiet", "warned", "check_leaf_names",
-           "attribute", "rejecting_module", "misfit_message"]
 _TORCH_DIR = str(Path(torch.__file__).parent)
 _THIS_FILE = __file__
 

@@ -17,5 +17,4 @@ from .gantt import Gantt, draw_gantt
 from .graph import (DETAILS, ENGINES, MAX_NODES, GraphDescription, GraphEdge, GraphNode, GraphPicture, describe_graph,
                     draw_graph)
 
-__all__ = ["SUFFIXES", "ENGINES", "DETAILS", "MAX_NODES", "CostBars", "GraphNode", "GraphEdge", "GraphDescription",
-           "GraphPicture", "Gantt", "cost_bars", "describe_graph", "plot_costs", "draw_graph", "draw_gantt"]
+__all__ = ["plot_costs", "draw_graph", "draw_gantt"]

@@ -5,8 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SUFFIXES", "output_path", "figure", "save"]
-
 SUFFIXES = (".png", ".svg", ".pdf")
 """File suffixes the pictures can be written as."""
 

@@ -8,8 +8,6 @@ from pathlib import Path
 from ..timeline import KINDS, Timeline
 from .figure import figure, output_path, save
 
-__all__ = ["Gantt", "draw_gantt"]
-
 _KIND_COLORS = {"receive": "#d0d0d0", "forward": "#4c72b0", "backward": "#dd8452", "allreduce": "#8172b3",
                 "step": "#55a868", "send": "#937860"}
 

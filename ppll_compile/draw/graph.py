@@ -12,9 +12,6 @@ from ..plan import Plan
 from ..trace import module_path
 from .figure import figure, output_path, save
 
-__all__ = ["ENGINES", "DETAILS", "MAX_NODES", "GraphNode", "GraphEdge", "GraphDescription", "GraphPicture",
-           "describe_graph", "draw_graph"]
-
 ENGINES = ("auto", "graphviz", "matplotlib")
 """Ways :func:`draw_graph` can lay out a graph; ``auto`` picks graphviz when its ``dot`` program is installed."""
 DETAILS = ("auto", "modules", "nodes")

@@ -4,5 +4,3 @@ from .align import Blocks, align
 from .build import PipeBD, compile_pipebd, plan_pipebd
 from .policy import LOSSES, DistillPolicy, distill_loss, load_distill_policy
 
-__all__ = ["plan_pipebd", "compile_pipebd", "PipeBD", "Blocks", "align", "DistillPolicy", "load_distill_policy",
-           "distill_loss", "LOSSES"]

@@ -11,8 +11,6 @@ from ..cuts import Cut
 from ..errors import CutError
 from ..plan import TensorSpec
 
-__all__ = ["Blocks", "align", "output_spec", "stage_ends"]
-
 
 @dataclass(frozen=True, kw_only=True)
 class Blocks:

@@ -18,14 +18,13 @@ from ..lowered import Lowered, Stage
 from ..options import PlanOptions
 from ..partition import Costs, block_layout, plan_figures
 from ..pipeline import DistillPipeline
-from ..plan import BlockPlan, HeadSpec, Plan, TensorSpec
+from ..plan import BlockPlan, Plan, TensorSpec
+from ..plan_specs import HeadSpec
 from ..profile import first_device, time_blocks
 from ..roofline import DeviceFigures, seconds, step_ops
 from ..trace import module_path
 from .align import Blocks, align, output_spec, stage_ends
 from .policy import LOGIT_LOSSES, DistillPolicy, distill_loss, load_distill_policy
-
-__all__ = ["PipeBD", "plan_pipebd", "compile_pipebd"]
 
 
 @dataclass(frozen=True, eq=False)

@@ -17,8 +17,6 @@ import policies as _policies
 from ..errors import PolicyError
 from ..policy import read_yaml
 
-__all__ = ["DistillPolicy", "load_distill_policy", "distill_loss", "LOSSES", "LOGIT_LOSSES"]
-
 LOSSES: dict[str, dict[str, float]] = {"mse": {}, "smooth_l1": {"beta": 1.0}, "kl": {"temperature": 1.0},
                                        "soft_ce": {"temperature": 1.0}}
 """Distillation losses by type, with their options and defaults; ``kl`` and ``soft_ce`` compare N x C logits.

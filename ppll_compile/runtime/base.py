@@ -19,7 +19,7 @@ from .momentum import link_local
 from .runner import Runner
 from .runners import make_runners
 
-__all__ = ["Runtime", "RuntimeSetup", "Losses", "Counts", "progress_bar"]
+__all__ = ["Runtime", "RuntimeSetup", "Losses", "Counts"]
 
 Losses = list[list[float]]
 """Per stage, the losses of the batches it finished since the last call, in order."""

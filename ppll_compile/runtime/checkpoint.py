@@ -36,9 +36,6 @@ from torch.optim import Optimizer
 from ..errors import CheckpointError
 from ..plan import Plan
 
-__all__ = ["identity", "latest", "begin", "final_name", "save_stage", "commit", "read",
-           "check_state", "MANIFEST", "POINTER"]
-
 MANIFEST = "manifest.json"
 POINTER = "latest"
 FORMAT = 1

@@ -15,8 +15,6 @@ from ..plan import Plan
 from . import checkpoint
 from .base import Runtime
 
-__all__ = ["Checkpointer"]
-
 
 class Checkpointer:
     """Saves and loads the stages of ``runtime`` (those of this process) with every other process of the pipeline.

@@ -13,8 +13,6 @@ from torch import Tensor, nn
 from ..optimizers import OPTIMIZER_STATES, kind_of, states_of
 from ..plan import format_bytes
 
-__all__ = ["TrainConfig", "optimizer_mismatch"]
-
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """How every stage trains: optimizer and scheduler factories, loss, clipping, autocast, fault checks, seed."""

@@ -13,7 +13,7 @@ from ..lowered import Lowered
 from ..plan import Plan
 from .base import Counts, Losses, Runtime
 from .config import TrainConfig
-from .faults import ERROR_KEY, Faults
+from .faults import Faults
 from .group import abort, check_same_plan, check_world, init_group, place, rank_device, release, stage_group
 from .links import BatchSender, BatchTaker, WeightLinks, feed
 from .messages import EVAL, TRAIN, Message, add_counts, dtype_of
@@ -22,8 +22,6 @@ from .outbox import Outbox
 from .runners import make_runners
 from .schedule import StageRule
 from .wire import END, Wire, check_splittable
-
-__all__ = ["DistributedRuntime", "ERROR_KEY"]
 
 
 class DistributedRuntime(Runtime):
@@ -51,7 +49,7 @@ class DistributedRuntime(Runtime):
     as its forward made it (:class:`.outbox.Outbox`, at most ``depth`` batches outstanding), and takes the newest
     input (``queue="latest"``) or reuses one when none waits (``queue="reuse"``), by the rules of :mod:`.schedule`.
     A failure anywhere reaches every rank as a :class:`StageError` naming the stage that failed, by the protocol
-    of :mod:`.faults` (reports under :data:`ERROR_KEY`, STOP, lost peers): a thread per process watches the
+    of :mod:`.faults` (reports under :data:`.faults.ERROR_KEY`, STOP, lost peers): a thread per process watches the
     store and aborts the process's groups when another rank reports, so no send, receive or collective waits
     on a failed process, even one that stays alive.
     """

@@ -33,8 +33,6 @@ from .rng import StageRNG, stream_seed
 from .runner import Runner
 from .runners import make_runners
 
-__all__ = ["DNARuntime", "DNAPerBlockRuntime"]
-
 
 class DNARuntime(Runtime):
     """Data-parallel blockwise distillation, the teacher re-run per block (``runtime="dna"``): a baseline.

@@ -26,8 +26,6 @@ from ..errors import StageError
 from .group import abort
 from .wire import Wire
 
-__all__ = ["ERROR_KEY", "Faults", "wait_quietly"]
-
 ERROR_KEY = "ppll/error"
 """Store key under which the first failing stage publishes its report (JSON)."""
 

@@ -15,9 +15,6 @@ import torch.distributed as dist
 from ..errors import PPLLError
 from ..plan import Plan
 
-__all__ = ["Placement", "init_group", "release", "abort", "rank_device", "check_world", "check_same_plan",
-           "plan_identity", "plan_mismatch", "place", "stage_group"]
-
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _ABORT_TAG = 0x7A11  # a tag no message is ever sent with
 _RELEASE = 10.0  # seconds release() waits for the process group's teardown

@@ -17,8 +17,6 @@ import torch
 from .queues import Mailbox
 from .wire import END, Stop
 
-__all__ = ["Inbox", "Failure"]
-
 _POLL = 0.05  # seconds between checks of the stop flag while a queue is full or empty
 _STORE_POLL = 0.25  # seconds between calls of ``idle`` (a look at the store) while waiting for input
 

@@ -12,8 +12,6 @@ from ..lowered import Lowered
 from ..plan import Plan, TensorSpec
 from .messages import Message, dtype_of, shape_text
 
-__all__ = ["batch_message", "check_inputs", "loader_pair"]
-
 
 def _expected(spec: TensorSpec) -> str:
     return shape_text(("N", *spec.shape[1:]))

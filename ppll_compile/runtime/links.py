@@ -23,8 +23,6 @@ from .runner import Runner
 from .schedule import StageRule, next_input
 from .wire import END, Stop, Wire, split
 
-__all__ = ["BatchSender", "BatchTaker", "WeightLinks", "feed"]
-
 _STORE_POLL = 0.25  # seconds between looks at the store while waiting for a thread
 _WEIGHTS_WAIT = 5.0  # seconds settle() waits for a momentum head's receiving thread to take the end marker
 

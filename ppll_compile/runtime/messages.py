@@ -9,8 +9,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["Message", "TRAIN", "EVAL", "dtype_of", "add_counts", "shape_text"]
-
 TRAIN, EVAL = "train", "eval"
 
 

@@ -29,9 +29,6 @@ from ..lowered import Lowered
 from .faults import wait_quietly
 from .runner import Runner
 
-__all__ = ["Board", "link_local", "WeightsSender", "WeightsReceiver", "momentum_pairs", "check_distributed",
-           "TAG"]
-
 TAG = 0x3A11
 """Tag of the weights a stage sends back to the momentum head before it (``distributed``)."""
 _MORE, _END = 1, 0

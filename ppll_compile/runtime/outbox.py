@@ -10,8 +10,6 @@ from torch import Tensor
 
 from .faults import Faults, wait_quietly
 
-__all__ = ["Outbox"]
-
 
 class Outbox:
     """Posts each batch's tensors with ``isend`` and keeps them alive until sent; a failed send names the peer.

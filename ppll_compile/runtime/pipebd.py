@@ -9,14 +9,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..heads import logits_of
+from ..head_modules import logits_of
 from ..lowered import Stage
 from ..plan import StagePlan
 from .config import TrainConfig
 from .messages import Message
 from .runner import Runner
-
-__all__ = ["DistillRunner", "Students", "teacher_pass"]
 
 
 def _fresh(values: tuple[Any, ...]) -> tuple[Any, ...]:

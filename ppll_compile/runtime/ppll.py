@@ -16,8 +16,6 @@ from .config import TrainConfig
 from .messages import Message
 from .runner import Runner
 
-__all__ = ["StageRunner"]
-
 
 class _Trainable(nn.Module):
     """The modules a stage trains, as one module that DDP can wrap: ``forward`` gives (output, loss)."""

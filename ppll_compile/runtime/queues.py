@@ -19,8 +19,6 @@ from torch import Tensor
 from .messages import Message
 from .schedule import Memory
 
-__all__ = ["Mailbox", "Recent"]
-
 
 class Mailbox:
     """A bounded queue of a stage's inputs: FIFO, or ``latest`` (see the module's docstring).

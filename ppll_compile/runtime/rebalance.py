@@ -40,10 +40,6 @@ from .registry import runtime_names
 from .rng import stream_seed
 from .runner import Runner
 
-__all__ = ["REBALANCE_STEPS", "REBALANCE_THRESHOLD", "Replanning", "Rebalance", "Move", "check_rebalance",
-           "median_seconds", "shrinking_moves", "estimate_times", "choose_move", "head_seed", "StateSnapshot",
-           "carry_state"]
-
 REBALANCE_STEPS = 20
 """Training steps measured before a rebalancing check (``rebalance_steps``)."""
 REBALANCE_THRESHOLD = 0.1

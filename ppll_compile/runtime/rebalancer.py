@@ -25,8 +25,6 @@ from .rebalance import (Move, Rebalance, Replanning, StateSnapshot, carry_state,
 from .registry import runtime_names
 from .runners import make_runners
 
-__all__ = ["Rebalancer"]
-
 
 class Rebalancer:
     """Moves the cuts of one trainer's pipeline: measured (``settings``, from ``rebalance=True``) or asked.

@@ -14,8 +14,7 @@ from .dna import DNAPerBlockRuntime, DNARuntime
 from .sequential import SequentialRuntime
 from .threads import ThreadsRuntime
 
-__all__ = ["RUNTIME_CLASSES", "RUNTIMES", "QUEUES", "register", "runtime_class", "runtime_names", "check_options",
-           "autocast_per_stage"]
+__all__ = ["register", "runtime_names"]
 
 RUNTIME_CLASSES: dict[str, type[Runtime]] = {
     "sequential": SequentialRuntime,

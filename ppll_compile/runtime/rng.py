@@ -23,8 +23,6 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["stream_seed", "StageRNG", "RNG_LOCK"]
-
 _MASK = (1 << 64) - 1
 
 RNG_LOCK = threading.RLock()

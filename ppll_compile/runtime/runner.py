@@ -20,8 +20,6 @@ from .config import TrainConfig
 from .messages import Message, dtype_of
 from .rng import StageRNG, stream_seed
 
-__all__ = ["Runner"]
-
 
 def _finite(loss: Tensor) -> bool:
     return math.isfinite(float(loss))

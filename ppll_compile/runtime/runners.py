@@ -14,8 +14,6 @@ from .pipebd import DistillRunner
 from .ppll import StageRunner
 from .runner import Runner
 
-__all__ = ["make_runners"]
-
 
 def make_runners(plan: Plan, lowered: Lowered, config: TrainConfig, indices: Sequence[int],
                  devices: Sequence[torch.device], groups: Sequence[Any] | None = None) -> list[Runner]:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-__all__ = ["QUEUES", "Op", "Action", "StageRule", "Memory", "next_input", "rules", "Grid", "grid"]
+__all__ = ["Op", "Action", "StageRule", "Memory", "next_input", "rules", "Grid", "grid"]
 
 QUEUES = ("fifo", "latest", "reuse")
 """The queue rules in front of a stage."""

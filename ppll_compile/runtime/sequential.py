@@ -9,8 +9,6 @@ from .base import Losses, Runtime
 from .messages import Message
 from .runner import Runner
 
-__all__ = ["SequentialRuntime"]
-
 
 class SequentialRuntime(Runtime):
     """Every stage in order on each batch, in the calling thread: local learning without pipelining."""

@@ -20,8 +20,6 @@ from .queues import Mailbox, Recent
 from .runner import Runner
 from .schedule import StageRule, next_input, rules
 
-__all__ = ["ThreadsRuntime"]
-
 _END = object()
 _POLL = 0.05  # seconds between checks for a failed stage while waiting on a queue
 _RELEASE = 0.5  # seconds close() (or an interrupt) waits for the workers before leaving them to stop alone

@@ -31,8 +31,6 @@ from .rebalancer import Rebalancer
 from .registry import autocast_per_stage, check_options
 from .runner import Runner
 
-__all__ = ["Trainer"]
-
 _TRAINERS: weakref.WeakKeyDictionary[Lowered, weakref.ref[Trainer]] = weakref.WeakKeyDictionary()
 """The last trainer built on each compiled pipeline's modules (one may be open at a time)."""
 

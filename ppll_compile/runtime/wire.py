@@ -26,8 +26,6 @@ from ..errors import PPLLError
 from ..plan import Plan, TensorSpec
 from .messages import EVAL, TRAIN, Message, dtype_of, shape_text
 
-__all__ = ["END", "Stop", "Wire", "split", "join", "check_splittable"]
-
 _TRAIN, _EVAL, _END, _STOP = 1, 2, 3, 4
 _KIND_CODES = {TRAIN: _TRAIN, EVAL: _EVAL}
 _MAX_DIMS = 8
