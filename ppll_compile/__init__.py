@@ -2,13 +2,14 @@
 
 from .api import compile, plan
 from .calibration import calibrate
-from .errors import CutError, PartitionError, PlanError, PolicyError, PPLLError, TraceError
+from .errors import (CheckpointError, CutError, InfeasibleMemoryError, PartitionError, PlanError, PolicyError, PPLLError,
+                     StageError, TraceError)
 from .lowered import Stage
 from .options import PlanOptions
 from .pipeline import CompiledPipeline, DistillPipeline
 from .plan import BlockPlan, Plan, StagePlan, TensorSpec
 from .plan_specs import HeadSpec
-from .runtime import CheckpointError, StageError, Trainer
+from .runtime import Trainer
 from .simulate import Simulation, StageSimulation, simulate
 from .timeline import Event, Timeline
 
@@ -39,5 +40,6 @@ __all__ = [
     "PolicyError",
     "PlanError",
     "PartitionError",
+    "InfeasibleMemoryError",
 ]
 __version__ = "0.1.0"
