@@ -22,21 +22,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ppll_compile  # noqa: E402
 from ppll_compile.runtime import checkpoint  # noqa: E402
+from tests.helpers import sgd as _sgd  # noqa: E402
 from tests.models import Residual  # noqa: E402
 
 warnings.simplefilter("ignore")  # the CPU fallback note of compile()
 
 BATCH = 8
-
-
-def _sgd(p: list[nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.SGD(p, lr=0.05, momentum=0.9)
 
 
 def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,6 +24,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 import ppll_compile  # noqa: E402
 from models import Residual, conv_student, conv_teacher  # noqa: E402
+from tests.helpers import seeded_batches as _batches, sgd as _sgd  # noqa: E402
 
 __all__ = ["Trap", "Chain", "SizedResidual", "fifo_pipeline", "fifo_program", "fifo_fit", "chain_pipeline",
            "stage_states", "distill_pipeline", "distill_program", "replicated_chain", "gated_sgd", "main", "launch"]
@@ -75,15 +76,6 @@ class Chain(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(self.blocks(x))
-
-
-def _sgd(p: list[nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.SGD(p, lr=0.05, momentum=0.9)
-
-
-def _batches(seed: int, sizes: list[int], shape: tuple[int, ...], classes: int) -> list[tuple[torch.Tensor, ...]]:
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(n, *shape, generator=g), torch.randint(0, classes, (n,), generator=g)) for n in sizes]
 
 
 # ---- FIFO equality, fit/evaluate, checkpoints --------------------------------------------------------
@@ -326,7 +318,7 @@ def _early(out: Path) -> None:
 def _momentum(out: Path) -> None:
     """A momentum head (m = 0, every step) on stage 0 over 2 epochs with an evaluation between them: rank 1
     records every copy of the weights it publishes, rank 0 the trunk it ends with and how many copies it took."""
-    from test_momentum import momentum_pipeline, recording_sgd
+    from tests.helpers import momentum_pipeline, recording_sgd
 
     rank = int(os.environ["RANK"])
     compiled = momentum_pipeline(0.0, 1)

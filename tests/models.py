@@ -141,3 +141,28 @@ def conv_student(classes: int = 10) -> nn.Module:
         nn.Conv2d(8, 12, 1), nn.ReLU(), nn.Conv2d(12, 16, 3, stride=2, padding=1), nn.ReLU(),
         nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU(),
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, classes))
+
+
+class Res(nn.Module):
+    """A residual block: two 3x3 convolutions with BatchNorm, added to the input, then ReLU."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return F.relu(x + self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))))
+
+
+class CNN(nn.Module):
+    """A stem and four residual blocks in a Sequential (their ends: relu_1, relu_3, relu_5, relu_7), linear."""
+
+    def __init__(self, c: int = 8, classes: int = 5) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU())
+        self.blocks = nn.Sequential(*[Res(c) for _ in range(4)])
+        self.fc = nn.Linear(c, classes)
+
+    def forward(self, x):
+        return self.fc(self.blocks(self.stem(x)).mean((2, 3)))

@@ -128,6 +128,7 @@ def _run(start: str, **env: str) -> dict[str, Any]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_keeping_freed_memory_removes_the_faults_of_worker_threads() -> None:
     untouched = _run("none")
     kept = _run("call")
@@ -137,6 +138,7 @@ def test_keeping_freed_memory_removes_the_faults_of_worker_threads() -> None:
         assert kept[workload] <= FEW, (workload, kept)
 
 
+@pytest.mark.slow
 def test_opt_out_leaves_glibc_untouched() -> None:
     out = _run("call", PPLL_MALLOC="default")
     assert not out["before"] and out["idempotent"]
@@ -145,6 +147,7 @@ def test_opt_out_leaves_glibc_untouched() -> None:
     assert out["faults_41mib"] >= MANY and out["faults_150mib"] >= MANY, out
 
 
+@pytest.mark.slow
 def test_the_environment_own_settings_are_kept() -> None:
     out = _run("call", MALLOC_TRIM_THRESHOLD_="4194304", GLIBC_TUNABLES="glibc.malloc.top_pad=131072")
     s = out["setting"]
@@ -153,11 +156,13 @@ def test_the_environment_own_settings_are_kept() -> None:
                          ["M_TOP_PAD", "GLIBC_TUNABLES glibc.malloc.top_pad"]]
 
 
+@pytest.mark.slow
 def test_idempotent() -> None:
     out = _run("call")
     assert out["idempotent"] and not out["before"] and out["after"]
 
 
+@pytest.mark.slow
 def test_unknown_choice_says_the_way_out() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")} | {ENV: "fast"}
     env["PYTHONPATH"] = str(HERE.parent)
@@ -167,6 +172,7 @@ def test_unknown_choice_says_the_way_out() -> None:
     assert "PPLL_MALLOC='fast' is not a known setting" in done.stderr and "PPLL_MALLOC=default" in done.stderr
 
 
+@pytest.mark.slow
 def test_another_allocator_is_left_alone(tmp_path: Path) -> None:
     maps = ("7f00-7f01 r-xp 00000000 08:01 1234 /usr/lib/x86_64-linux-gnu/libc.so.6\n"
             "7f02-7f03 r-xp 00000000 08:01 1235 /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4\n")
@@ -189,6 +195,7 @@ def test_another_allocator_is_left_alone(tmp_path: Path) -> None:
     assert out["setting"]["applied"] == [] and "libjemalloc.so.2 is loaded" in out["setting"]["reason"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("runtime", ["sequential", "threads", "dna"])
 def test_a_runtime_start_applies_it(runtime: str) -> None:
     out = _run(runtime)

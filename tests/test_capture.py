@@ -746,6 +746,7 @@ def test_example_inputs_the_model_cannot_take_are_named_with_the_failing_layer()
     assert "model(*example_inputs) must run" in str(info.value)
 
 
+@pytest.mark.slow  # torch.export of a teacher and a student BERT: about 8 s
 def test_pipebd_blocks_end_between_transformer_layers_with_the_mask_beside_the_output(one_thread_quietly):
     # the block boundary after a BERT layer carries the hidden state and the attention mask; the student's next
     # block takes both from the teacher, and the stage sends both

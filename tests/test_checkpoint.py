@@ -14,20 +14,15 @@ import ppll_compile
 from ppll_compile import CheckpointError
 from ppll_compile.runtime import checkpoint
 from tests import ckpt_worker as w
+from tests.helpers import free_port as _free_port, sgd
 
 WORKER = Path(__file__).with_name("ckpt_worker.py")
 pytestmark = pytest.mark.usefixtures("one_thread_quietly")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _trained(steps: int = 2, seed: int = 0, **options):
     compiled = w.pipeline(seed)
-    trainer = compiled.trainer(optimizer=w._sgd, **options)
+    trainer = compiled.trainer(optimizer=sgd, **options)
     for i in range(steps):
         trainer.step(*w.batch(i))
     return compiled, trainer
@@ -47,6 +42,7 @@ def _refused(trainer, compiled, path) -> str:
 
 
 # ---- kills --------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_save_killed_at_any_moment_leaves_a_checkpoint_that_loads(tmp_path):
     """A trainer saving after every batch is SIGKILLed 12 times at random moments; after every kill a fresh
     process loads the newest checkpoint and finds exactly the state of a run that never stopped."""
@@ -61,6 +57,7 @@ def test_a_save_killed_at_any_moment_leaves_a_checkpoint_that_loads(tmp_path):
     assert report["most_temporary"] <= 2 and report["most_complete"] <= 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", ["killed", "corrupt"])
 def test_distributed_saves_and_loads_agree_on_every_rank(tmp_path, scenario):
     """killed: rank 1 dies while writing its stage file, so the pointer never moves and the first checkpoint
@@ -74,7 +71,7 @@ def test_distributed_saves_and_loads_agree_on_every_rank(tmp_path, scenario):
         assert ranks[0]["error"].startswith("CheckpointError: could not write its stages: another process of the "
                                             "pipeline is gone (RuntimeError: "), ranks[0]
         assert ranks[0]["latest"] == ranks[0]["first"] == "ckpt/ckpt-000000"
-        loaded = w.pipeline(seed=7).trainer(optimizer=w._sgd)
+        loaded = w.pipeline(seed=7).trainer(optimizer=sgd)
         assert loaded.load(tmp_path / "ckpt") == tmp_path / "ckpt" / "ckpt-000000" and loaded.batches == 1
     else:
         assert json.loads(proc.stdout.strip().splitlines()[-1])["codes"] == [0, 0], proc.stderr[-3000:]
@@ -93,7 +90,7 @@ def test_keep_holds_the_newest_checkpoints_and_an_older_one_loads_by_its_directo
         trainer.step(*w.batch(i))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000002", "ckpt-000003", "latest"]
     assert (tmp_path / "latest").read_text() == "ckpt-000003\n" and saved[-1] == tmp_path / "ckpt-000003"
-    older = w.pipeline(seed=7).trainer(optimizer=w._sgd)
+    older = w.pipeline(seed=7).trainer(optimizer=sgd)
     assert older.load(saved[-2]) == saved[-2] and older.batches == 3
     with pytest.raises(ValueError, match="^keep must be an integer >= 1"):
         trainer.save(tmp_path, keep=0)
@@ -112,7 +109,7 @@ def test_leftovers_are_never_loaded_and_are_removed_by_the_next_load_or_save(tmp
     for d in (dead, live):
         d.mkdir()
         (d / "stage-0.pt").write_bytes(os.urandom(1000))
-    loaded = w.pipeline(seed=7).trainer(optimizer=w._sgd)
+    loaded = w.pipeline(seed=7).trainer(optimizer=sgd)
     assert loaded.load(tmp_path) == tmp_path / "ckpt-000000" and loaded.batches == 1
     assert not dead.exists() and live.exists() and unpointed.exists()  # a load removes only the dead ones
     assert trainer.save(tmp_path) == tmp_path / "ckpt-000001"
@@ -123,7 +120,7 @@ def test_a_checkpoint_of_the_earlier_layout_still_loads(tmp_path):
     """A directory holding the manifest itself (one checkpoint) loads as it is."""
     compiled, trainer = _trained(2)
     one = trainer.save(tmp_path / "root")
-    loaded = w.pipeline(seed=7).trainer(optimizer=w._sgd)
+    loaded = w.pipeline(seed=7).trainer(optimizer=sgd)
     assert loaded.load(one) == one and loaded.batches == 2
 
 
@@ -133,7 +130,7 @@ def test_a_pointer_to_nothing_is_named(tmp_path):
     (tmp_path / "latest").write_text("ckpt-000009\n")
     with pytest.raises(CheckpointError, match=r"latest' names ckpt-000009, but .*ckpt-000009' holds no "
                                               r"manifest.json \(removed by hand\?\); load an older checkpoint"):
-        w.pipeline(seed=7).trainer(optimizer=w._sgd).load(tmp_path)
+        w.pipeline(seed=7).trainer(optimizer=sgd).load(tmp_path)
     (tmp_path / "latest").write_text("../../etc\n")
     with pytest.raises(CheckpointError, match=r"holds '../../etc', not a checkpoint name like ckpt-000001"):
         trainer.save(tmp_path)
@@ -158,7 +155,7 @@ def test_another_width_names_the_parameter_and_its_shapes(tmp_path):
     torch.manual_seed(0)
     wide = ppll_compile.compile(w.Residual(c=24), 2, example_inputs=(torch.randn(w.BATCH, 3, 8, 8),), policy="dgl",
                                 plan=compiled.plan)
-    text = _refused(wide.trainer(optimizer=w._sgd), wide, tmp_path)
+    text = _refused(wide.trainer(optimizer=sgd), wide, tmp_path)
     assert "stage 0 parameter 0 has shape [16, 3, 3, 3] in the checkpoint and [24, 3, 3, 3] here (the model was " \
            "built with other sizes)" in text
 
@@ -170,7 +167,7 @@ def test_another_dtype_is_named_and_nothing_loads(tmp_path):
     model = w.Residual(c=16).double()
     double = ppll_compile.compile(model, 2, example_inputs=(torch.randn(w.BATCH, 3, 8, 8, dtype=torch.float64),),
                                   policy="dgl", plan=compiled.plan)
-    text = _refused(double.trainer(optimizer=w._sgd), double, tmp_path)
+    text = _refused(double.trainer(optimizer=sgd), double, tmp_path)
     assert text.startswith(f"checkpoint {str(tmp_path / 'ckpt-000000')!r} does not fit this trainer: stage 0 backbone")
     assert "is [16, 3, 3, 3] float32 in the checkpoint and [16, 3, 3, 3] float64 here" in text
 
@@ -203,7 +200,7 @@ def test_a_scheduler_mismatch_is_named_and_nothing_loads(tmp_path):
     compiled, trainer = _trained(1)
     trainer.save(tmp_path)
     other = w.pipeline(seed=7)
-    scheduled = other.trainer(optimizer=w._sgd, scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 2))
+    scheduled = other.trainer(optimizer=sgd, scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 2))
     text = _refused(scheduled, other, tmp_path)
     assert "stage 0: the checkpoint has no scheduler state and this trainer has a learning-rate scheduler; build " \
            "the trainer with the scheduler= it was trained with" in text

@@ -487,6 +487,7 @@ def test_resnet32_has_32_layers():
     assert resnet32.example_inputs()[0].shape == (64, 3, 32, 32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,policy", [("vit_small", "vit"), ("resnet50", "auto")])
 def test_examples_plan(capsys, name, policy):
     assert main([str(EXAMPLES / f"{name}.py"), "--gpus", "4", "--batch-size", "2", "--policy", policy,

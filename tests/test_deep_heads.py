@@ -2,36 +2,23 @@
 momentum (MAN) heads that follow the next stage by EMA, InfoPro's decoder, BCE target and per-stage weights."""
 
 import math
-import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import ppll_compile
 from ppll_compile.errors import CutError, PolicyError
 from ppll_compile.heads import InfoProHead, MomentumHead, build_head, head_loss, head_spec, make_head
 from ppll_compile.lower import next_blocks
 from ppll_compile.plan import Plan, TensorSpec
-from ppll_compile.policy import load_policy, validate_policy
+from ppll_compile.policy import load_policy
+from tests.helpers import IMG, compile_quietly, heads_policy as policy
+from tests.models import CNN, Res
 
 
 def spec(shape, name="h"):
     return TensorSpec(name=name, shape=tuple(shape), dtype="float32", bytes=4 * math.prod(shape))
-
-
-def policy(sequence=None, feature_map=None):
-    """An inline policy with the given head configs (MLP heads for the other kinds)."""
-    heads = {"vector": {"type": "mlp"}, "sequence": sequence or {"type": "mlp"},
-             "feature_map": feature_map or {"type": "mlp"}}
-    return validate_policy({"heads": heads}, "inline")
-
-
-def compile_quietly(model, x, **options):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the CPU fallback of a machine without GPUs
-        return ppll_compile.compile(model, example_inputs=(x,), **options)
 
 
 def error(fn, *args, **kwargs) -> str:
@@ -64,32 +51,6 @@ class SeqNet(nn.Module):
 
 
 SEQ_X = torch.randn(4, 6, 12)
-
-
-class Res(nn.Module):
-    def __init__(self, c: int) -> None:
-        super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
-        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
-
-    def forward(self, x):
-        return F.relu(x + self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))))
-
-
-class CNN(nn.Module):
-    """A stem and four residual blocks in a Sequential (their ends: relu_1, relu_3, relu_5, relu_7), linear."""
-
-    def __init__(self, c: int = 8, classes: int = 5) -> None:
-        super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU())
-        self.blocks = nn.Sequential(*[Res(c) for _ in range(4)])
-        self.fc = nn.Linear(c, classes)
-
-    def forward(self, x):
-        return self.fc(self.blocks(self.stem(x)).mean((2, 3)))
-
-
-IMG = torch.randn(4, 3, 8, 8)
 
 
 # ---- transformer heads ----------------------------------------------------------------------------------------

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,18 +16,16 @@ from typing import Any
 
 import pytest
 
+from tests.helpers import free_port as _free_port
+
+pytestmark = pytest.mark.slow  # every test forks worker processes
+
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "dist_worker.py"
 ENV = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                           "MASTER_PORT")} | {"OMP_NUM_THREADS": "1"}
 WITHIN = 10.0
 """Seconds from the failure to each rank's StageError (the watching thread looks at the store every 0.25 s)."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(scenario: str, out: Path, k: int = 3, limit: float = 40) -> list[dict[str, Any]]:

@@ -14,6 +14,7 @@ import ppll_compile
 from ppll_compile import CutError, Plan, PolicyError, StageError
 from ppll_compile.cli import main
 from ppll_compile.pipebd import distill_loss, load_distill_policy
+from tests.helpers import sgd as _sgd
 from tests.models import conv_student, conv_teacher
 
 X = torch.randn(8, 3, 16, 16)
@@ -33,10 +34,6 @@ def _compiled(**options):
     teacher, student = _pair()
     options.setdefault("split_points", ["5"])
     return ppll_compile.compile(student, teacher=teacher, example_inputs=(X,), **options)
-
-
-def _sgd(params):
-    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
 def _batches(n: int, seed: int = 1, last: int = 8) -> list[torch.Tensor]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ import dist_worker as w  # noqa: E402
 
 import ppll_compile  # noqa: E402
 from ppll_compile.errors import PPLLError  # noqa: E402
+from tests.helpers import free_port as _free_port, seeded_batches  # noqa: E402
 
 WORKER = HERE / "dist_worker.py"
 EXAMPLE = ROOT / "examples" / "train_cifar_style.py"
@@ -35,12 +35,6 @@ for _key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start(cmd: list[str]) -> subprocess.Popen:
@@ -98,6 +92,7 @@ def _check_fifo(k: int, tmp_path: Path, ref: dict[str, Any]) -> list[dict[str, A
 
 # ---- FIFO: the same computation as the sequential runtime ---------------------------------------------
 
+@pytest.mark.slow
 def test_two_stages_equal_sequential_and_checkpoint_loads_sequentially(tmp_path):
     codes, text = _launch(2, "fifo", tmp_path, 2)
     assert codes == [0, 0], text[-3000:]
@@ -110,6 +105,7 @@ def test_two_stages_equal_sequential_and_checkpoint_loads_sequentially(tmp_path)
     assert resumed["accuracy"] == ref["accuracy"]
 
 
+@pytest.mark.slow
 def test_three_stages_carry_the_input_and_resume_from_a_sequential_checkpoint(tmp_path):
     # InfoPro heads after stage 1 rebuild the image: the raw input travels from rank 0 to rank 1
     ref = w.fifo_program(w.fifo_pipeline(3, "sequential"), tmp_path / "ref")
@@ -125,6 +121,7 @@ def _errors(tmp_path: Path, k: int) -> list[dict[str, Any]]:
     return [json.loads((tmp_path / f"error-{r}.json").read_text()) for r in range(k)]
 
 
+@pytest.mark.slow
 def test_a_raising_stage_stops_every_process_with_its_error(tmp_path):
     codes, text = _launch(3, "raise", tmp_path)
     assert codes == [1, 1, 1], text[-3000:]
@@ -137,6 +134,7 @@ def test_a_raising_stage_stops_every_process_with_its_error(tmp_path):
     assert max(e["time"] for e in errors) - min(e["time"] for e in errors) < 10
 
 
+@pytest.mark.slow
 def test_nan_check_fails_fast_on_every_process(tmp_path):
     """Stage 0 makes a NaN output at batch 2: it fails before sending it on, so stage 1 never sees it and every
     process names stage 0 (it used to send it early, and stage 1 could fail on it first)."""
@@ -149,6 +147,7 @@ def test_nan_check_fails_fast_on_every_process(tmp_path):
     assert max(e["time"] for e in errors) - min(e["time"] for e in errors) < 10
 
 
+@pytest.mark.slow
 def test_a_killed_process_is_named_by_the_others(tmp_path):
     codes, text = _launch(3, "exit", tmp_path)
     assert codes == [1, 17, 1], text[-3000:]
@@ -159,6 +158,7 @@ def test_a_killed_process_is_named_by_the_others(tmp_path):
 
 # ---- queues, early forwarding ------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_reuse_trains_inputs_again_by_the_threads_rules(tmp_path):
     codes, text = _launch(3, "reuse", tmp_path)
     assert codes == [0, 0, 0], text[-3000:]
@@ -174,6 +174,7 @@ def test_reuse_trains_inputs_again_by_the_threads_rules(tmp_path):
     assert stats[1]["reused"]["1"] > 0  # stage 0 sleeps: stage 1 trains again instead of waiting
 
 
+@pytest.mark.slow
 def test_latest_takes_the_newest_input_and_the_sender_never_waits(tmp_path):
     """Stage 1's first step waits until rank 0 fed all 8 batches (queue_depth=1); then it trains on batch 7 and
     drops 1 .. 6. Its parameters equal a hand-run reference: stage 0 on every batch, stage 1 on batches 0 and 7."""
@@ -184,7 +185,7 @@ def test_latest_takes_the_newest_input_and_the_sender_never_waits(tmp_path):
     assert last["trained"] == [0, 7] and last["steps"] == {1: 2} and last["dropped"] == {1: 6}
     with w.chain_pipeline(2, "sequential", None, 0) as ref:
         s0, s1 = ref.runners
-        for b, (x, y) in enumerate(w._batches(7, [8] * 8, (8,), 4)):
+        for b, (x, y) in enumerate(seeded_batches(7, [8] * 8, (8,), 4)):
             out, _ = s0.train_step(ref.message(x, y))
             if b in (0, 7):
                 s1.train_step(out)
@@ -193,6 +194,7 @@ def test_latest_takes_the_newest_input_and_the_sender_never_waits(tmp_path):
     _assert_states(last["states"], states, 1)
 
 
+@pytest.mark.slow
 def test_a_stage_sends_its_output_before_its_backward_and_step(tmp_path):
     """Stage 0's first optimizer step waits until stage 1 began its forward on batch 0 (else a 20 s timeout)."""
     codes, text = _launch(2, "early", tmp_path)
@@ -201,6 +203,7 @@ def test_a_stage_sends_its_output_before_its_backward_and_step(tmp_path):
         [{"0": 3}, {"1": 3}]
 
 
+@pytest.mark.slow
 def test_a_momentum_head_pulls_whole_copies_sent_back_by_the_next_stage(tmp_path):
     """Stage 1 sends a copy of the block stage 0's head follows after every step (m = 0: the trunk becomes the copy);
     over 2 epochs with an evaluation between them, the trunk ends as exactly one of those copies. Stage 0 starts
@@ -215,6 +218,7 @@ def test_a_momentum_head_pulls_whole_copies_sent_back_by_the_next_stage(tmp_path
     assert same and same[0] >= 5
 
 
+@pytest.mark.slow
 def test_ranks_with_different_plans_are_refused(tmp_path):
     codes, text = _launch(2, "plans", tmp_path)
     assert codes == [0, 0], text[-3000:]
@@ -254,6 +258,7 @@ def test_world_size_must_match_the_stages(tmp_path):
 TINY = ["--synthetic", "--epochs", "1", "--steps-per-epoch", "2", "--batch-size", "4"]
 
 
+@pytest.mark.slow
 def test_example_on_two_nodes(tmp_path):
     port = _free_port()
     procs = [_start([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={n}",
@@ -268,6 +273,7 @@ def test_example_on_two_nodes(tmp_path):
     assert (tmp_path / "ckpt" / "ckpt-000000" / "manifest.json").is_file()
 
 
+@pytest.mark.slow
 def test_example_with_torchrun_on_one_node():
     proc = _start([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
                    f"--master-port={_free_port()}", str(EXAMPLE), *TINY])
@@ -291,6 +297,7 @@ def _check_distill(tmp_path: Path, layout: str, world: int, stage_of_rank: list[
 
 @pytest.mark.parametrize("layout,world,stage_of_rank", [("two", 2, [0, 1]), ("relay", 2, [0, 1]),
                                                         ("replicated", 3, [0, 0, 1])])
+@pytest.mark.slow
 def test_pipebd_equals_sequential_distillation(tmp_path, layout, world, stage_of_rank):
     # relay: decoupled=False; replicated: stage 0 on two processes, rank 0 sends the other its half of each batch
     codes, text = _launch(world, "distill", tmp_path, "distributed", layout)
@@ -303,6 +310,7 @@ def test_pipebd_equals_sequential_distillation(tmp_path, layout, world, stage_of
         _assert_states(w.stage_states(again), ref["after_steps"], 1)
 
 
+@pytest.mark.slow
 def test_a_failing_student_block_stops_every_process_with_its_error(tmp_path):
     codes, text = _launch(2, "distill-raise", tmp_path)
     assert codes == [1, 1], text[-3000:]
@@ -312,6 +320,7 @@ def test_a_failing_student_block_stops_every_process_with_its_error(tmp_path):
         assert ("reported by stage 1" in e["text"]) == (r == 0)
 
 
+@pytest.mark.slow
 def test_dna_baseline_is_data_parallel_and_equals_sequential(tmp_path):
     codes, text = _launch(2, "distill", tmp_path, "dna", "one")
     assert codes == [0, 0], text[-3000:]
@@ -319,6 +328,7 @@ def test_dna_baseline_is_data_parallel_and_equals_sequential(tmp_path):
     _check_distill(tmp_path, "one", 2, [0, 0], ref)
 
 
+@pytest.mark.slow
 def test_a_replicated_ppll_stage_equals_sequential(tmp_path):
     codes, text = _launch(3, "replicated", tmp_path)
     assert codes == [0, 0, 0], text[-3000:]

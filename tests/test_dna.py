@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import warnings
@@ -32,6 +31,7 @@ if __name__ == "__main__":
 import ppll_compile  # noqa: E402
 from ppll_compile.errors import PPLLError  # noqa: E402
 from ppll_compile.pipebd import distill_loss, load_distill_policy  # noqa: E402
+from tests.helpers import free_port as _free_port, sgd as _sgd  # noqa: E402
 from tests.models import conv_student, conv_teacher  # noqa: E402
 
 X = torch.randn(8, 3, 16, 16)
@@ -56,10 +56,6 @@ class Loader:
 def _data(sizes: tuple[int, ...] = (8, 8, 5), seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(n, 3, 16, 16, generator=g), torch.zeros(n, dtype=torch.long)) for n in sizes]
-
-
-def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
 def bn_teacher() -> nn.Sequential:
@@ -245,12 +241,6 @@ def test_the_teacher_stays_in_eval_mode_under_every_runtime(runtime):
 
 # ---- data-parallel on 2 processes ----------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(out: Path) -> None:
     """One rank: the bn_teacher pair under ``dna-per-block`` (data-parallel), then under ``distributed`` (a stage
     per rank); the process group is this function's, so both trainers share it."""
@@ -270,6 +260,7 @@ def _rank_main(out: Path) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_dna_per_block_and_distributed_on_two_processes_equal_the_hand_loop_teacher_in_eval(tmp_path):
     timeout = 90
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # an example runs end to end
+
 pytest.importorskip("transformers")
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_lm.py"

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # an example runs end to end
+
 pytest.importorskip("sklearn")
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

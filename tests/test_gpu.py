@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,7 @@ sys.path.insert(1, str(ROOT))
 
 import ppll_compile  # noqa: E402
 from dist_worker import stage_states  # noqa: E402
+from tests.helpers import free_port as _free_port  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
@@ -317,12 +317,6 @@ NCCL_BATCHES = (5, 16, 64)
 """Batches, batch size, image size of the NCCL test."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_ranks(world: int, out: Path, timeout: float) -> list[tuple[int | None, str]]:
     """Start ``world`` ranks of this file's NCCL worker; their exit codes (``None``: killed) and outputs."""
     port = _free_port()
@@ -371,6 +365,7 @@ def _nccl_rank(out: Path) -> None:
             torch.save({"backend": str(dist.get_backend()), "states": stage_states(trainer)}, out / f"rank-{rank}.pt")
 
 
+@pytest.mark.slow
 def test_distributed_runtime_on_nccl_trains_what_the_sequential_runtime_trains(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 CUDA devices for 2 NCCL ranks, this machine has {torch.cuda.device_count()}")

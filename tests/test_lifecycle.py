@@ -17,6 +17,7 @@ import ppll_compile
 from ppll_compile import StageError
 from ppll_compile.errors import PPLLError
 from tests import ckpt_worker as w
+from tests.helpers import sgd
 from tests.dist_worker import Chain, Trap
 
 pytestmark = pytest.mark.usefixtures("one_thread_quietly")
@@ -28,13 +29,13 @@ def _chain(trap: Trap, runtime: str, trap_stage: int = 1):
     compiled = ppll_compile.compile(Chain(3, trap, trap_stage), example_inputs=(torch.randn(4, 8),), policy="dgl",
                                     split_points=["blocks.0", "blocks.1"], leaf_modules=(Trap,))
     trap.armed = True
-    return compiled, compiled.trainer(optimizer=w._sgd, runtime=runtime)
+    return compiled, compiled.trainer(optimizer=sgd, runtime=runtime)
 
 
 @pytest.mark.parametrize("runtime", ["sequential", "threads"])
 def test_an_empty_batch_is_refused_and_nothing_steps(runtime):
     compiled = w.pipeline()
-    trainer = compiled.trainer(optimizer=w._sgd, runtime=runtime)
+    trainer = compiled.trainer(optimizer=sgd, runtime=runtime)
     before = w.parameters(compiled)
     with pytest.raises(ValueError, match=r"^batch 0 is empty \(0 examples\): nothing to train on, and a mean loss "
                                          r"over no examples is NaN; skip empty batches"):
@@ -57,11 +58,11 @@ def test_close_after_a_stage_error_releases_and_returns(runtime):
     with pytest.raises(StageError):  # the trainer is done: its error stays
         trainer.step(x, y)
     assert not [t for t in threading.enumerate() if t.name.startswith("ppll-stage") and t.is_alive()]
-    compiled.trainer(optimizer=w._sgd).close()  # the pipeline takes a new trainer
+    compiled.trainer(optimizer=sgd).close()  # the pipeline takes a new trainer
 
 
 def test_a_trainer_dropped_without_close_ends_its_threads():
-    trainer = w.pipeline().trainer(optimizer=w._sgd, runtime="threads")
+    trainer = w.pipeline().trainer(optimizer=sgd, runtime="threads")
     for i in range(3):
         trainer.step(*w.batch(i))
     workers = list(trainer._runtime._workers)
@@ -76,19 +77,19 @@ def test_a_trainer_dropped_without_close_ends_its_threads():
 
 def test_a_second_open_trainer_is_refused_until_the_first_is_closed_or_gone():
     compiled = w.pipeline()
-    first = compiled.trainer(optimizer=w._sgd, runtime="threads")
+    first = compiled.trainer(optimizer=sgd, runtime="threads")
     first.step(*w.batch(0))
     with pytest.raises(PPLLError, match=r"^this compiled pipeline already has an open trainer \(Trainer\(Residual, "
                                         r"runtime='threads', stages here=\[0, 1\], batches=1\)\); two would train "
                                         r"the same parameters at once. Close it first"):
-        compiled.trainer(optimizer=w._sgd)
+        compiled.trainer(optimizer=sgd)
     first.close()
-    second = compiled.trainer(optimizer=w._sgd)
+    second = compiled.trainer(optimizer=sgd)
     del second
     gc.collect()
-    with compiled.trainer(optimizer=w._sgd) as third:
+    with compiled.trainer(optimizer=sgd) as third:
         third.step(*w.batch(0))
-    compiled.trainer(optimizer=w._sgd)
+    compiled.trainer(optimizer=sgd)
 
 
 # ---- Ctrl-C ------------------------------------------------------------------------------------------------
@@ -141,6 +142,7 @@ print(json.dumps({"seconds": seconds, "alive": alive, "steps_before": steps, "st
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage,block", [("slow", "bare"), ("slow", "with"), ("hung", "with"), ("hung", "bare")])
 def test_one_ctrl_c_stops_every_worker_within_a_second(stage, block):
     """A threads run whose middle stage is slow (0.2 s a batch) or hung (60 s) gets one SIGINT: the caller sees

@@ -3,34 +3,11 @@
 import pytest
 import torch
 
-from tests.test_deep_heads import CNN, IMG, compile_quietly, policy
-from tests.test_runtime import _data
+from tests.helpers import image_batches as _data, momentum_pipeline, recording_sgd
 
 pytestmark = pytest.mark.usefixtures("one_thread_quietly")
 
 BATCHES = 6
-
-
-def momentum_pipeline(momentum: float, every: int):
-    """The 4-block CNN in 2 stages (cut after its second block); stage 0's head follows block 2 (stage 1's first)."""
-    torch.manual_seed(0)
-    head = {"type": "momentum", "depth": 1, "momentum": momentum, "every": every}
-    return compile_quietly(CNN(), IMG, gpus=2, split_points=["relu_3"], policy=policy(feature_map=head))
-
-
-def recording_sgd(compiled, snapshots: list):
-    """SGD whose optimizer of stage 1 records a copy of the weights stage 0's head follows after every step."""
-    mirrored = compiled.lowered.mirrors(0)
-    ids = {id(p) for p in mirrored}
-
-    class Recording(torch.optim.SGD):
-        def step(self, closure=None):
-            out = super().step(closure)
-            if any(id(p) in ids for g in self.param_groups for p in g["params"]):
-                snapshots.append([p.detach().clone() for p in mirrored])
-            return out
-
-    return lambda params: Recording(params, lr=0.05, momentum=0.9)
 
 
 def _trained(momentum: float, every: int, runtime: str):

@@ -294,6 +294,7 @@ def test_registry_dispatches_and_checks_answers() -> None:
         del SOLVERS["test-last-segment"]
 
 
+@pytest.mark.slow
 def test_import_does_not_load_torch() -> None:
     code = "import sys, partitioners; assert 'torch' not in sys.modules, 'partitioners imported torch'"
     root = Path(__file__).resolve().parents[1]

@@ -10,7 +10,10 @@ import torch
 from ppll_compile import StageError
 from ppll_compile.runtime.messages import Message
 from ppll_compile.runtime.queues import Mailbox, Recent
-from tests.test_runtime import _assert_same, _compiled, _data, _on_first_stage, _no_workers_left, _sgd, _train
+from tests.helpers import assert_same_parameters as _assert_same, compiled_residual as _compiled
+from tests.helpers import image_batches as _data, on_first_stage as _on_first_stage, sgd as _sgd
+from tests.helpers import train_residual as _train
+from tests.helpers import no_workers_left as _no_workers_left
 
 pytestmark = pytest.mark.usefixtures("one_thread_quietly")
 

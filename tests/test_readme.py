@@ -174,6 +174,7 @@ def test_the_readme_has_the_blocks_this_file_runs():
     assert not [c for c in others if "pip install" in c or "pytest" in c]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.lang == "python"], ids=lambda b: b.id)
 def test_python_block_runs(block: Block, runs):
     [(_, proc)] = runs[block.line].result()
@@ -183,6 +184,7 @@ def test_python_block_runs(block: Block, runs):
                                              f"prints; it prints:\n{proc.stdout}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.lang == "bash"], ids=lambda b: b.id)
 def test_bash_block_runs(block: Block, runs):
     ran = runs[block.line].result()

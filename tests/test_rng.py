@@ -9,7 +9,6 @@ import copy
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,6 +28,7 @@ import ppll_compile  # noqa: E402
 from ppll_compile.runtime.queues import Recent  # noqa: E402
 from ppll_compile.runtime.messages import Message  # noqa: E402
 from ppll_compile.runtime.rng import RNG_LOCK, stream_seed  # noqa: E402
+from tests.helpers import free_port as _free_port  # noqa: E402
 
 X = torch.randn(8, 16)
 SPLITS = ["2", "3"]  # stage 0: linear, relu, dropout; stage 1: a residual block with drop-path; stage 2: the rest
@@ -269,12 +269,7 @@ def test_pipebd_threads_and_dna_equal_sequential_with_dropout_in_every_block():
 
 # ---- distributed: one process per stage on gloo ---------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
+@pytest.mark.slow
 def test_distributed_equals_sequential_with_dropout_in_every_stage(tmp_path):
     timeout = 90
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")

@@ -12,64 +12,13 @@ import yaml
 
 import ppll_compile
 from ppll_compile import CheckpointError, StageError
+from tests.helpers import BATCH, image_batches as _data, sgd as _sgd, stage_state as _state
+from tests.helpers import assert_same_parameters as _assert_same, compiled_residual as _compiled
+from tests.helpers import no_workers_left as _no_workers_left, on_first_stage as _on_first_stage
+from tests.helpers import train_residual as _train
 from tests.models import Residual
 
-BATCH = 8
-
-
 pytestmark = pytest.mark.usefixtures("one_thread_quietly")
-
-
-def _data(n: int, last: int = BATCH, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``n`` batches of 3x8x8 images and labels in [0, 5); the last batch has ``last`` examples."""
-    g = torch.Generator().manual_seed(seed)
-    sizes = [BATCH] * (n - 1) + [last]
-    return [(torch.randn(b, 3, 8, 8, generator=g), torch.randint(0, 5, (b,), generator=g)) for b in sizes]
-
-
-def _compiled(gpus: int = 2, policy: str = "dgl", seed: int = 0, **options):
-    torch.manual_seed(seed)
-    model = Residual()
-    return ppll_compile.compile(model, gpus, example_inputs=(torch.randn(BATCH, 3, 8, 8),), policy=policy,
-                                **options)
-
-
-def _sgd(params):
-    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
-
-
-def _state(compiled) -> list[torch.Tensor]:
-    return [p.detach().clone() for i in range(compiled.plan.num_stages) for p in compiled.stage_parameters(i)]
-
-
-def _train(runtime: str, data, gpus: int = 2, policy: str = "dgl", **kw):
-    compiled = _compiled(gpus, policy)
-    losses = [[] for _ in range(gpus)]
-    with compiled.trainer(optimizer=_sgd, runtime=runtime, **kw) as trainer:
-        for x, y in data:
-            for i, ls in enumerate(trainer.step(x, y)):
-                losses[i] += ls
-        for i, ls in enumerate(trainer.finish()):
-            losses[i] += ls
-    return compiled, losses
-
-
-def _on_first_stage(compiled, action, lr: float):
-    """An SGD factory whose optimizer of stage 0 calls ``action()`` before every step."""
-    first = {id(p) for p in compiled.stage_parameters(0)}
-
-    class Hooked(torch.optim.SGD):
-        def step(self, closure=None):
-            if any(id(p) in first for g in self.param_groups for p in g["params"]):
-                action()
-            return super().step(closure)
-
-    return lambda params: Hooked(params, lr=lr)
-
-
-def _assert_same(a, b) -> None:
-    for p, q in zip(_state(a), _state(b), strict=True):
-        torch.testing.assert_close(p, q, rtol=0, atol=0)
 
 
 # ---- the same computation ----------------------------------------------------------------------
@@ -242,10 +191,6 @@ def test_reuse_never_sends_the_output_of_a_reused_input():
 
 
 # ---- faults ------------------------------------------------------------------------------------
-def _no_workers_left() -> bool:
-    return not [t for t in threading.enumerate() if t.name.startswith("ppll-stage-")]
-
-
 def _failing_loss(at: int):
     calls = [0]
 

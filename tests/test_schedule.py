@@ -6,7 +6,8 @@ import pytest
 
 import ppll_compile
 from ppll_compile.runtime.schedule import Action, Grid, Memory, Op, StageRule, grid, next_input, rules
-from tests.test_runtime import _compiled, _data, _on_first_stage, _sgd
+from tests.helpers import compiled_residual as _compiled, image_batches as _data, on_first_stage as _on_first_stage
+from tests.helpers import sgd as _sgd
 
 pytestmark = pytest.mark.usefixtures("one_thread_quietly")
 

@@ -2,14 +2,11 @@
 before every step, the optimizer step), steady state, replicas, bandwidth, queue blocking, and agreement with an
 independent event-driven simulation on random plans."""
 
-import contextlib
-import copy
 import heapq
 import itertools
 import json
 import random
 import re
-import warnings
 from collections import deque
 
 import pytest
@@ -19,11 +16,10 @@ from torch import nn
 import ppll_compile
 from ppll_compile.plan import Plan
 from ppll_compile.simulate import Simulation, simulate
+from tests.helpers import CONV_X, lane as _lane, quiet as _quiet, synthetic_plan as _synthetic
 from tests.models import conv_student, conv_teacher
 
 pytestmark = pytest.mark.usefixtures("one_thread_quietly")
-
-CONV_X = torch.randn(8, 3, 16, 16)
 
 
 @pytest.fixture(scope="module")
@@ -47,52 +43,6 @@ def pipebd_plan() -> Plan:
     with _quiet():
         return ppll_compile.plan(conv_student(), teacher=conv_teacher(), example_inputs=(CONV_X,),
                                  split_points=["5"], replicas=(2, 1))
-
-
-@contextlib.contextmanager
-def _quiet():
-    """Plan without the CPU-fallback warnings (module fixtures run outside ``one_thread_quietly``)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-
-
-def _synthetic(base: Plan, specs: list[dict], bandwidth: float = 1.0) -> Plan:
-    """A validated plan of ``len(specs)`` stages with exactly the given work (bandwidth 1: bytes are seconds).
-
-    Each spec: ``compute`` (forward + backward seconds), FLOPs that split it (``fwd``/``bwd`` of the block,
-    ``head_fwd``/``head_bwd`` of a PPLL head, ``aux`` of Pipe-BD's teacher blocks), ``grad`` bytes (all-reduced
-    over ``replicas``), ``out`` boundary bytes (every stage but the last).
-    """
-    d = base.to_dict()
-    middle, last = d["stages"][0], d["stages"][-1]
-    n = len(specs)
-    stages = []
-    for i, spec in enumerate(specs):
-        s = copy.deepcopy(last if i == n - 1 else middle)
-        r = spec.get("replicas", 1)
-        sync = 2 * (r - 1) / r * spec.get("grad", 0) / bandwidth
-        send = 0.0 if i == n - 1 else spec.get("out", 0) / bandwidth / r
-        s.update(index=i, nodes=[f"n{i}"], first_node=f"n{i}", last_node=f"n{i}", replicas=r,
-                 aux_flops=spec.get("aux", 0), flops_fwd=spec.get("fwd", 0), flops_bwd=spec.get("bwd", 0),
-                 grad_bytes=spec.get("grad", 0), compute_cost=spec["compute"] + sync, comm_cost=send,
-                 cost=spec["compute"] + sync + send, step_cost=spec.get("step", 0.0))
-        s["head"].update(param_count=0, flops_fwd=spec.get("head_fwd", 0), flops_bwd=spec.get("head_bwd", 0))
-        if i < n - 1:
-            s["boundary"] = [{"name": f"n{i}", "shape": [1], "dtype": "float32", "bytes": spec.get("out", 0)}]
-        if d["blocks"]:
-            s["blocks"] = [i]  # Pipe-BD: one distillation block per stage
-        stages.append(s)
-    if d["blocks"]:
-        d["blocks"] = [dict(copy.deepcopy(d["blocks"][0]), index=i) for i in range(n)]
-    d.update(stages=stages, legal_cuts=[f"n{i}" for i in range(n - 1)], multi_tensor_cuts=[],
-             device_speeds=[1.0] * n, memory_limit=None, link_bandwidth=bandwidth)
-    return Plan.from_dict(d)
-
-
-def _lane(sim: Simulation, stage: int, replica: int = 0) -> list[tuple]:
-    return sorted(((e.batch, e.kind, e.start, e.end) for e in sim.timeline.events
-                   if e.stage == stage and e.replica == replica), key=lambda t: (t[0], t[2], t[3]))
 
 
 def _spans(sim: Simulation, stage: int, kind: str) -> list[float]:

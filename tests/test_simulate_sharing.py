@@ -12,7 +12,7 @@ import ppll_compile
 from ppll_compile.plan import Plan
 from ppll_compile.simulate import Simulation, simulate
 from tests.models import conv_student, conv_teacher
-from tests.test_simulate import CONV_X, _lane, _quiet, _synthetic
+from tests.helpers import CONV_X, lane as _lane, quiet as _quiet, synthetic_plan as _synthetic
 
 pytestmark = pytest.mark.usefixtures("one_thread_quietly")
 

@@ -21,6 +21,7 @@ ZOO = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,kwargs,size,stages", ZOO, ids=[z[0] for z in ZOO])
 def test_zoo_transparency(name, kwargs, size, stages):
     torch.manual_seed(0)
@@ -43,6 +44,7 @@ def test_zoo_transparency(name, kwargs, size, stages):
     assert len(staged) == len(own)
 
 
+@pytest.mark.slow
 def test_train_mode_switch_reaches_stochastic_layers():
     """Stochastic depth stays a switchable module: in train mode the pipeline is random, in eval it is not."""
     torch.manual_seed(0)

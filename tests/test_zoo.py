@@ -18,7 +18,7 @@ import ppll_compile
 from benchmarks.zoo import (PAIRS, ZOO, all_equal, batches, build, call, changed, compile_entry, compile_pair, logits,
                             parameter_sharing, train, train_pair, train_sizes)
 
-pytestmark = pytest.mark.usefixtures("one_thread_quietly")
+pytestmark = [pytest.mark.usefixtures("one_thread_quietly"), pytest.mark.slow]  # real models
 
 MISSING = {lib for lib in ("timm", "transformers") if importlib.util.find_spec(lib) is None}
 
