@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ppll_compile  # noqa: E402
 from ppll_compile.runtime import checkpoint  # noqa: E402
-from tests.helpers import sgd as _sgd  # noqa: E402
+from tests.helpers import sgd  # noqa: E402
 from tests.models import Residual  # noqa: E402
 
 warnings.simplefilter("ignore")  # the CPU fallback note of compile()
@@ -54,7 +54,7 @@ def _train_and_save(root: Path, ready: int) -> None:
     """Resume from the newest checkpoint under ``root`` (if any), then train and save after every batch for good;
     writes a byte to the pipe ``ready`` once the first save of this process is done."""
     torch.set_num_threads(1)
-    trainer = pipeline().trainer(optimizer=_sgd)
+    trainer = pipeline().trainer(optimizer=sgd)
     if checkpoint.latest(root) is not None:
         trainer.load(root)
     told = False
@@ -71,13 +71,13 @@ def _verify(root: Path) -> int:
     torch.set_num_threads(1)
     try:
         compiled = pipeline(seed=7)  # other initial weights: all must come from the checkpoint
-        loaded = compiled.trainer(optimizer=_sgd)
+        loaded = compiled.trainer(optimizer=sgd)
         loaded.load(root)
     except Exception as e:  # noqa: BLE001 - reported to the test
         print(f"load failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 3
     straight = pipeline()
-    trainer = straight.trainer(optimizer=_sgd)
+    trainer = straight.trainer(optimizer=sgd)
     for i in range(loaded.batches):
         trainer.step(*batch(i))
     same = all(torch.equal(p, q) for p, q in zip(parameters(compiled), parameters(straight), strict=True))
@@ -140,7 +140,7 @@ def _dist(argv: list[str]) -> None:
     rank = int(os.environ["RANK"])
     found: dict[str, Any] = {}
     compiled = pipeline()
-    trainer = compiled.trainer(optimizer=_sgd, runtime="distributed", timeout=60)
+    trainer = compiled.trainer(optimizer=sgd, runtime="distributed", timeout=60)
     try:
         trainer.step(*batch(0)) if rank == 0 else trainer.step()
         first = trainer.save(out / "ckpt")

@@ -24,7 +24,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 import ppll_compile  # noqa: E402
 from models import Residual, conv_student, conv_teacher  # noqa: E402
-from tests.helpers import seeded_batches as _batches, sgd as _sgd  # noqa: E402
+from tests.helpers import seeded_batches, sgd  # noqa: E402
 
 __all__ = ["Trap", "Chain", "SizedResidual", "fifo_pipeline", "fifo_program", "fifo_fit", "chain_pipeline",
            "stage_states", "distill_pipeline", "distill_program", "replicated_chain", "gated_sgd", "main", "launch"]
@@ -97,7 +97,7 @@ def fifo_pipeline(k: int, runtime: str) -> Any:
         compiled = ppll_compile.compile(model, example_inputs=(x,), split_points=["relu", "add"], policy="infopro")
     else:
         compiled = ppll_compile.compile(model, example_inputs=(x,), split_points=["add"], policy="dgl")
-    return compiled.trainer(optimizer=_sgd, runtime=runtime, timeout=60)
+    return compiled.trainer(optimizer=sgd, runtime=runtime, timeout=60)
 
 
 def stage_states(trainer: Any) -> dict[int, dict[str, torch.Tensor]]:
@@ -122,7 +122,7 @@ FIT_SIZES = [8, 8, 6]
 
 def fifo_program(trainer: Any, out: Path, load: str | None = None) -> dict[str, Any]:
     """steps (a smaller last batch) -> finish -> save to ``out/ckpt`` -> :func:`fifo_fit`; states along the way."""
-    for x, y in _batches(1, STEP_SIZES, (3, 8, 8), 5):
+    for x, y in seeded_batches(1, STEP_SIZES, (3, 8, 8), 5):
         trainer.step(x, y)
     trainer.finish()
     after_steps = stage_states(trainer)
@@ -134,9 +134,9 @@ def fifo_fit(trainer: Any, load: str | Path | None = None) -> dict[str, Any]:
     """[load a checkpoint] -> fit 2 epochs -> evaluate; the losses, accuracies and final states."""
     if load is not None:
         trainer.load(load)
-    history = trainer.fit(_batches(2, FIT_SIZES, (3, 8, 8), 5), epochs=2, progress=False)
+    history = trainer.fit(seeded_batches(2, FIT_SIZES, (3, 8, 8), 5), epochs=2, progress=False)
     return {"history": [h["loss"] for h in history], "samples": [h["samples"] for h in history],
-            "accuracy": trainer.evaluate(_batches(3, [8, 7], (3, 8, 8), 5)), "final": stage_states(trainer),
+            "accuracy": trainer.evaluate(seeded_batches(3, [8, 7], (3, 8, 8), 5)), "final": stage_states(trainer),
             "steps": trainer.steps, "batches": trainer.batches}
 
 
@@ -153,19 +153,19 @@ def distill_pipeline(runtime: str, layout: str, **options: Any) -> Any:
     split, replicas = DISTILL_LAYOUTS[layout]
     compiled = ppll_compile.compile(student, teacher=teacher, example_inputs=(torch.randn(8, 3, 16, 16),),
                                     split_points=split, replicas=replicas)
-    return compiled.trainer(optimizer=_sgd, runtime=runtime, timeout=60, **options)
+    return compiled.trainer(optimizer=sgd, runtime=runtime, timeout=60, **options)
 
 
 def distill_program(trainer: Any, out: Path) -> dict[str, Any]:
     """steps without labels (a smaller last batch) -> save -> fit 2 epochs -> evaluate; states along the way."""
-    for (x, _) in _batches(1, STEP_SIZES, (3, 16, 16), 10):
+    for (x, _) in seeded_batches(1, STEP_SIZES, (3, 16, 16), 10):
         trainer.step(x)
     trainer.finish()
     after_steps = stage_states(trainer)
     trainer.save(out / "ckpt")
-    history = trainer.fit(_batches(2, FIT_SIZES, (3, 16, 16), 10), epochs=2, progress=False)
+    history = trainer.fit(seeded_batches(2, FIT_SIZES, (3, 16, 16), 10), epochs=2, progress=False)
     return {"after_steps": after_steps, "final": stage_states(trainer), "history": [h["loss"] for h in history],
-            "evaluation": trainer.evaluate(_batches(3, [8, 7], (3, 16, 16), 10))}
+            "evaluation": trainer.evaluate(seeded_batches(3, [8, 7], (3, 16, 16), 10))}
 
 
 def replicated_chain(runtime: str) -> Any:
@@ -173,15 +173,15 @@ def replicated_chain(runtime: str) -> Any:
     torch.manual_seed(0)
     compiled = ppll_compile.compile(Chain(2), example_inputs=(torch.randn(8, 8),), policy="dgl",
                                     split_points=["blocks.0"], replicas=(1, 2))
-    return compiled.trainer(optimizer=_sgd, runtime=runtime, timeout=60, trace=True)
+    return compiled.trainer(optimizer=sgd, runtime=runtime, timeout=60, trace=True)
 
 
 def replicated_program(trainer: Any) -> dict[str, Any]:
-    for x, y in _batches(7, [8, 8, 8, 5], (8,), 4):
+    for x, y in seeded_batches(7, [8, 8, 8, 5], (8,), 4):
         trainer.step(x, y)
     trainer.finish()
-    history = trainer.fit(_batches(8, [8, 6], (8,), 4), epochs=1, progress=False)
-    return {"final": stage_states(trainer), "accuracy": trainer.evaluate(_batches(9, [8, 7], (8,), 4)),
+    history = trainer.fit(seeded_batches(8, [8, 6], (8,), 4), epochs=1, progress=False)
+    return {"final": stage_states(trainer), "accuracy": trainer.evaluate(seeded_batches(9, [8, 7], (8,), 4)),
             "samples": [h["samples"] for h in history],
             "timeline": [(e.stage, e.replica, e.batch, e.kind, e.start, e.end) for e in trainer.timeline().events]}
 
@@ -195,7 +195,7 @@ def chain_pipeline(k: int, runtime: str, trap: Trap | None, trap_stage: int, **o
                                     split_points=[f"blocks.{i}" for i in range(k - 1)], leaf_modules=(Trap,))
     if trap is not None:
         trap.armed = True
-    return compiled.trainer(**{"optimizer": _sgd, "runtime": runtime, "timeout": 60, **options})
+    return compiled.trainer(**{"optimizer": sgd, "runtime": runtime, "timeout": 60, **options})
 
 
 def _fault(out: Path, k: int, mode: str, trap_stage: int, **options: Any) -> None:
@@ -203,7 +203,7 @@ def _fault(out: Path, k: int, mode: str, trap_stage: int, **options: Any) -> Non
     trainer = chain_pipeline(k, "distributed", Trap(mode, 3 if mode != "nan" else 2), trap_stage, **options)
     try:
         with trainer:
-            trainer.fit(_batches(4, [8] * 12, (8,), 4), epochs=1, progress=False)
+            trainer.fit(seeded_batches(4, [8] * 12, (8,), 4), epochs=1, progress=False)
         text, kind = "no error", None
     except Exception as e:  # noqa: BLE001 - reported to the test
         text, kind = str(e), type(e).__name__
@@ -228,13 +228,13 @@ def _stay(out: Path, replicated: bool) -> None:
                                     policy="dgl", split_points=[f"blocks.{i}" for i in range(stages - 1)],
                                     leaf_modules=(Trap,), replicas=(1, 2) if replicated else False)
     trap.armed = rank == failing
-    trainer = compiled.trainer(optimizer=_sgd, runtime="distributed", timeout=120)
+    trainer = compiled.trainer(optimizer=sgd, runtime="distributed", timeout=120)
     error: Exception | None = None
     raised = closing = None
     try:
         with trainer:
             try:
-                trainer.fit(_batches(4, [8] * 40, (8,), 4), epochs=1, progress=False)
+                trainer.fit(seeded_batches(4, [8] * 40, (8,), 4), epochs=1, progress=False)
             except Exception as e:
                 error, raised = e, time.time()
                 if rank == failing:  # like a script that logs the error, or sits in a debugger, before it closes
@@ -255,8 +255,8 @@ def _reuse(out: Path) -> None:
     rank = int(os.environ["RANK"])
     trainer = chain_pipeline(3, "distributed", Trap("sleep", 0.03), 0, queue="reuse")
     with trainer:
-        history = trainer.fit(_batches(5, [8] * 9 + [5], (8,), 4), epochs=2, progress=False)
-        accuracy = trainer.evaluate(_batches(6, [8, 8], (8,), 4))
+        history = trainer.fit(seeded_batches(5, [8] * 9 + [5], (8,), 4), epochs=2, progress=False)
+        accuracy = trainer.evaluate(seeded_batches(6, [8, 8], (8,), 4))
     (out / f"reuse-{rank}.json").write_text(json.dumps({"steps": trainer.steps, "reused": trainer.reused,
                                                         "loss": [h["loss"] for h in history],
                                                         "accuracy": accuracy}))
@@ -292,7 +292,7 @@ def _newest(out: Path) -> None:
                              optimizer=gated_sgd(1, lambda: _wait_for(fed, "rank 0 never fed every batch")))
     with trainer:
         if rank == 0:
-            for x, y in _batches(7, [8] * 8, (8,), 4):
+            for x, y in seeded_batches(7, [8] * 8, (8,), 4):
                 trainer.step(x, y)
         trainer.finish()  # rank 0: every batch and the end of the epoch sent, and taken by rank 1's inbox
         if rank == 0:
@@ -311,7 +311,7 @@ def _early(out: Path) -> None:
     if rank == 1:
         trainer.lowered.modules[1].register_forward_pre_hook(lambda *_: begun.touch())
     with trainer:
-        trainer.fit(_batches(8, [8] * 3, (8,), 4), epochs=1, progress=False)
+        trainer.fit(seeded_batches(8, [8] * 3, (8,), 4), epochs=1, progress=False)
     (out / f"early-{rank}.json").write_text(json.dumps({"steps": trainer.steps}))
 
 
@@ -324,7 +324,7 @@ def _momentum(out: Path) -> None:
     compiled = momentum_pipeline(0.0, 1)
     snapshots: list[Any] = []
     with compiled.trainer(optimizer=recording_sgd(compiled, snapshots), runtime="distributed", timeout=60) as trainer:
-        data = _batches(3, [4] * 6, (3, 8, 8), 5)
+        data = seeded_batches(3, [4] * 6, (3, 8, 8), 5)
         trainer.fit(data, epochs=1, progress=False)
         trainer.evaluate(data[:2])
         trainer.fit(data, epochs=1, progress=False)
@@ -337,7 +337,7 @@ def _plans(out: Path) -> None:
     rank = int(os.environ["RANK"])
     compiled = ppll_compile.compile(Chain(3), example_inputs=(torch.randn(8, 8),), split_points=[f"blocks.{rank}"])
     try:
-        compiled.trainer(optimizer=_sgd, runtime="distributed", timeout=60)
+        compiled.trainer(optimizer=sgd, runtime="distributed", timeout=60)
         text = "no error"
     except Exception as e:  # noqa: BLE001 - reported to the test
         text = f"{type(e).__name__}: {e}"
@@ -373,7 +373,7 @@ def main(argv: list[str]) -> None:
         block.forward = lambda *v: forward(*v) if next(calls) != 2 else _raise(RuntimeError("student broke"))
         try:
             with trainer:
-                trainer.fit([(x, y) for x, y in _batches(4, [8] * 8, (3, 16, 16), 10)], epochs=1, progress=False)
+                trainer.fit([(x, y) for x, y in seeded_batches(4, [8] * 8, (3, 16, 16), 10)], epochs=1, progress=False)
             text, kind = "no error", None
         except Exception as e:  # noqa: BLE001 - reported to the test
             text, kind = str(e), type(e).__name__

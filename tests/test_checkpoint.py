@@ -14,7 +14,7 @@ import ppll_compile
 from ppll_compile import CheckpointError
 from ppll_compile.runtime import checkpoint
 from tests import ckpt_worker as w
-from tests.helpers import free_port as _free_port, sgd
+from tests.helpers import free_port, sgd
 
 WORKER = Path(__file__).with_name("ckpt_worker.py")
 pytestmark = pytest.mark.usefixtures("one_thread_quietly")
@@ -62,7 +62,7 @@ def test_a_save_killed_at_any_moment_leaves_a_checkpoint_that_loads(tmp_path):
 def test_distributed_saves_and_loads_agree_on_every_rank(tmp_path, scenario):
     """killed: rank 1 dies while writing its stage file, so the pointer never moves and the first checkpoint
     stays the newest. corrupt: rank 1's stage file is damaged, so both ranks refuse and neither changes."""
-    proc = subprocess.run([sys.executable, str(WORKER), "dist", scenario, str(tmp_path), str(_free_port())],
+    proc = subprocess.run([sys.executable, str(WORKER), "dist", scenario, str(tmp_path), str(free_port())],
                           capture_output=True, text=True, timeout=200)
     ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) if (tmp_path / f"rank-{r}.json").exists()
              else None for r in (0, 1)]

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import free_port as _free_port
+from tests.helpers import free_port
 
 pytestmark = pytest.mark.slow  # every test forks worker processes
 
@@ -30,7 +30,7 @@ WITHIN = 10.0
 
 def _run(scenario: str, out: Path, k: int = 3, limit: float = 40) -> list[dict[str, Any]]:
     """Fork ``k`` ranks of ``scenario`` (killed after ``limit`` seconds); what each rank wrote."""
-    cmd = [sys.executable, str(WORKER), str(k), str(_free_port()), str(limit), scenario, str(out)]
+    cmd = [sys.executable, str(WORKER), str(k), str(free_port()), str(limit), scenario, str(out)]
     proc = subprocess.Popen(cmd, cwd=HERE.parent, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:

@@ -14,7 +14,7 @@ import ppll_compile
 from ppll_compile import CutError, Plan, PolicyError, StageError
 from ppll_compile.cli import main
 from ppll_compile.pipebd import distill_loss, load_distill_policy
-from tests.helpers import sgd as _sgd
+from tests.helpers import sgd
 from tests.models import conv_student, conv_teacher
 
 X = torch.randn(8, 3, 16, 16)
@@ -274,7 +274,7 @@ def _reference(batches: list[torch.Tensor], policy: str = "pipebd") -> list[torc
     """Blockwise distillation written out by hand on the Sequential slices: the parameters after ``batches``."""
     teacher, student = _pair()
     t_blocks, s_blocks = _slices(teacher, TEACHER_ENDS), _slices(student, STUDENT_ENDS)
-    optimizers = [_sgd(list(b.parameters())) for b in s_blocks]
+    optimizers = [sgd(list(b.parameters())) for b in s_blocks]
     rules = load_distill_policy(policy)
     for x in batches:
         with torch.no_grad():
@@ -291,7 +291,7 @@ def _reference(batches: list[torch.Tensor], policy: str = "pipebd") -> list[torc
 
 def _train(runtime: str, batches, policy: str = "mse", replicas=None, **options) -> list[torch.Tensor]:
     c = _compiled(policy=policy, replicas=replicas)
-    with c.trainer(optimizer=_sgd, runtime=runtime, **options) as trainer:
+    with c.trainer(optimizer=sgd, runtime=runtime, **options) as trainer:
         for x in batches:
             trainer.step(x)
     return [p.detach().clone() for p in c.model.parameters()]
@@ -312,7 +312,7 @@ def test_reuse_queue_trains_a_later_stage_again_while_it_waits():
     forward = slow.forward
     slow.forward = lambda *v: (time.sleep(0.05), forward(*v))[1]
     batches = _batches(6)
-    with c.trainer(optimizer=_sgd, runtime="threads", queue="reuse") as trainer:
+    with c.trainer(optimizer=sgd, runtime="threads", queue="reuse") as trainer:
         for x in batches:
             trainer.step(x)
     assert trainer.reused[0] == 0 and 0 < trainer.reused[1] <= len(batches)
@@ -323,7 +323,7 @@ def test_evaluate_gives_each_blocks_mean_loss():
     teacher, student = _pair()
     c = ppll_compile.compile(student, teacher=teacher, example_inputs=(X,), split_points=["5"])
     data = [(x, torch.zeros(len(x), dtype=torch.long)) for x in _batches(2, seed=3, last=5)]
-    with c.trainer(optimizer=_sgd, runtime="threads") as trainer:
+    with c.trainer(optimizer=sgd, runtime="threads") as trainer:
         result = trainer.evaluate(data)
     t_blocks, s_blocks = _slices(teacher, TEACHER_ENDS), _slices(student, STUDENT_ENDS)
     x = torch.cat([x for x, _ in data])
@@ -342,12 +342,12 @@ def test_evaluate_gives_each_blocks_mean_loss():
 def test_checkpoints_resume_across_runtimes(tmp_path):
     batches = _batches(6)
     c = _compiled()
-    with c.trainer(optimizer=_sgd, runtime="threads") as trainer:
+    with c.trainer(optimizer=sgd, runtime="threads") as trainer:
         for x in batches[:3]:
             trainer.step(x)
         trainer.save(tmp_path / "ckpt")
     c2 = _compiled()
-    with c2.trainer(optimizer=_sgd, runtime="dna") as trainer:
+    with c2.trainer(optimizer=sgd, runtime="dna") as trainer:
         trainer.load(tmp_path / "ckpt")
         for x in batches[3:]:
             trainer.step(x)
@@ -359,7 +359,7 @@ def test_a_failing_block_names_its_stage():
     c = _compiled()
     block = c.student_blocks[2]
     block.forward = lambda *v: (_ for _ in ()).throw(RuntimeError("student broke"))
-    with pytest.raises(StageError) as info, c.trainer(optimizer=_sgd, runtime="threads") as trainer:
+    with pytest.raises(StageError) as info, c.trainer(optimizer=sgd, runtime="threads") as trainer:
         for x in _batches(3):
             trainer.step(x)
         trainer.finish()
@@ -370,15 +370,15 @@ def test_trainer_options_that_do_not_fit_distillation_are_refused():
     c = _compiled()
     with pytest.raises(ValueError, match=re.escape("a pipebd plan trains on the distillation losses of its policy; "
                                                    "drop loss=")):
-        c.trainer(optimizer=_sgd, loss=F.cross_entropy)
+        c.trainer(optimizer=sgd, loss=F.cross_entropy)
     for runtime in ("dna", "dna-per-block"):
         with pytest.raises(ValueError, match=re.escape('decoupled=False (a barrier of all the stages before every '
                                                        'optimizer step) applies to the pipelined runtimes')):
-            c.trainer(optimizer=_sgd, runtime=runtime, decoupled=False)
+            c.trainer(optimizer=sgd, runtime=runtime, decoupled=False)
     ppll = ppll_compile.compile(conv_student(), 2, example_inputs=(X,))
     with pytest.raises(ValueError, match=re.escape("runtime='dna' is not known; choose one of sequential, threads, "
                                                    "distributed")):
-        ppll.trainer(optimizer=_sgd, runtime="dna")
+        ppll.trainer(optimizer=sgd, runtime="dna")
 
 
 # ---- the command line ---------------------------------------------------------------------------------

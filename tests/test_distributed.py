@@ -25,7 +25,7 @@ import dist_worker as w  # noqa: E402
 
 import ppll_compile  # noqa: E402
 from ppll_compile.errors import PPLLError  # noqa: E402
-from tests.helpers import free_port as _free_port, seeded_batches  # noqa: E402
+from tests.helpers import free_port, seeded_batches  # noqa: E402
 
 WORKER = HERE / "dist_worker.py"
 EXAMPLE = ROOT / "examples" / "train_cifar_style.py"
@@ -61,7 +61,7 @@ def _wait(procs: list[subprocess.Popen], timeout: float) -> list[str]:
 
 def _launch(k: int, scenario: str, out: Path, *args: Any, timeout: float = 60) -> tuple[list[int | None], str]:
     """Fork ``k`` workers of ``scenario``; their exit codes (``None`` = killed after a hang) and the output."""
-    cmd = [sys.executable, str(WORKER), str(k), str(_free_port()), str(timeout - 15), scenario, str(out),
+    cmd = [sys.executable, str(WORKER), str(k), str(free_port()), str(timeout - 15), scenario, str(out),
            *map(str, args)]
     text = _wait([_start(cmd)], timeout)[0]
     lines = [line for line in text.splitlines() if line.startswith('{"codes"')]
@@ -260,7 +260,7 @@ TINY = ["--synthetic", "--epochs", "1", "--steps-per-epoch", "2", "--batch-size"
 
 @pytest.mark.slow
 def test_example_on_two_nodes(tmp_path):
-    port = _free_port()
+    port = free_port()
     procs = [_start([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={n}",
                      "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}", str(EXAMPLE),
                      *TINY, "--checkpoint", str(tmp_path / "ckpt")]) for n in (0, 1)]
@@ -276,7 +276,7 @@ def test_example_on_two_nodes(tmp_path):
 @pytest.mark.slow
 def test_example_with_torchrun_on_one_node():
     proc = _start([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                   f"--master-port={_free_port()}", str(EXAMPLE), *TINY])
+                   f"--master-port={free_port()}", str(EXAMPLE), *TINY])
     out = _wait([proc], timeout=120)[0]
     assert proc.returncode == 0 and "final accuracy" in out, out[-3000:]
     assert out.count("final accuracy") == 1  # printed by the main process only

@@ -31,7 +31,7 @@ if __name__ == "__main__":
 import ppll_compile  # noqa: E402
 from ppll_compile.errors import PPLLError  # noqa: E402
 from ppll_compile.pipebd import distill_loss, load_distill_policy  # noqa: E402
-from tests.helpers import free_port as _free_port, sgd as _sgd  # noqa: E402
+from tests.helpers import free_port, sgd  # noqa: E402
 from tests.models import conv_student, conv_teacher  # noqa: E402
 
 X = torch.randn(8, 3, 16, 16)
@@ -101,7 +101,7 @@ def _by_hand(compiled: Any, teacher: nn.Sequential, student: nn.Sequential, data
     s_blocks = _slices(student, [b.student_module for b in plan.blocks])
     rules = load_distill_policy(plan.policy)
     for k, block in enumerate(s_blocks):
-        opt = _sgd(list(block.parameters()))
+        opt = sgd(list(block.parameters()))
         loss_fn = distill_loss(rules.last if k == len(s_blocks) - 1 else rules.loss)
         for _ in range(epochs):
             for x, _ in data:
@@ -117,7 +117,7 @@ def _by_hand(compiled: Any, teacher: nn.Sequential, student: nn.Sequential, data
 
 
 def _fit(runtime: str, compiled: Any, loader: Any, epochs: int = EPOCHS) -> tuple[Any, list[dict[str, Any]]]:
-    with compiled.trainer(optimizer=_sgd, runtime=runtime) as trainer:
+    with compiled.trainer(optimizer=sgd, runtime=runtime) as trainer:
         history = trainer.fit(loader, epochs=epochs, progress=False)
     return trainer, history
 
@@ -191,7 +191,7 @@ def test_per_block_schedule_continues_each_stages_random_stream_with_dropout_in_
 
 def test_per_block_schedule_refuses_step_and_a_loader_that_changes_length():
     c = _compiled()
-    with c.trainer(optimizer=_sgd, runtime="dna-per-block") as trainer:
+    with c.trainer(optimizer=sgd, runtime="dna-per-block") as trainer:
         with pytest.raises(PPLLError, match=re.escape(
                 'runtime="dna-per-block" trains each block over all the epochs before the next, so it needs the '
                 'whole data at once: call trainer.fit(loader, epochs) instead of step(), or use runtime="dna" '
@@ -203,7 +203,7 @@ def test_per_block_schedule_refuses_step_and_a_loader_that_changes_length():
             self.passes += 1
             return iter(self.items if self.passes == 1 else self.items[:-1])
 
-    with c.trainer(optimizer=_sgd, runtime="dna-per-block") as trainer:
+    with c.trainer(optimizer=sgd, runtime="dna-per-block") as trainer:
         with pytest.raises(PPLLError, match=re.escape(
                 'runtime="dna-per-block" reads the loader again for every block and epoch; in epoch 1 it gave 2 '
                 'batches to block 1 but 3 to block 0. Use a loader that yields the same batches on every pass (a list '
@@ -250,7 +250,7 @@ def _rank_main(out: Path) -> None:
     for runtime in ("dna-per-block", "distributed"):
         c = _compiled(bn_teacher(), conv_student())
         loader = Loader(_data(seed=4))
-        with c.trainer(optimizer=_sgd, runtime=runtime, timeout=60) as trainer:
+        with c.trainer(optimizer=sgd, runtime=runtime, timeout=60) as trainer:
             trainer.fit(loader, epochs=EPOCHS, progress=False)
             stages = list(trainer.stages)
         record[runtime] = {"stages": stages, "student": {k: v.clone() for k, v in c.model.state_dict().items()},
@@ -266,7 +266,7 @@ def test_dna_per_block_and_distributed_on_two_processes_equal_the_hand_loop_teac
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "2", str(_free_port()), str(timeout - 15),
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "2", str(free_port()), str(timeout - 15),
                              str(tmp_path)], cwd=HERE.parent, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:

@@ -36,7 +36,7 @@ sys.path.insert(1, str(ROOT))
 
 import ppll_compile  # noqa: E402
 from dist_worker import stage_states  # noqa: E402
-from tests.helpers import free_port as _free_port  # noqa: E402
+from tests.helpers import free_port  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
@@ -319,7 +319,7 @@ NCCL_BATCHES = (5, 16, 64)
 
 def _run_ranks(world: int, out: Path, timeout: float) -> list[tuple[int | None, str]]:
     """Start ``world`` ranks of this file's NCCL worker; their exit codes (``None``: killed) and outputs."""
-    port = _free_port()
+    port = free_port()
     base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                              "MASTER_PORT")}
     procs = []

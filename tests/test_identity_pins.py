@@ -10,6 +10,7 @@ import ppll_compile
 from ppll_compile import CheckpointError
 from ppll_compile.runtime.group import plan_identity, plan_mismatch
 from tests import ckpt_worker as w
+from tests.helpers import sgd
 
 pytestmark = pytest.mark.usefixtures("one_thread_quietly")
 
@@ -26,7 +27,7 @@ def _compiled(model_class: type, cuts: list[str] | None = None) -> ppll_compile.
 
 def test_a_checkpoint_of_another_model_class_with_the_same_shapes_is_refused(tmp_path):
     saved = _compiled(w.Residual)
-    with saved.trainer(optimizer=w._sgd) as trainer:
+    with saved.trainer(optimizer=sgd) as trainer:
         trainer.step(*w.batch(0))
         trainer.save(tmp_path)
     twin = _compiled(Twin, list(saved.plan.cuts))
@@ -34,7 +35,7 @@ def test_a_checkpoint_of_another_model_class_with_the_same_shapes_is_refused(tmp
     assert [[p.shape for p in twin.stage_parameters(i)] for i in range(2)] == \
         [[p.shape for p in saved.stage_parameters(i)] for i in range(2)]
     before = w.parameters(twin)
-    with twin.trainer(optimizer=w._sgd) as other:
+    with twin.trainer(optimizer=sgd) as other:
         with pytest.raises(CheckpointError) as info:
             other.load(tmp_path)
         assert other.batches == 0
@@ -43,7 +44,7 @@ def test_a_checkpoint_of_another_model_class_with_the_same_shapes_is_refused(tmp
         f"checkpoint {str(tmp_path / 'ckpt-000000')!r} was saved for another pipeline: model: checkpoint has "
         f"{saved.plan.model!r}, this pipeline has {twin.plan.model!r}. Compile the same model with the plan it was "
         f"trained with (compile(model, plan=...)) to load it.")
-    with _compiled(w.Residual, list(saved.plan.cuts)).trainer(optimizer=w._sgd) as same:
+    with _compiled(w.Residual, list(saved.plan.cuts)).trainer(optimizer=sgd) as same:
         same.load(tmp_path)  # the model it was saved for loads it
         assert same.batches == 1
 

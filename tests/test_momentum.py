@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.helpers import image_batches as _data, momentum_pipeline, recording_sgd
+from tests.helpers import image_batches, momentum_pipeline, recording_sgd
 
 pytestmark = pytest.mark.usefixtures("one_thread_quietly")
 
@@ -18,7 +18,7 @@ def _trained(momentum: float, every: int, runtime: str):
     initial = [t.clone() for t in head.ema_tensors()]
     snapshots: list = []
     with compiled.trainer(optimizer=recording_sgd(compiled, snapshots), runtime=runtime) as trainer:
-        for x, y in _data(BATCHES):
+        for x, y in image_batches(BATCHES):
             trainer.step(x, y)
         trainer.finish()
     return initial, head.ema_tensors(), snapshots

@@ -10,10 +10,10 @@ import torch
 from ppll_compile import StageError
 from ppll_compile.runtime.messages import Message
 from ppll_compile.runtime.queues import Mailbox, Recent
-from tests.helpers import assert_same_parameters as _assert_same, compiled_residual as _compiled
-from tests.helpers import image_batches as _data, on_first_stage as _on_first_stage, sgd as _sgd
-from tests.helpers import train_residual as _train
-from tests.helpers import no_workers_left as _no_workers_left
+from tests.helpers import assert_same_parameters, compiled_residual
+from tests.helpers import image_batches, on_first_stage, sgd
+from tests.helpers import train_residual
+from tests.helpers import no_workers_left
 
 pytestmark = pytest.mark.usefixtures("one_thread_quietly")
 
@@ -108,11 +108,11 @@ def _wait(event: threading.Event, what: str) -> None:
 def test_a_stage_sends_its_output_before_its_backward_and_step(decoupled):
     """Stage 0's first optimizer step waits until stage 1 started its forward on batch 0: that input can only
     have come before stage 0's step (before it would never come, and stage 0 would fail after WAIT seconds)."""
-    compiled = _compiled()
+    compiled = compiled_residual()
     started = _stage_started(compiled, 1)
-    optimizer = _on_first_stage(compiled, lambda: _wait(started, "stage 1 never received batch 0"), lr=0.05)
+    optimizer = on_first_stage(compiled, lambda: _wait(started, "stage 1 never received batch 0"), lr=0.05)
     with compiled.trainer(optimizer=optimizer, runtime="threads", decoupled=decoupled) as trainer:
-        for x, y in _data(3):
+        for x, y in image_batches(3):
             trainer.step(x, y)
         trainer.finish()
         assert trainer.steps == {0: 3, 1: 3}
@@ -121,13 +121,13 @@ def test_a_stage_sends_its_output_before_its_backward_and_step(decoupled):
 def test_a_stage_sends_its_output_before_its_head_runs():
     """When stage 0's head starts on a batch, the output of its block has already gone on (a ``send`` span)."""
     n = 3
-    compiled = _compiled()
+    compiled = compiled_residual()
     sent_before_head = []
-    with compiled.trainer(optimizer=_sgd, runtime="threads", queue_depth=n, trace=True) as trainer:
+    with compiled.trainer(optimizer=sgd, runtime="threads", queue_depth=n, trace=True) as trainer:
         recorder = trainer.runners[0].recorder
         trainer.runners[0].head.register_forward_pre_hook(
             lambda *_: sent_before_head.append(sorted(e.batch for e in recorder.events if e.kind == "send")))
-        for x, y in _data(n):
+        for x, y in image_batches(n):
             trainer.step(x, y)
         trainer.finish()
     assert sent_before_head == [[0], [0, 1], [0, 1, 2]]
@@ -136,7 +136,7 @@ def test_a_stage_sends_its_output_before_its_head_runs():
 def test_nan_check_names_the_stage_whose_output_is_nan_before_sending_it():
     """Stage 0's output turns NaN on batch 2, and its head is slow on it: with nan_check, stage 0 fails before
     sending that output on, so stage 1 (which would fail on it first) never sees it."""
-    compiled = _compiled()
+    compiled = compiled_residual()
     calls, seen = [0], []
 
     def poison(module, inputs, out):
@@ -145,23 +145,23 @@ def test_nan_check_names_the_stage_whose_output_is_nan_before_sending_it():
 
     compiled.stages[0].register_forward_hook(poison)
     compiled.stages[1].register_forward_pre_hook(lambda m, inputs: seen.append(bool(inputs[0].isnan().any())))
-    trainer = compiled.trainer(optimizer=_sgd, runtime="threads", nan_check=True)
+    trainer = compiled.trainer(optimizer=sgd, runtime="threads", nan_check=True)
     trainer.runners[0].head.register_forward_pre_hook(
         lambda m, inputs: time.sleep(0.5) if inputs[0].isnan().any() else None)
     with pytest.raises(StageError, match=r"^stage 0 failed at batch 2: FloatingPointError: output holds nan "
                                          r"\(nan_check=True\)"):
-        for x, y in _data(5):
+        for x, y in image_batches(5):
             trainer.step(x, y)
         trainer.finish()
     assert seen == [False, False]
-    assert _no_workers_left()
+    assert no_workers_left()
 
 
 def test_a_send_that_waits_for_room_is_traced_once():
     """Stage 1 holds its first step until stage 0 stepped on batch 2: by then batch 1 fills the queue (depth 1),
     so batch 2's early send found no room and went after stage 0's step. Every batch has one send span."""
     n = 4
-    compiled = _compiled()
+    compiled = compiled_residual()
     first = {id(p) for p in compiled.stage_parameters(0)}
     stepped = [0]
     third = threading.Event()
@@ -178,7 +178,7 @@ def test_a_send_that_waits_for_room_is_traced_once():
 
     with compiled.trainer(optimizer=lambda p: Gated(p, lr=0.05), runtime="threads", queue_depth=1,
                           trace=True) as trainer:
-        for x, y in _data(n):
+        for x, y in image_batches(n):
             trainer.step(x, y)
         trainer.finish()
         events = trainer.timeline().events
@@ -191,19 +191,19 @@ def test_a_send_that_waits_for_room_is_traced_once():
 
 @pytest.mark.parametrize("gpus", [2, 3])
 def test_decoupled_false_is_still_the_sequential_computation(gpus):
-    data = _data(5, last=3)
-    seq, _ = _train("sequential", data, gpus)
-    thr, _ = _train("threads", data, gpus, decoupled=False, queue_depth=1)
-    _assert_same(seq, thr)
+    data = image_batches(5, last=3)
+    seq, _ = train_residual("sequential", data, gpus)
+    thr, _ = train_residual("threads", data, gpus, decoupled=False, queue_depth=1)
+    assert_same_parameters(seq, thr)
 
 
 def test_decoupled_false_steps_only_after_every_stage_computed_its_gradients():
     """The barrier sits before the optimizer step, not after the batch: for every batch, no stage steps before
     every stage ended its backward, so the last stage's forward on a batch starts before the first one steps."""
-    compiled = _compiled(3)
+    compiled = compiled_residual(3)
     n = 4
-    with compiled.trainer(optimizer=_sgd, runtime="threads", decoupled=False, trace=True) as trainer:
-        for x, y in _data(n):
+    with compiled.trainer(optimizer=sgd, runtime="threads", decoupled=False, trace=True) as trainer:
+        for x, y in image_batches(n):
             trainer.step(x, y)
         trainer.finish()
         events = trainer.timeline().events
@@ -223,8 +223,8 @@ def test_latest_takes_the_newest_input_and_the_stage_before_never_waits(tmp_path
     room). Then stage 1 takes batch n - 1 and drops 1 .. n - 2. Its parameters equal a hand-run reference
     that trains stage 0 on every batch and stage 1 on batches 0 and n - 1 only."""
     n = 6
-    data = _data(n)
-    compiled = _compiled()
+    data = image_batches(n)
+    compiled = compiled_residual()
     first = {id(p) for p in compiled.stage_parameters(0)}
     done = [0]
     all_fed = threading.Event()
@@ -253,24 +253,24 @@ def test_latest_takes_the_newest_input_and_the_stage_before_never_waits(tmp_path
         again.load(tmp_path)
         assert again.dropped == {0: 0, 1: n - 2}  # the counter is part of the checkpoint
 
-    reference = _compiled()
-    with reference.trainer(optimizer=_sgd, runtime="sequential") as ref:
+    reference = compiled_residual()
+    with reference.trainer(optimizer=sgd, runtime="sequential") as ref:
         s0, s1 = ref.runners
         for b, (x, y) in enumerate(data):
             out, _ = s0.train_step(ref.message(x, y))
             if b in (0, n - 1):
                 s1.train_step(out)
-    _assert_same(compiled, reference)
+    assert_same_parameters(compiled, reference)
 
 
 # ---- queue="reuse" -----------------------------------------------------------------------------
 @pytest.mark.parametrize("schedule_reused", [False, True])
 def test_reuse_steps_the_scheduler_on_new_inputs_only_unless_asked(schedule_reused):
-    compiled = _compiled()
-    slow = _on_first_stage(compiled, lambda: threading.Event().wait(0.05), lr=0.05)
+    compiled = compiled_residual()
+    slow = on_first_stage(compiled, lambda: threading.Event().wait(0.05), lr=0.05)
     with compiled.trainer(optimizer=slow, runtime="threads", queue="reuse", schedule_reused=schedule_reused,
                           scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5)) as trainer:
-        for x, y in _data(5):
+        for x, y in image_batches(5):
             trainer.step(x, y)
         trainer.finish()
         later = trainer.runners[1]

@@ -28,7 +28,7 @@ import ppll_compile  # noqa: E402
 from ppll_compile.runtime.queues import Recent  # noqa: E402
 from ppll_compile.runtime.messages import Message  # noqa: E402
 from ppll_compile.runtime.rng import RNG_LOCK, stream_seed  # noqa: E402
-from tests.helpers import free_port as _free_port  # noqa: E402
+from tests.helpers import free_port  # noqa: E402
 
 X = torch.randn(8, 16)
 SPLITS = ["2", "3"]  # stage 0: linear, relu, dropout; stage 1: a residual block with drop-path; stage 2: the rest
@@ -275,7 +275,7 @@ def test_distributed_equals_sequential_with_dropout_in_every_stage(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "3", str(_free_port()),
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "3", str(free_port()),
                              str(timeout - 15), str(tmp_path)], cwd=HERE.parent, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:

@@ -6,8 +6,8 @@ import pytest
 
 import ppll_compile
 from ppll_compile.runtime.schedule import Action, Grid, Memory, Op, StageRule, grid, next_input, rules
-from tests.helpers import compiled_residual as _compiled, image_batches as _data, on_first_stage as _on_first_stage
-from tests.helpers import sgd as _sgd
+from tests.helpers import compiled_residual, image_batches, on_first_stage
+from tests.helpers import sgd
 
 pytestmark = pytest.mark.usefixtures("one_thread_quietly")
 
@@ -213,10 +213,10 @@ TRACED = {"threads": ("receive", "forward", "send", "backward", "step"), "sequen
 def test_a_runtime_trace_follows_the_fifo_schedule(runtime, gpus, decoupled):
     """Queues as deep as the batches: every send goes early, and each stage's spans are its turns in order."""
     n = 4
-    compiled = _compiled(gpus)
+    compiled = compiled_residual(gpus)
     options = {} if runtime == "sequential" else dict(queue_depth=n, decoupled=decoupled)
-    with compiled.trainer(optimizer=_sgd, runtime=runtime, trace=True, **options) as trainer:
-        for x, y in _data(n):
+    with compiled.trainer(optimizer=sgd, runtime=runtime, trace=True, **options) as trainer:
+        for x, y in image_batches(n):
             trainer.step(x, y)
         trainer.finish()
         timeline = trainer.timeline()
@@ -230,10 +230,10 @@ def test_a_reusing_stage_trace_follows_the_reuse_rule():
     """Stage 0 is slow: stage 1's spans are turns on new inputs (a receive first) and on reused ones (none sent
     on), and the inputs it reused are the ones :class:`Memory` chooses, in that order."""
     n = 5
-    compiled = _compiled()
-    slow = _on_first_stage(compiled, lambda: threading.Event().wait(0.05), lr=0.05)
+    compiled = compiled_residual()
+    slow = on_first_stage(compiled, lambda: threading.Event().wait(0.05), lr=0.05)
     with compiled.trainer(optimizer=slow, runtime="threads", queue="reuse", queue_depth=n, trace=True) as trainer:
-        for x, y in _data(n):
+        for x, y in image_batches(n):
             trainer.step(x, y)
         trainer.finish()
         timeline, reused = trainer.timeline(), trainer.reused[1]
@@ -257,7 +257,7 @@ def test_a_reusing_stage_trace_follows_the_reuse_rule():
 def test_the_simulated_timeline_follows_the_fifo_schedule(depth, decoupled):
     """Each simulated batch is one turn, its send early or (no room) after the step; the simulator splits the
     forward around an early send."""
-    plan = _compiled(3).plan
+    plan = compiled_residual(3).plan
     sim = ppll_compile.simulate(plan, steps=6, queue_depth=depth, decoupled=decoupled)
     kinds = ("forward", "send", "backward", "step")
     assert all(s.step_cost > 0 for s in plan.stages)

@@ -16,7 +16,7 @@ from torch import nn
 import ppll_compile
 from ppll_compile.plan import Plan
 from ppll_compile.simulate import Simulation, simulate
-from tests.helpers import CONV_X, lane as _lane, quiet as _quiet, synthetic_plan as _synthetic
+from tests.helpers import CONV_X, lane, quiet, synthetic_plan
 from tests.models import conv_student, conv_teacher
 
 pytestmark = pytest.mark.usefixtures("one_thread_quietly")
@@ -27,26 +27,26 @@ def mlp_plan() -> Plan:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
                           nn.Linear(16, 4))
-    with _quiet():
+    with quiet():
         return ppll_compile.plan(model, 3, example_inputs=(torch.randn(4, 8),))
 
 
 @pytest.fixture(scope="module")
 def replicated_plan() -> Plan:
     """PPLL, stage 0 on two replicas: its all-reduce covers the backbone and the aux head's gradients."""
-    with _quiet():
+    with quiet():
         return ppll_compile.plan(conv_student(), example_inputs=(CONV_X,), split_points=["5"], replicas=(2, 1))
 
 
 @pytest.fixture(scope="module")
 def pipebd_plan() -> Plan:
-    with _quiet():
+    with quiet():
         return ppll_compile.plan(conv_student(), teacher=conv_teacher(), example_inputs=(CONV_X,),
                                  split_points=["5"], replicas=(2, 1))
 
 
 def _spans(sim: Simulation, stage: int, kind: str) -> list[float]:
-    return [end - start for _, k, start, end in _lane(sim, stage) if k == kind]
+    return [end - start for _, k, start, end in lane(sim, stage) if k == kind]
 
 
 def _one_batch(plan: Plan, after_steps: bool = False) -> list[float]:
@@ -73,16 +73,16 @@ def _one_batch(plan: Plan, after_steps: bool = False) -> list[float]:
 def test_two_stage_schedule_event_by_event(mlp_plan):
     # stage 0: forward 1 (the block: its output exists after it), backward 1, send 1 (cost 3); stage 1:
     # forward 3, backward 3 (cost 6); one-batch queue: room for batch b once stage 1 started batch b-1
-    plan = _synthetic(mlp_plan, [dict(compute=2.0, fwd=1, bwd=1, out=1), dict(compute=6.0, fwd=1, bwd=1)])
+    plan = synthetic_plan(mlp_plan, [dict(compute=2.0, fwd=1, bwd=1, out=1), dict(compute=6.0, fwd=1, bwd=1)])
     sim = simulate(plan, steps=4, queue_depth=1)
-    assert _lane(sim, 0) == [
+    assert lane(sim, 0) == [
         (0, "forward", 0, 1), (0, "send", 1, 2), (0, "backward", 2, 3),     # the queue is empty: sent at once
         (1, "forward", 3, 4), (1, "send", 4, 5), (1, "backward", 5, 6),     # room at 4: stage 1 took batch 0 at 2
         (2, "forward", 6, 7), (2, "backward", 7, 8), (2, "send", 8, 9),     # no room at 7 (batch 1 taken at 8):
         #                                                                     deferred until done at 8, room then
         (3, "forward", 9, 10), (3, "backward", 10, 11), (3, "send", 11, 15),  # deferred, then blocked until stage 1
     ]                                                                         # takes batch 2 at 14
-    assert _lane(sim, 1) == [
+    assert lane(sim, 1) == [
         (0, "receive", 0, 2), (0, "forward", 2, 5), (0, "backward", 5, 8),  # batch 0 arrives when its send ends
         (1, "forward", 8, 11), (1, "backward", 11, 14),                     # batch 1 arrived at 5
         (2, "forward", 14, 17), (2, "backward", 17, 20),                    # batch 2 at 9
@@ -102,23 +102,23 @@ def test_three_stage_schedule_with_a_replicated_stage_event_by_event(mlp_plan):
     # stage 0: forward 1, backward 1, send 2; stage 1 on two replicas: forward 1, backward 2 (FLOPs 1:2),
     # all-reduce 2*(1/2)*1 = 1, send 2/2 = 1; stage 2: forward 1, backward 1. Every send finds room (the next
     # stage always took the batch before by then), so each goes right after the block's forward.
-    plan = _synthetic(mlp_plan, [dict(compute=2.0, fwd=1, bwd=1, out=2),
+    plan = synthetic_plan(mlp_plan, [dict(compute=2.0, fwd=1, bwd=1, out=2),
                                  dict(compute=3.0, fwd=1, bwd=2, grad=1, out=2, replicas=2),
                                  dict(compute=2.0, fwd=5, bwd=5)])
     sim = simulate(plan, steps=3, queue_depth=1)
     assert [s.cost for s in sim.stages] == [s.cost for s in plan.stages] == [4, 5, 2]
     assert sim.timeline.lanes == [(0, 0), (1, 0), (1, 1), (2, 0)]
-    assert _lane(sim, 0) == [
+    assert lane(sim, 0) == [
         (0, "forward", 0, 1), (0, "send", 1, 3), (0, "backward", 3, 4),
         (1, "forward", 4, 5), (1, "send", 5, 7), (1, "backward", 7, 8),    # room at 5: stage 1 took batch 0 at 3
         (2, "forward", 8, 9), (2, "send", 9, 11), (2, "backward", 11, 12),  # ... batch 1 at 8
     ]
-    assert _lane(sim, 1) == _lane(sim, 1, replica=1) == [
+    assert lane(sim, 1) == lane(sim, 1, replica=1) == [
         (0, "receive", 0, 3), (0, "forward", 3, 4), (0, "send", 4, 5), (0, "backward", 5, 7), (0, "allreduce", 7, 8),
         (1, "forward", 8, 9), (1, "send", 9, 10), (1, "backward", 10, 12), (1, "allreduce", 12, 13),  # arrived at 7
         (2, "forward", 13, 14), (2, "send", 14, 15), (2, "backward", 15, 17), (2, "allreduce", 17, 18),  # ... 11
     ]
-    assert _lane(sim, 2) == [
+    assert lane(sim, 2) == [
         (0, "receive", 0, 5), (0, "forward", 5, 6), (0, "backward", 6, 7),
         (1, "receive", 7, 10), (1, "forward", 10, 11), (1, "backward", 11, 12),
         (2, "receive", 12, 15), (2, "forward", 15, 16), (2, "backward", 16, 17),
@@ -137,10 +137,10 @@ def test_early_forwarding_sends_before_the_rest_of_the_forward_and_defers_on_a_f
     # stage 0: forward 2 = 1 until its output exists (PPLL: the block; Pipe-BD: the teacher blocks) + 1 after it
     # (PPLL: the head; Pipe-BD: the student blocks), backward 1, send 1 (cost 4); stage 1: forward 3, backward 3
     # (cost 6); one-batch queue: room for batch b at stage 0's output time `out` iff stage 1 started batch b-1
-    plan = _synthetic(request.getfixturevalue(base), [dict(compute=3.0, bwd=1, out=1, **first),
+    plan = synthetic_plan(request.getfixturevalue(base), [dict(compute=3.0, bwd=1, out=1, **first),
                                                       dict(compute=6.0, fwd=1, bwd=1)])
     sim = simulate(plan, steps=5, queue_depth=1)
-    assert _lane(sim, 0) == [
+    assert lane(sim, 0) == [
         (0, "forward", 0, 1), (0, "send", 1, 2), (0, "forward", 2, 3), (0, "backward", 3, 4),  # empty queue
         (1, "forward", 4, 5), (1, "send", 5, 6), (1, "forward", 6, 7), (1, "backward", 7, 8),  # batch 0 taken at 2
         (2, "forward", 8, 9), (2, "send", 9, 10), (2, "forward", 10, 11), (2, "backward", 11, 12),  # batch 1 at 8
@@ -148,7 +148,7 @@ def test_early_forwarding_sends_before_the_rest_of_the_forward_and_defers_on_a_f
         #                                                                        deferred; room when done at 15
         (4, "forward", 16, 18), (4, "backward", 18, 19), (4, "send", 19, 21),  # out 17 < 20 (batch 3): deferred;
     ], rest                                                                      # done 19, blocked until 20
-    assert _lane(sim, 1) == [
+    assert lane(sim, 1) == [
         (0, "receive", 0, 2), (0, "forward", 2, 5), (0, "backward", 5, 8),
         (1, "forward", 8, 11), (1, "backward", 11, 14),    # arrived at 6
         (2, "forward", 14, 17), (2, "backward", 17, 20),   # at 10
@@ -165,7 +165,7 @@ def test_early_forwarding_sends_before_the_rest_of_the_forward_and_defers_on_a_f
 @pytest.mark.parametrize("depth, blocked", [(1, [0, 0, 1, 2, 2, 2]), (2, [0, 0, 0, 0, 1, 2]), (6, [0] * 6)])
 def test_a_fast_stage_before_a_slow_one_blocks_on_a_full_queue(mlp_plan, depth, blocked):
     # stage 0: compute 1 (no FLOPs counted: all forward, the output exists at its end), send 1; stage 1: compute 4
-    plan = _synthetic(mlp_plan, [dict(compute=1.0, out=1), dict(compute=4.0)])
+    plan = synthetic_plan(mlp_plan, [dict(compute=1.0, out=1), dict(compute=4.0)])
     sim = simulate(plan, steps=6, queue_depth=depth)
     assert [d - 1 for d in _spans(sim, 0, "send")] == blocked
     assert sim.stages[0].blocked == sum(blocked)
@@ -179,20 +179,20 @@ def test_a_barrier_before_every_step_overlaps_the_stages_within_a_batch_event_by
     # Batch b: each stage starts as soon as its input arrived (and it passed the barrier of b-1); every stage's
     # step waits until all are done: stage 0 at 5, stage 1 at 2 + 5 = 7, stage 2 at 2 + 2 + 2 = 6, so batch 0
     # ends at 7 on every stage and batch 1 at 14.
-    plan = _synthetic(mlp_plan, [dict(compute=4.0, fwd=1, head_fwd=1, bwd=2, out=1),
+    plan = synthetic_plan(mlp_plan, [dict(compute=4.0, fwd=1, head_fwd=1, bwd=2, out=1),
                                  dict(compute=3.0, fwd=1, bwd=2, grad=1, out=2, replicas=2),
                                  dict(compute=2.0, fwd=1, bwd=1)])
     sim = simulate(plan, steps=2, queue_depth=1, decoupled=False)
-    assert _lane(sim, 0) == [
+    assert lane(sim, 0) == [
         (0, "forward", 0, 1), (0, "send", 1, 2), (0, "forward", 2, 3), (0, "backward", 3, 5),    # barrier 5..7
         (1, "forward", 7, 8), (1, "send", 8, 9), (1, "forward", 9, 10), (1, "backward", 10, 12),  # barrier 12..14
     ]
-    assert _lane(sim, 1) == _lane(sim, 1, replica=1) == [
+    assert lane(sim, 1) == lane(sim, 1, replica=1) == [
         (0, "receive", 0, 2), (0, "forward", 2, 3), (0, "send", 3, 4), (0, "backward", 4, 6), (0, "allreduce", 6, 7),
         (1, "receive", 7, 9), (1, "forward", 9, 10), (1, "send", 10, 11), (1, "backward", 11, 13),
         (1, "allreduce", 13, 14),
     ]
-    assert _lane(sim, 2) == [
+    assert lane(sim, 2) == [
         (0, "receive", 0, 4), (0, "forward", 4, 5), (0, "backward", 5, 6),      # barrier 6..7
         (1, "receive", 7, 11), (1, "forward", 11, 12), (1, "backward", 12, 13),  # barrier 13..14
     ]
@@ -211,16 +211,16 @@ def test_a_barrier_before_every_step_overlaps_the_stages_within_a_batch_event_by
 def test_the_optimizer_step_is_its_own_span_after_the_backward_and_before_a_deferred_send(mlp_plan):
     # stage 0: compute 3 = block forward 1 (no head FLOPs: the output exists after it), backward 1, step 1; send 1
     # (cost 4). stage 1: compute 7 = forward 3, backward 3, step 1 (cost 7). One-batch queue.
-    plan = _synthetic(mlp_plan, [dict(compute=3.0, fwd=1, bwd=1, step=1.0, out=1),
+    plan = synthetic_plan(mlp_plan, [dict(compute=3.0, fwd=1, bwd=1, step=1.0, out=1),
                                  dict(compute=7.0, fwd=1, bwd=1, step=1.0)])
     sim = simulate(plan, steps=4, queue_depth=1)
-    assert _lane(sim, 0) == [
+    assert lane(sim, 0) == [
         (0, "forward", 0, 1), (0, "send", 1, 2), (0, "backward", 2, 3), (0, "step", 3, 4),
         (1, "forward", 4, 5), (1, "send", 5, 6), (1, "backward", 6, 7), (1, "step", 7, 8),      # batch 0 taken at 2
         (2, "forward", 8, 9), (2, "send", 9, 10), (2, "backward", 10, 11), (2, "step", 11, 12),  # batch 1 at 9: a tie
         (3, "forward", 12, 13), (3, "backward", 13, 14), (3, "step", 14, 15), (3, "send", 15, 17),  # batch 2 at 16:
     ]                                                                             # deferred past the step, blocked 1
-    assert _lane(sim, 1) == [
+    assert lane(sim, 1) == [
         (0, "receive", 0, 2), (0, "forward", 2, 5), (0, "backward", 5, 8), (0, "step", 8, 9),
         (1, "forward", 9, 12), (1, "backward", 12, 15), (1, "step", 15, 16),   # batch 1 arrived at 6
         (2, "forward", 16, 19), (2, "backward", 19, 22), (2, "step", 22, 23),  # batch 2 at 10
@@ -236,13 +236,13 @@ def test_the_optimizer_step_is_its_own_span_after_the_backward_and_before_a_defe
 def test_the_barrier_comes_before_the_step_so_each_stage_leaves_it_at_its_own_time(mlp_plan):
     # stage 0: forward 1 (no FLOPs counted), step 2, send 1 (cost 4); stage 1: forward 1, backward 1, step 0.5.
     # Batch 0: stage 0 done at 2, stage 1 at 4: both step from 4, stage 0 until 6, stage 1 until 4.5.
-    plan = _synthetic(mlp_plan, [dict(compute=3.0, step=2.0, out=1), dict(compute=2.5, fwd=1, bwd=1, step=0.5)])
+    plan = synthetic_plan(mlp_plan, [dict(compute=3.0, step=2.0, out=1), dict(compute=2.5, fwd=1, bwd=1, step=0.5)])
     sim = simulate(plan, steps=2, queue_depth=1, decoupled=False)
-    assert _lane(sim, 0) == [
+    assert lane(sim, 0) == [
         (0, "forward", 0, 1), (0, "send", 1, 2), (0, "backward", 2, 2), (0, "step", 4, 6),       # barrier 2..4
         (1, "forward", 6, 7), (1, "send", 7, 8), (1, "backward", 8, 8), (1, "step", 10, 12),     # barrier 8..10
     ]
-    assert _lane(sim, 1) == [
+    assert lane(sim, 1) == [
         (0, "receive", 0, 2), (0, "forward", 2, 3), (0, "backward", 3, 4), (0, "step", 4, 4.5),
         (1, "receive", 4.5, 8), (1, "forward", 8, 9), (1, "backward", 9, 10), (1, "step", 10, 10.5),
     ]
@@ -255,7 +255,7 @@ def test_the_barrier_comes_before_the_step_so_each_stage_leaves_it_at_its_own_ti
 @pytest.mark.parametrize("computes", [[1.0, 3.0, 2.0], [3.0, 1.0, 2.0], [1.0, 2.0, 3.0], [2.5, 2.5, 1.0]])
 @pytest.mark.parametrize("depth", [1, 2])
 def test_the_steady_state_step_is_the_bottleneck_stage(mlp_plan, computes, depth):
-    plan = _synthetic(mlp_plan, [dict(compute=c, fwd=1, bwd=2, out=1) for c in computes])
+    plan = synthetic_plan(mlp_plan, [dict(compute=c, fwd=1, bwd=2, out=1) for c in computes])
     sim = simulate(plan, queue_depth=depth)
     assert sim.step_time == pytest.approx(plan.bottleneck_cost, rel=1e-12)
     assert sim.throughput == pytest.approx(plan.batch_size / plan.bottleneck_cost, rel=1e-12) == sim.predicted
@@ -285,7 +285,7 @@ def test_a_barrier_before_every_step_costs_the_slowest_stage_of_one_batch(mlp_pl
     # step at T + the largest such finish. Stage 0: forward 1 (no FLOPs: all of it before the output), send 1:
     # done at 2; stage 1: starts at 2, block forward 1, send 2, backward 3: done at 8; stage 2: starts at
     # 2 + 1 + 2 = 5, compute 3.5: done at 8.5. Step 8.5: between the bottleneck (6) and the sum (11.5).
-    plan = _synthetic(mlp_plan, [dict(compute=1.0, out=1), dict(compute=4.0, fwd=1, bwd=3, out=2),
+    plan = synthetic_plan(mlp_plan, [dict(compute=1.0, out=1), dict(compute=4.0, fwd=1, bwd=3, out=2),
                                  dict(compute=3.5)])
     sim = simulate(plan, steps=10, queue_depth=depth, decoupled=False)
     assert _one_batch(plan) == [2, 8, 8.5]
@@ -297,11 +297,11 @@ def test_a_barrier_before_every_step_costs_the_slowest_stage_of_one_batch(mlp_pl
 
 
 def test_the_bottleneck_stage_is_busy_almost_always_over_many_steps(mlp_plan):
-    plan = _synthetic(mlp_plan, [dict(compute=1.0, out=1), dict(compute=1.5, out=1), dict(compute=3.0)])
+    plan = synthetic_plan(mlp_plan, [dict(compute=1.0, out=1), dict(compute=1.5, out=1), dict(compute=3.0)])
     utilisation = [simulate(plan, steps=n).stages[2].utilisation for n in (4, 40, 400, 4000)]
     assert utilisation == sorted(utilisation) and utilisation[-1] > 0.999
     assert [s.utilisation for s in simulate(plan, steps=4000).stages] == pytest.approx([1 / 3, 1 / 2, 1], rel=1e-3)
-    middle = _synthetic(mlp_plan, [dict(compute=1.0, out=1), dict(compute=3.0, out=1), dict(compute=2.0)])
+    middle = synthetic_plan(mlp_plan, [dict(compute=1.0, out=1), dict(compute=3.0, out=1), dict(compute=2.0)])
     bottleneck = simulate(middle, steps=4000).stages[1]
     assert bottleneck.utilisation == pytest.approx(3 / 4, rel=1e-3)  # the send keeps it busy the rest of the time
     assert bottleneck.blocked == 0 and bottleneck.idle / 4000 == pytest.approx(0, abs=1e-2)
@@ -328,7 +328,7 @@ def test_a_replicated_stage_has_identical_lanes_and_all_reduces_its_gradients(na
     sim = simulate(plan, steps=5)
     first = plan.stages[0]
     assert sim.timeline.lanes == [(0, 0), (0, 1), (1, 0)]
-    assert _lane(sim, 0, 0) == _lane(sim, 0, 1)
+    assert lane(sim, 0, 0) == lane(sim, 0, 1)
     head_grads = first.head.param_count * 4 if plan.mode == "ppll" else 0
     assert plan.mode == "pipebd" or head_grads > 0
     sync = 2 * (2 - 1) / 2 * (first.grad_bytes + head_grads) / plan.link_bandwidth
@@ -343,7 +343,7 @@ def test_a_replicated_stage_has_identical_lanes_and_all_reduces_its_gradients(na
     total = fwd + first.flops_bwd + (first.head.flops_bwd if plan.mode == "ppll" else 0)
     assert 0 < early < fwd < total
     step = ["step"] if first.step_cost > 0 else []
-    assert [k for b, k, _, _ in _lane(sim, 0) if b == 0] == ["forward", "send", "forward", "backward", "allreduce",
+    assert [k for b, k, _, _ in lane(sim, 0) if b == 0] == ["forward", "send", "forward", "backward", "allreduce",
                                                              *step]
     assert _spans(sim, 0, "step") == pytest.approx([first.step_cost] * 5 if step else [], rel=1e-12)
     assert _spans(sim, 0, "forward")[:2] == pytest.approx([compute * early / total, compute * (fwd - early) / total],
@@ -474,7 +474,7 @@ def _random_case(rng: random.Random, bases: list[Plan]) -> tuple[Plan, dict, lis
     specs = [dict(compute=rng.choice([0.0, rng.uniform(0.0, 3.0)]), fwd=rng.randint(0, 5), bwd=rng.randint(0, 5),
                   head_fwd=rng.randint(0, 2), head_bwd=rng.randint(0, 2), aux=rng.randint(0, 3),
                   grad=rng.randint(0, 2000), out=rng.randint(0, 3000), replicas=rng.randint(1, 4)) for _ in range(n)]
-    plan = _synthetic(rng.choice(bases), specs, bandwidth)
+    plan = synthetic_plan(rng.choice(bases), specs, bandwidth)
     options = dict(steps=rng.randint(1, 12), queue_depth=rng.randint(1, 3), decoupled=rng.random() < 0.6,
                    link_bandwidth=rng.choice([None, rng.uniform(100.0, 2000.0)]))
     bw = options["link_bandwidth"] or bandwidth
@@ -500,7 +500,7 @@ def test_an_independent_event_driven_simulation_agrees_on_random_plans(mlp_plan,
         assert options["decoupled"] or not ref["deferred"], case  # the barrier leaves room in every queue
         assert sim.timeline.lanes == [(j, r) for j, s in enumerate(plan.stages) for r in range(s.replicas)]
         for j, s in enumerate(plan.stages):
-            lanes = [_lane(sim, j, r) for r in range(s.replicas)]
+            lanes = [lane(sim, j, r) for r in range(s.replicas)]
             assert all(lane == lanes[0] for lane in lanes), case
             for b in range(steps):
                 spans = [(k, t0, t1) for c, k, t0, t1 in lanes[0] if c == b]
@@ -546,7 +546,7 @@ def test_results_print_and_serialise(mlp_plan):
     assert simulate(mlp_plan, steps=8, decoupled=False).table().endswith("  barrier before each step")
     assert str(sim) == sim.table()
     assert sim.timeline.source == "simulated" and sim.timeline.meta["steps"] == 8
-    zero = _synthetic(mlp_plan, [dict(compute=0.0, out=0), dict(compute=0.0)])
+    zero = synthetic_plan(mlp_plan, [dict(compute=0.0, out=0), dict(compute=0.0)])
     free = simulate(zero, steps=3)
     assert free.throughput == float("inf") and free.to_dict()["throughput"] is None
     assert [s.utilisation for s in free.stages] == [0.0, 0.0]

@@ -12,7 +12,7 @@ import ppll_compile
 from ppll_compile.plan import Plan
 from ppll_compile.simulate import Simulation, simulate
 from tests.models import conv_student, conv_teacher
-from tests.helpers import CONV_X, lane as _lane, quiet as _quiet, synthetic_plan as _synthetic
+from tests.helpers import CONV_X, lane, quiet, synthetic_plan
 
 pytestmark = pytest.mark.usefixtures("one_thread_quietly")
 
@@ -21,13 +21,13 @@ pytestmark = pytest.mark.usefixtures("one_thread_quietly")
 def base() -> Plan:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
-    with _quiet():
+    with quiet():
         return ppll_compile.plan(model, 2, example_inputs=(torch.randn(4, 8),))
 
 
 @pytest.fixture(scope="module")
 def pipebd_base() -> Plan:
-    with _quiet():
+    with quiet():
         return ppll_compile.plan(conv_student(), teacher=conv_teacher(), example_inputs=(CONV_X,),
                                  split_points=["5"])
 
@@ -41,12 +41,12 @@ def _placed(plan: Plan, devices: list[str]) -> Plan:
 
 
 def _plan(base: Plan, specs: list[dict], devices: list[str] | None = None, bandwidth: float = 1.0) -> Plan:
-    return _placed(_synthetic(base, specs, bandwidth), devices or ["cpu"] * len(specs))
+    return _placed(synthetic_plan(base, specs, bandwidth), devices or ["cpu"] * len(specs))
 
 
 def _timed(sim: Simulation, stage: int) -> list[tuple]:
     """The lane of ``stage`` without its spans of no time."""
-    return [span for span in _lane(sim, stage) if span[3] > span[2]]
+    return [span for span in lane(sim, stage) if span[3] > span[2]]
 
 
 # ---- hand-computed traces -------------------------------------------------------------------------------
@@ -227,7 +227,7 @@ def _check(sim: Simulation, plan: Plan, cores: int, depth: int, decoupled: bool,
     queue, the barrier before the step, and every span's work done at the speed processor sharing gives it."""
     n, steps, tol = plan.num_stages, sim.steps, 1e-9 * max(1.0, sim.makespan)
     parts = _parts(plan, sim.link_bandwidth)
-    lanes = [[(b, k, t0, t1) for b, k, t0, t1 in _lane(sim, j)] for j in range(n)]
+    lanes = [[(b, k, t0, t1) for b, k, t0, t1 in lane(sim, j)] for j in range(n)]
     spans = [{b: [(k, t0, t1) for c, k, t0, t1 in lanes[j] if c == b] for b in range(steps)} for j in range(n)]
     start = [[[t0 for k, t0, _ in spans[j][b] if k == "forward"][0] for b in range(steps)] for j in range(n)]
     sent = [[[t1 for k, _, t1 in spans[j][b] if k == "send"][-1] if j < n - 1 else None for b in range(steps)]
