@@ -22,7 +22,6 @@ from .flops import flop_counter
 from .memo import PLAIN, Out, Outcome, Uncacheable, module_signature, plain, pure_function
 from .plan import TensorSpec
 from .errors import PlanError, PPLLError
-from .module_cost import measure_module
 from .oplog import Op, OpLog
 from .trace import misfit_message, module_path, train_mode
 

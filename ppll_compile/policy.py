@@ -16,7 +16,6 @@ from torch import nn
 import policies as _policies
 
 from .errors import PolicyError
-from .head_modules import CIFAR_MEAN, CIFAR_STD
 from .head_types import BUILT_IN, KINDS, head_type, head_type_names
 from .plan import TensorSpec
 from .schema import Opt, choice, text, weight

@@ -282,12 +282,13 @@ def test_saved_plan_reapplies_unchanged(saved, capsys):
 def _capture_pictures(monkeypatch) -> dict:
     """Record the plan the --plot and --graph pictures are drawn from (and draw nothing)."""
     import ppll_compile.draw as draw
+    from ppll_compile.draw.graph import GraphPicture, describe_graph
     drawn: dict = {}
     monkeypatch.setattr(draw, "plot_costs", lambda plan, path: drawn.setdefault("plot", plan))
 
     def graph(source, path, **kw):
         drawn["graph"] = source[1]
-        return draw.GraphPicture(path=Path(path), engine="none", description=draw.describe_graph(*source, **kw))
+        return GraphPicture(path=Path(path), engine="none", description=describe_graph(*source, **kw))
     monkeypatch.setattr(draw, "draw_graph", graph)
     return drawn
 

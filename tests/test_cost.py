@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 import ppll_compile
-from ppll_compile.cost import META_KEY, measure_graph, measure_module
+from ppll_compile.cost import META_KEY, measure_graph
+from ppll_compile.module_cost import measure_module
 from ppll_compile.trace import trace
 
 

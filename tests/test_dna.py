@@ -30,7 +30,7 @@ if __name__ == "__main__":
 
 import ppll_compile  # noqa: E402
 from ppll_compile.errors import PPLLError  # noqa: E402
-from ppll_compile.pipebd import distill_loss, load_distill_policy  # noqa: E402
+from ppll_compile.pipebd.policy import distill_loss, load_distill_policy  # noqa: E402
 from tests.helpers import free_port, sgd  # noqa: E402
 from tests.models import conv_student, conv_teacher  # noqa: E402
 

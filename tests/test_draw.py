@@ -12,7 +12,9 @@ import torch
 
 import ppll_compile
 from ppll_compile import PPLLError
-from ppll_compile.draw import MAX_NODES, cost_bars, describe_graph, draw_gantt, draw_graph, plot_costs
+from ppll_compile.draw import draw_gantt, draw_graph, plot_costs
+from ppll_compile.draw.costs import cost_bars
+from ppll_compile.draw.graph import MAX_NODES, describe_graph
 from ppll_compile.timeline import Event, Timeline
 
 from models import Masked, Residual, conv_student, conv_teacher

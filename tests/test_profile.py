@@ -14,7 +14,7 @@ from torch import nn
 from ppll_compile.analysis import Analysis, analyse
 from ppll_compile.heads import head_spec
 from ppll_compile.options import PlanOptions
-from ppll_compile.plan import HeadSpec
+from ppll_compile import HeadSpec
 from ppll_compile.policy import Policy, load_policy
 from ppll_compile.profile import StageTime, round_statistics, time_blocks, time_stages
 

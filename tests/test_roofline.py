@@ -15,7 +15,8 @@ import ppll_compile
 from ppll_compile import roofline
 from ppll_compile.draw.costs import cost_bars
 from ppll_compile.errors import PlanError
-from ppll_compile.roofline import DeviceFigures, Op, OpLog, seconds, step_ops
+from ppll_compile.oplog import Op, OpLog
+from ppll_compile.roofline import DeviceFigures, seconds, step_ops
 
 B = 5
 

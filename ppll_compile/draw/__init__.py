@@ -11,10 +11,8 @@ returns a small frozen description of what it drew. matplotlib and graphviz are 
 
 from __future__ import annotations
 
-from .costs import CostBars, cost_bars, plot_costs
-from .figure import SUFFIXES
-from .gantt import Gantt, draw_gantt
-from .graph import (DETAILS, ENGINES, MAX_NODES, GraphDescription, GraphEdge, GraphNode, GraphPicture, describe_graph,
-                    draw_graph)
+from .costs import plot_costs
+from .gantt import draw_gantt
+from .graph import draw_graph
 
 __all__ = ["plot_costs", "draw_graph", "draw_gantt"]
