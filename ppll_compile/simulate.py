@@ -50,6 +50,13 @@ the same rules run as an event-driven simulation over time: whenever a span begi
 and so every running span's rate change. When no device holds more threads than processors, sharing never
 slows anything and the equations give the result.
 
+*Results.* Besides samples per second (and tokens per second when the main input is a token sequence), the
+result gives the *bubble*, ``1 - sum(busy) / (stages * makespan)`` with a stage's busy seconds its compute,
+all-reduce and send, and of it the *fill/drain* share, the waits before each stage's first batch and after its
+last; and the memory each device holds, the plan's per-stage ``memory_bytes`` once per replica. For ``S`` equal
+stages whose output is ready only when their work on a batch is done and costs nothing to send, over ``n``
+batches, the bubble is all fill and drain, ``(S - 1) / (n + S - 1)``.
+
 The timeline has a ``receive`` span for a wait for input, ``forward`` spans (two around an early send when the
 forward has a rest: ``start .. out`` and after the send), ``backward``, ``allreduce`` (replicated stages),
 ``step`` (when it takes time) and ``send`` (a deferred one from the end of the step, waiting for room
@@ -100,6 +107,13 @@ class StageSimulation:
     speed: float = 1.0
     """Mean speed while busy: the stage's own work over the seconds its compute, all-reduce and send spans took
     (1 unless it shared its processors with more busy threads than they have)."""
+    fill: float = 0.0
+    """Seconds before the stage started batch 0 (waiting for the pipeline to fill)."""
+    drain: float = 0.0
+    """Seconds from the stage's end of the last batch to the makespan (waiting for the others to drain)."""
+    memory: int = 0
+    """Bytes each of the stage's devices holds: the plan's :attr:`~ppll_compile.plan.StagePlan.memory_bytes`
+    (every replica holds the whole stage at the planned batch, as the plan's memory cap counts it)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,11 +153,30 @@ class Simulation:
     shared: str = ""
     """Which stages shared fewer processors than they have threads, and how fast they ran then, e.g. ``4 stages
     share 2 CPU cores: ...``; ``""`` when nothing was shared."""
+    sequence_length: int | None = None
+    """Tokens per sample: the length of the plan's main input when it is a token sequence (an integer tensor of
+    shape ``(batch, length)``); ``None`` otherwise."""
+    token_throughput: float | None = None
+    """Tokens per second: ``throughput * sequence_length`` (``None`` when the input is not a token sequence)."""
+    bubble: float = 0.0
+    """The share of the stages' time spent waiting: ``1 - sum(busy) / (stages * makespan)``, where a stage's busy
+    seconds are its compute, all-reduce and send (the rest of ``[0, makespan]`` it waits for input, for room in
+    a queue or at the barrier); 0 when the makespan is 0. Replicas of a stage count once (they move together)."""
+    fill_drain: float = 0.0
+    """Of :attr:`bubble`, the share spent filling and draining the pipeline: ``sum(fill + drain) / (stages *
+    makespan)`` (the rest, ``bubble - fill_drain``, is waiting between batches in steady state)."""
+    device_memory: tuple[int, ...] = ()
+    """Bytes each device holds, stage by stage and replica by replica (a stage's :attr:`StageSimulation.memory`
+    once per replica)."""
+    peak_memory: int = 0
+    """The most bytes any one device holds: ``max(device_memory)``."""
 
     def to_dict(self) -> dict[str, Any]:
         """The results as JSON-able data, without the timeline's spans (infinite rates become ``None``)."""
         d = {k: v for k, v in asdict(self).items() if k not in ("timeline", "stages")}
         d["throughput"], d["predicted"] = _finite(self.throughput), _finite(self.predicted)
+        d["token_throughput"] = None if self.token_throughput is None else _finite(self.token_throughput)
+        d["device_memory"] = list(self.device_memory)
         d["stages"] = [asdict(s) for s in self.stages]
         return d
 
@@ -161,9 +194,12 @@ class Simulation:
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
                  for r in [header, ["-" * w for w in widths], *rows]]
-        lines.append(f"throughput {self.throughput:.1f} samples/s (plan predicts {self.predicted:.1f})  step time "
-                     f"{self.step_time * 1e3:.3f} ms  warm-up {self.warmup * 1e3:.3f} ms  makespan "
-                     f"{self.makespan * 1e3:.3f} ms  {self.steps} steps  queue depth {self.queue_depth}  bandwidth "
+        tokens = "" if self.token_throughput is None else f", {self.token_throughput:.1f} tokens/s"
+        lines.append(f"throughput {self.throughput:.1f} samples/s (plan predicts {self.predicted:.1f}){tokens}  step "
+                     f"time {self.step_time * 1e3:.3f} ms  warm-up {self.warmup * 1e3:.3f} ms  makespan "
+                     f"{self.makespan * 1e3:.3f} ms  bubble {self.bubble * 100:.1f}% (fill/drain "
+                     f"{self.fill_drain * 100:.1f}%)  peak memory {format_bytes(self.peak_memory)} per device  "
+                     f"{self.steps} steps  queue depth {self.queue_depth}  bandwidth "
                      f"{format_bytes(self.link_bandwidth)}/s  "
                      f"{'decoupled' if self.decoupled else 'barrier before each step'}")
         lines += [f"shared: {self.shared}"] if self.shared else []
@@ -211,12 +247,20 @@ def _result(plan: Plan, work: list[Work], schedule: Lanes, pools: list[Pool], *,
     # the window ends with the last batch the last stage finished before the first stage had finished them all
     upto = max((b for b in range(half, steps) if last[b] <= end[0][-1]), default=steps - 1) if pools else steps - 1
     step_time = makespan if steps == 1 else (last[upto] - last[half - 1]) / (upto + 1 - half)
+    fill = [sum((t1 - t0 for b, kind, t0, t1 in lane if b == 0 and kind == "receive"), 0.0)
+            for lane in schedule.lanes]
     results = tuple(StageSimulation(
         index=j, replicas=s.replicas, cost=w.forward + w.backward + w.allreduce + w.step + w.send,
         compute=schedule.compute[j], allreduce=schedule.allreduce[j], send=schedule.send[j],
         blocked=schedule.blocked[j], barrier=schedule.barrier[j], idle=schedule.idle[j] + makespan - end[j][-1],
-        utilisation=schedule.busy[j] / makespan if makespan > 0 else 0.0, speed=schedule.speed[j])
+        utilisation=schedule.busy[j] / makespan if makespan > 0 else 0.0, speed=schedule.speed[j],
+        fill=fill[j], drain=makespan - end[j][-1], memory=s.memory_bytes)
         for j, (s, w) in enumerate(zip(plan.stages, work)))
+    length = _sequence_length(plan)
+    throughput = _rate(plan.batch_size, step_time)
+    area = plan.num_stages * makespan
+    busy = sum(s.compute + s.allreduce + s.send for s in results)
+    memory = tuple(s.memory for s in results for _ in range(s.replicas))
     events = [Event(stage=j, replica=r, batch=b, kind=kind, start=t0, end=t1)
               for j, lane in enumerate(schedule.lanes) for r in range(plan.stages[j].replicas)
               for b, kind, t0, t1 in lane]
@@ -226,10 +270,26 @@ def _result(plan: Plan, work: list[Work], schedule: Lanes, pools: list[Pool], *,
                            cores=cores)
     return Simulation(
         steps=steps, queue_depth=queue_depth, link_bandwidth=bandwidth, decoupled=decoupled,
-        batch_size=plan.batch_size, makespan=makespan, step_time=step_time,
-        throughput=_rate(plan.batch_size, step_time), warmup=last[0],
+        batch_size=plan.batch_size, makespan=makespan, step_time=step_time, throughput=throughput, warmup=last[0],
         predicted=_rate(plan.batch_size, plan.bottleneck_cost), stages=results, timeline=timeline, cores=cores,
-        shared=shared)
+        shared=shared, sequence_length=length, token_throughput=None if length is None else throughput * length,
+        bubble=max(0.0, 1 - busy / area) if area > 0 else 0.0,
+        fill_drain=sum(s.fill + s.drain for s in results) / area if area > 0 else 0.0,
+        device_memory=memory, peak_memory=max(memory))
+
+
+_INTEGER_DTYPES = frozenset({"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"})
+
+
+def _sequence_length(plan: Plan) -> int | None:
+    """Tokens per sample of ``plan``: the length of its main (first) input when that is a token sequence, an
+    integer tensor of shape ``(batch_size, length)``; ``None`` otherwise."""
+    if not plan.inputs:
+        return None
+    main = plan.inputs[0]
+    if main.dtype in _INTEGER_DTYPES and len(main.shape) == 2 and main.shape[0] == plan.batch_size:
+        return main.shape[1]
+    return None
 
 
 def _pools(plan: Plan, cores: int | None) -> list[Pool]:
