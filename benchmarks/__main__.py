@@ -28,6 +28,7 @@ SECTIONS = {
     "accuracy": "accuracy on scikit-learn digits: E2E against PPLL with dgl and infopro heads",
     "zoo": "timm and Hugging Face models compiled unmodified: cuts, balance, front end, eval and threads checks",
     "heads": "deeper heads: PPLL vs torch pipelining as the ViT head deepens; digits accuracy per head type",
+    "scale": "plan time and peak memory of Llama shapes on 8 to 1,024 devices; exact against framework splits",
 }
 MODULES = {"throughput": "runtime"}
 """Section name -> module of ``benchmarks`` when they differ."""
