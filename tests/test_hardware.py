@@ -20,6 +20,9 @@ from ppll_compile.oplog import COMPUTE, FAMILIES
 from ppll_compile.options import read_saved_plan
 from ppll_compile.plan_table import format_bytes
 
+from models import conv_student, conv_teacher
+from tests.helpers import CONV_X
+
 GPUS = ("h100", "h200", "a100-80gb", "a100-40gb", "l40s", "mi300x")
 MEMORY_GB = {"h100": 80, "h200": 141, "a100-80gb": 80, "a100-40gb": 40, "l40s": 48, "mi300x": 192}
 """Each datasheet's memory per device."""
@@ -270,3 +273,12 @@ def test_the_command_plans_for_a_preset(tmp_path, capsys, nothing_timed):
                         r"on 2 device\(s\): no number of devices fits it \(a single segment needs more\), so only a "
                         r"larger cap works; on 2 device\(s\) the smallest memory_limit that works is \d+\.\d KiB "
                         r"\(pass memory_limit= to plan for devices with more memory\)\n", capsys.readouterr().err)
+
+
+def test_a_distillation_plan_for_a_preset_times_nothing(nothing_timed):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = ppll_compile.plan(conv_student(), 2, teacher=conv_teacher(), example_inputs=(CONV_X,), hardware="h200")
+    assert (plan.mode, plan.hardware, plan.memory_limit) == ("pipebd", "h200", 141 * 10 ** 9)
+    assert plan.calibration["source"].startswith("preset h200 (") and plan.calibration["timed_calls"] == 0
+    assert any(n.endswith("nothing was timed on this machine") for n in plan.notes)
