@@ -133,7 +133,7 @@ def assemble(layout: StageLayout, devices: Sequence[str], parts: Callable[[int, 
         num_classes=a.num_classes, policy=policy, partitioner=layout.partitioner, profile=opts.profile,
         optimizer=opts.optimizer, flops_per_second=opts.flops_per_second, link_bandwidth=opts.link_bandwidth,
         device_speeds=layout.speeds, memory_limit=opts.memory_limit, legal_cuts=tuple(c.node for c in a.cuts),
-        stages=tuple(stages), sequential_cost=sequential, notes=notes, tracer=a.tracer,
+        stages=tuple(stages), sequential_cost=sequential, notes=notes, tracer=a.tracer, hardware=opts.hardware,
         calibration=figures.record() if figures is not None else {}, **kind)
     plan.validate()
     return plan

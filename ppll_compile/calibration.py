@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from .errors import PlanError
-from .roofline import FIGURES_ENV, DeviceFigures, cache_path, device_figures, stage_threads
+from .roofline import FIGURES_ENV, DeviceFigures, cache_path, device_figures, device_memory, stage_threads
 
 
 def calibrate(device: str | torch.device = "cpu", threads: int | None = None, refresh: bool = False, *,
@@ -36,6 +36,8 @@ def calibrate(device: str | torch.device = "cpu", threads: int | None = None, re
                              pinned=False)
     if out is not None:
         data = {k: v for k, v in figures.to_dict().items() if k != "source"}
+        if data.get("memory_bytes") is None:  # cached by a version that did not record it
+            data["memory_bytes"] = device_memory(dev)
         try:
             Path(out).write_text(json.dumps(data, indent=1) + "\n")
         except OSError as e:

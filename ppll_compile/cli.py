@@ -43,6 +43,7 @@ examples:
   ppll-plan examples/resnet32.py --gpus 4
   ppll-plan examples/vit_small.py --gpus 4 --policy vit --json -
   ppll-plan examples/resnet50.py --gpus 4 --memory-limit 16GiB --optimizer adam --yaml plan.yaml
+  ppll-plan examples/resnet50.py --gpus 8 --hardware h100   # plan for 8 H100s from this machine
   ppll-plan examples/resnet50.py --plan plan.yaml --show    # re-apply a saved plan (costs as saved)
   ppll-plan examples/resnet50.py --plan plan.yaml --remeasure   # ... with its costs measured here
   ppll-plan examples/pipebd_mobilenet.py --mode pipebd --gpus 4 --policy kl
@@ -162,6 +163,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--link-bandwidth", type=_positive_float, metavar="BYTES_PER_S",
                    help="bytes per second between neighbouring stages")
     g.add_argument("--flops-per-second", type=_positive_float, metavar="F", help="device throughput in FLOP/s")
+    g.add_argument("--hardware", metavar="NAME|FILE", help="plan for these devices, priced from their figures and "
+                   "nothing timed here: h100, h200, a100-80gb, a100-40gb, l40s, mi300x, cpu (this machine), or a "
+                   "figures file (--calibrate --figures on the training machine writes one); its memory is the "
+                   "default --memory-limit, its intra-node link the default --link-bandwidth")
     g.add_argument("--replicas", type=_replicas, metavar="auto|none|N|R,...",
                    help="data-parallel replicas per stage: auto (the partitioner chooses; pipebd default), none "
                         "(ppll default), a cap N, or one count per stage")
@@ -225,8 +230,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 _OPTION_FLAGS = ("gpus", "devices", "device_speeds", "memory_limit", "link_bandwidth", "flops_per_second",
-                 "policy", "batch_size", "partitioner", "profile", "optimizer", "split_points", "replicas", "tracer",
-                 "tied", "bake_train_mode")
+                 "hardware", "policy", "batch_size", "partitioner", "profile", "optimizer", "split_points", "replicas",
+                 "tracer", "tied", "bake_train_mode")
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from torch import nn
 import partitioners
 
 from .errors import PartitionError, PlanError
+from .hardware import hardware_defaults, load_hardware
 from .optimizers import OPTIMIZER_STATES
 from .plan import MODES, PLAN_VERSION, Plan, TensorSpec, device_problem
 from .plan_file import read_plan_text
@@ -84,6 +85,12 @@ class PlanOptions:
     ``gpus`` devices, an int also caps the replicas of a stage, a tuple fixes them per stage (the cuts come
     from ``split_points`` or the partitioner); ``False`` (``None``: the PPLL default) means one device per
     stage. ``pipebd`` plans default to ``True``."""
+    hardware: str | None = None
+    """The devices the plan is made for (:mod:`~ppll_compile.hardware`): a preset (``h100``, ``h200``,
+    ``a100-80gb``, ``a100-40gb``, ``l40s``, ``mi300x``: priced from the vendor's figures, nothing timed here;
+    ``cpu``: this machine, calibrated) or a JSON figures file; its memory per device is the default
+    ``memory_limit`` and its intra-node link the default ``link_bandwidth``. ``None``: this machine's figures
+    (the first device's, calibrated), no default cap."""
 
     def __post_init__(self) -> None:
         for name in ("gpus", "batch_size", "memory_limit", "num_classes"):
@@ -119,6 +126,13 @@ class PlanOptions:
         if self.replicated and self.device_speeds is not None:
             raise ValueError("replicated stages split the batch evenly over identical devices; drop device_speeds "
                              "or replicas")
+        if self.hardware is not None:
+            if not isinstance(self.hardware, str) or not self.hardware:
+                raise ValueError(f"hardware must be a preset name or a figures file's path, got {self.hardware!r}")
+            if not load_hardware(self.hardware).local and self.profile == "time":
+                raise ValueError(f"profile='time' times the stages on this machine, but hardware={self.hardware!r} "
+                                 f"plans for other devices; use profile='roofline' (the default) to price them "
+                                 f"with its figures, or drop hardware= to time them here")
         if self.replicas_chosen and self.partitioner != "exact":
             raise ValueError(f"replicas={r!r} lets the exact partitioner place replicas; drop "
                              f"partitioner={self.partitioner!r}")
@@ -143,6 +157,8 @@ class PlanOptions:
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(f"unknown option(s) {unknown}; known options: {sorted(known)}")
+        if isinstance(kwargs.get("hardware"), Path):
+            kwargs["hardware"] = str(kwargs["hardware"])
         if isinstance(kwargs.get("replicas"), list):
             kwargs["replicas"] = tuple(kwargs["replicas"])
         for name in ("devices", "device_speeds", "leaf_modules", "split_points"):
@@ -176,7 +192,7 @@ class SavedPlan:
 
 
 _CARRIED = ("batch_size", "num_classes", "policy", "profile", "optimizer", "memory_limit", "device_speeds",
-            "link_bandwidth", "flops_per_second")
+            "link_bandwidth", "flops_per_second", "hardware")
 
 
 def read_saved_plan(plan: Plan | str | Path | None) -> SavedPlan | None:
@@ -262,8 +278,12 @@ def _check_saved(saved: SavedPlan, ends: list[str]) -> None:
 
 
 def resolve_options(gpus: int | None, base: SavedPlan | None, options: dict[str, Any]) -> PlanOptions:
-    """Options from the call, falling back to a re-applied plan's own settings."""
-    return PlanOptions.make(gpus=gpus, **{**(base.settings if base is not None else {}), **options})
+    """Options from the call, falling back to a re-applied plan's own settings, then to the defaults of the
+    hardware they name (its memory per device as ``memory_limit``, its intra-node link as ``link_bandwidth``)."""
+    given = {**(base.settings if base is not None else {}), **options}
+    hardware = given.get("hardware")
+    return PlanOptions.make(gpus=gpus, **{**hardware_defaults(str(hardware) if hardware is not None else None),
+                                          **given})
 
 
 def resolve_mode(mode: str | None, teacher: nn.Module | None, base: SavedPlan | None) -> str:

@@ -17,12 +17,14 @@ from partitioners.replicas import Layout, ReplicaProblem, layout_costs, solve_fi
 
 from .analysis import Analysis
 from .module_cost import ModuleCost
-from .errors import CutError
+from .errors import CutError, InfeasibleMemoryError
+from .hardware import load_hardware
 from .options import PlanOptions, SavedPlan
 from .phases import phase
 from .plan_specs import HeadSpec
 from .policy import Policy
 from .profile import StageTime, first_device, time_stages
+from .plan_table import format_bytes
 from .roofline import DeviceFigures, Op, device_figures, seconds, step_ops
 
 
@@ -153,8 +155,12 @@ def _param_tensors(cost: ModuleCost) -> list[int]:
 def plan_figures(opts: PlanOptions, devices: int, ops: Sequence[Op]) -> DeviceFigures:
     """The roofline figures of the device a plan's stages run on, with the times of ``ops``' compute operators at
     their shapes: the first requested device, else the first GPU, else the CPU, whose cores ``devices`` stages
-    share (each gets ``cores // devices`` threads, as the runtimes give them)."""
-    device = first_device(opts.devices)
+    share (each gets ``cores // devices`` threads, as the runtimes give them). With ``hardware=`` a preset's or a
+    file's figures, nothing measured or timed here (``cpu``: this machine's CPU, as without it)."""
+    hardware = load_hardware(opts.hardware) if opts.hardware is not None else None
+    if hardware is not None and hardware.figures is not None:
+        return hardware.figures
+    device = first_device(opts.devices) if hardware is None else torch.device("cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
         device = torch.device("cpu")
     return device_figures(device, _stage_threads(device, devices), calls={op.call: None for op in ops if op.call})
@@ -262,10 +268,47 @@ def _stage_count(opts: PlanOptions, manual: list[int] | None, fixed: tuple[int, 
     raise ValueError("say how many devices to plan for: gpus=N (or devices=[...], split_points=[...])")
 
 
-def _solved(solve: Callable[[], Any]) -> Any:
-    """``solve()``, timed as the ``partition`` phase (its errors are the package's own, ``min_limit`` kept)."""
+def _solved(solve: Callable[[], Any], costs: Costs | None = None, opts: PlanOptions | None = None,
+            devices: int = 0) -> Any:
+    """``solve()``, timed as the ``partition`` phase (its errors are the package's own, ``min_limit`` kept); with
+    ``hardware=``, a layout on ``devices`` devices that no memory cap fits is refused with the fewest devices
+    that fit it (:func:`fewest_devices`) and the cap that would work."""
     with phase("partition"):
-        return solve()
+        try:
+            return solve()
+        except InfeasibleMemoryError as e:
+            if costs is None or opts is None or opts.hardware is None or opts.memory_limit is None:
+                raise
+            raise _refused(e, costs, opts, devices) from None
+
+
+def fewest_devices(costs: Costs, memory_limit: float) -> int | None:
+    """The fewest stages (one device each) whose every stage fits ``memory_limit`` bytes, by the exact partitioner
+    (a replica holds its whole stage, so replicas do not help); ``None`` when not even one segment per stage
+    fits."""
+    for k in range(1, len(costs.compute) + 1):
+        try:
+            partitioners.solve(costs.problem(None, memory_limit), k, "exact")
+        except InfeasibleMemoryError:
+            continue
+        return k
+    return None
+
+
+def _refused(e: InfeasibleMemoryError, costs: Costs, opts: PlanOptions, devices: int) -> InfeasibleMemoryError:
+    """The error for stages that cannot fit the memory of ``opts.hardware``'s devices on ``devices`` of them."""
+    cap = opts.memory_limit
+    assert cap is not None
+    fewest = fewest_devices(costs, cap)
+    where = f"the memory of hardware={opts.hardware!r} ({format_bytes(cap)} per device)" \
+        if cap == load_hardware(str(opts.hardware)).memory_bytes else \
+        f"memory_limit={format_bytes(cap)} per device (hardware={opts.hardware!r})"
+    more = (f"the fewest devices that fit it is {fewest} (gpus={fewest})" if fewest is not None else
+            f"no number of devices fits it (a single segment needs more), so only a larger cap works")
+    return InfeasibleMemoryError(
+        f"the stages cannot fit {where} on {devices} device(s): {more}; on {devices} device(s) the "
+        f"smallest memory_limit that works is {format_bytes(e.min_limit)} (pass memory_limit= to plan for devices "
+        f"with more memory)", min_limit=e.min_limit)
 
 
 def ppll_layout(costs: Costs, request: StageRequest, opts: PlanOptions) -> StageLayout:
@@ -278,12 +321,15 @@ def ppll_layout(costs: Costs, request: StageRequest, opts: PlanOptions) -> Stage
                            partitioner="manual")
     if opts.replicas_chosen or fixed is not None:
         cap = opts.replicas if opts.replicas_chosen and opts.replicas is not True else None
-        problem = costs.replica_problem(opts, sum(fixed or ()) or opts.gpus or len(opts.devices or ()), cap)
-        layout = _solved(lambda: solve_fixed_replicas(problem, fixed) if fixed else solve_replicated(problem))
+        devices = sum(fixed or ()) or opts.gpus or len(opts.devices or ())
+        problem = costs.replica_problem(opts, devices, cap)
+        layout = _solved(lambda: solve_fixed_replicas(problem, fixed) if fixed else solve_replicated(problem), costs,
+                         opts, devices)
         return StageLayout(ends=layout.ends, replicas=layout.replicas, speeds=(1.0,) * len(layout.ends),
                            partitioner="exact-replicas", costs=layout.costs)
     problem = costs.problem(request.speeds, opts.memory_limit)
-    ends = _solved(lambda: partitioners.solve(problem, request.stages, opts.partitioner))
+    ends = _solved(lambda: partitioners.solve(problem, request.stages, opts.partitioner), costs, opts,
+                   request.stages)
     return StageLayout(ends=ends, replicas=(1,) * request.stages, speeds=request.speeds,  # type: ignore[arg-type]
                        partitioner=opts.partitioner, costs=tuple(partitioners.stage_costs(problem, ends)))
 
@@ -310,9 +356,10 @@ def block_layout(costs: Costs, manual: list[int] | None, opts: PlanOptions, gpus
     if manual is not None:
         reps = tuple(fixed or [1] * len(manual))
         layout = _solved(lambda: Layout(ends=tuple(manual), replicas=reps,
-                                        costs=tuple(layout_costs(problem, manual, reps))))
+                                        costs=tuple(layout_costs(problem, manual, reps))), costs, opts, devices)
     else:
-        layout = _solved(lambda: solve_fixed_replicas(problem, fixed) if fixed else solve_replicated(problem))
+        layout = _solved(lambda: solve_fixed_replicas(problem, fixed) if fixed else solve_replicated(problem), costs,
+                         opts, devices)
     partitioner = "manual" if manual is not None else "exact" if r is False else "exact-replicas"
     return StageLayout(ends=layout.ends, replicas=layout.replicas, speeds=(1.0,) * len(layout.ends),
                        partitioner=partitioner, costs=layout.costs)

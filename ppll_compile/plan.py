@@ -86,6 +86,8 @@ class Plan(PlanTable, PlanFile):
     calibration: Mapping[str, Any] = field(default_factory=dict)
     """``roofline``: the device figures the costs were computed with (device name, torch version, peak FLOP/s,
     memory bandwidth, per-kernel overhead); empty for the other profiles."""
+    hardware: str | None = None
+    """The hardware preset or figures file the plan was made for (``hardware=``); ``None``: this machine's."""
     tracer: str = "fx"
     """The front end that captured the model (the student under ``pipebd``): ``fx`` or ``export``."""
     untied: tuple[str, ...] = ()

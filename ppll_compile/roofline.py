@@ -26,7 +26,9 @@ Everything measured is cached under the user's cache directory, keyed by the dev
 :data:`BUSY_LOAD`) warns. :func:`ppll_compile.calibrate` (``ppll-plan --calibrate``, ``--recalibrate``) measures
 as a step of its own; a plan on a device without cached figures measures them first. ``PPLL_DEVICE_FIGURES=path.json``
 pins the figures instead (reproducible plans on any machine): a JSON object with the fields of
-:class:`DeviceFigures`.
+:class:`DeviceFigures` (and, ignored there, the link fields :data:`FILE_EXTRAS` that ``hardware=FILE`` reads). A
+hardware preset's figures (:mod:`~ppll_compile.hardware`) are priced the same way, from the vendor's figures: their
+``source`` begins with :data:`PRESET_SOURCE` and nothing is timed on this machine.
 """
 
 from __future__ import annotations
@@ -66,6 +68,11 @@ average, and a rate measured beside it may be far below what the device does alo
 BUSY_ENV = "PPLL_BUSY_LOAD"
 """Environment variable setting another busy threshold than :data:`BUSY_LOAD` (``0``: every calibration warns,
 ``inf``: none does)."""
+PRESET_SOURCE = "preset "
+"""How the ``source`` of a hardware preset's figures begins (``preset h100 (NVIDIA H100 ... datasheet)``)."""
+FILE_EXTRAS = ("intra_node_bandwidth", "inter_node_bandwidth", "gpus_per_node", "sources")
+"""Fields a figures file may hold beside :class:`DeviceFigures`'s, for ``hardware=FILE``: the device's links
+(bytes/s, one direction), devices per node, and where the figures come from."""
 
 
 def busy_threshold() -> float:
@@ -122,6 +129,8 @@ class DeviceFigures:
     """The machine's load while the rates were measured: the 1-minute load average ``before`` and ``after``
     measuring, and its ``cores``; empty when unknown (figures written by hand or by an earlier version, or a
     system without a load average)."""
+    memory_bytes: int | None = None
+    """Bytes of memory the device holds (a GPU's, or this machine's RAM for a CPU); ``None`` when unknown."""
 
     def rate(self, family: str, dtype: str) -> float:
         """The rate of ``family`` at ``dtype`` (float32's when that dtype was not measured)."""
@@ -143,11 +152,19 @@ class DeviceFigures:
 
     def record(self) -> dict[str, Any]:
         """The figures as a plan records them: the per-call seconds counted, not listed (the load when known)."""
-        return {**{k: v for k, v in self.to_dict().items() if k != "calls" and (k != "load" or v)},
+        return {**{k: v for k, v in self.to_dict().items()
+                    if k != "calls" and (k != "load" or v) and (k != "memory_bytes" or v is not None)},
                 "timed_calls": len(self.calls)}
 
     def describe(self) -> str:
         """One line for a plan's notes: the figures, where they came from, and how to measure them again."""
+        if self.source.startswith(PRESET_SOURCE):
+            memory = f", {self.memory_bytes / 1e9:.0f} GB per device" if self.memory_bytes else ""
+            return (f"costs are seconds on {self.device} (roofline, {self.source} figures at assumed achievable "
+                    f"fractions of its peaks: {self.rate('matmul', 'bfloat16') / 1e12:.0f} TFLOP/s bfloat16 matmul, "
+                    f"{self.rate('matmul', 'float32') / 1e12:.0f} TFLOP/s float32 matmul, "
+                    f"{self.rate('memory', 'float32') / 1e9:.0f} GB/s memory, {self.overhead * 1e6:.1f} us per "
+                    f"operator{memory}); nothing was timed on this machine")
         timed = f", {len(self.calls)} operator shapes timed" if self.calls else ""
         source = f"pinned by {Path(self.source).name}" if self.source not in ("measured", "cache") else self.source
         text = (f"costs are seconds on {self.device} (roofline, {source} figures: "
@@ -341,13 +358,34 @@ def measure_device(device: torch.device, threads: int = 1, *, clock: Clock = tim
     load = {"before": before, "after": after, "cores": os.cpu_count() or 1} \
         if before is not None and after is not None else {}
     return DeviceFigures(device=device_name(device, threads), torch=torch.__version__, rates=rates, overhead=overhead,
-                         load=load)
+                         load=load, memory_bytes=device_memory(device))
+
+
+def read_figures(path: str) -> tuple[DeviceFigures, dict[str, Any]]:
+    """The figures a JSON file holds (``source``: its path) and its :data:`FILE_EXTRAS` fields; raises
+    ``OSError``, ``ValueError`` or ``TypeError`` when it cannot be read as such."""
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"a JSON object was expected, not {type(data).__name__}")
+    extras = {k: data.pop(k) for k in FILE_EXTRAS if k in data}
+    return DeviceFigures(**{**data, "source": str(path)}), extras
+
+
+def device_memory(device: torch.device) -> int | None:
+    """Bytes of memory ``device`` holds: a GPU's total, this machine's RAM for a CPU; ``None`` when unknown."""
+    try:
+        if device.type == "cuda":
+            return int(torch.cuda.get_device_properties(device).total_memory)
+        if device.type == "cpu":
+            return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError, RuntimeError):
+        pass
+    return None
 
 
 def _pinned(path: str) -> DeviceFigures:
     try:
-        data = json.loads(Path(path).read_text())
-        return DeviceFigures(**{**data, "source": path})
+        return read_figures(path)[0]
     except (OSError, ValueError, TypeError) as e:
         raise PlanError(f"{FIGURES_ENV}={path}: cannot read device figures ({e}); give a JSON object with the fields "
                         f"device, torch, rates (by 'family:float32' for every family of {', '.join(FAMILIES)}) and "
