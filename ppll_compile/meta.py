@@ -22,6 +22,12 @@ MATERIALIZE_HELP = ("compile(model, ..., materialize=fn) with fn(stage_module, s
                     "{name: tensor} (or a whole state dict), or build the model off the meta device")
 """The ways to give a meta-built model's stages their values, as errors name them."""
 
+PLANNED_ON_META = ("the model was planned on the meta device (no weights allocated); compile() materialises each "
+                   "stage on its own device only: the model's own initialisation by default, materialize=fn(stage, "
+                   "index, device) to fill a stage, or state_dict=load(index, names) to load pretrained weights "
+                   "per stage")
+"""The plan's note on a model planned on the meta device."""
+
 
 def meta_names(module: nn.Module) -> list[str]:
     """The qualified names of ``module``'s parameters and buffers that are on the meta device."""
@@ -84,17 +90,21 @@ def unfake(gm: fx.GraphModule, own: dict[int, Tensor]) -> None:
                              f"without a value; build the model off the meta device, or with tracer='fx'")
 
 
-def check_not_meta(stage: int, module: nn.Module | None, head: nn.Module | None, values: Sequence[Any]) -> None:
-    """Refuse to run stage ``stage`` on meta tensors: its own (still unmaterialised) parameters and buffers, its
-    head's, or a meta batch; the error says what to materialise and how."""
-    for what, m in (("stage", module), ("head", head)):
+def check_materialized(stage: int, module: nn.Module | None, head: nn.Module | None) -> None:
+    """Refuse to run stage ``stage`` while its own parameters and buffers, or its head's, are on the meta device:
+    the error says what to materialise and how."""
+    for what, m in ((f"stage {stage}", module), (f"stage {stage}'s head", head)):
         names = meta_names(m) if m is not None else []
         if names:
             shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-            raise PPLLError(f"stage {stage}'s {what} holds {len(names)} tensor(s) on the meta device ({shown}): a "
-                            f"model built under torch.device('meta') has no values to run on; materialise stage "
-                            f"{stage} first: {MATERIALIZE_HELP}")
-    meta = [tuple(v.shape) for v in pytree.tree_leaves(list(values)) if isinstance(v, Tensor) and v.is_meta]
+            raise PPLLError(f"{what} holds {len(names)} tensor(s) on the meta device ({shown}), "
+                            f"which have no values to run on; materialise stage {stage} on this process: "
+                            f"{MATERIALIZE_HELP}")
+
+
+def check_real_batch(values: Any) -> None:
+    """Refuse a batch (inputs or labels) on the meta device: it has no values to train or evaluate on."""
+    meta = [tuple(v.shape) for v in pytree.tree_leaves(values) if isinstance(v, Tensor) and v.is_meta]
     if meta:
-        raise PPLLError(f"stage {stage} was fed a batch on the meta device (shape {meta[0]}): meta tensors hold no "
-                        f"values to train or evaluate on; feed real tensors (meta inputs serve planning only)")
+        raise PPLLError(f"the batch holds a tensor on the meta device (shape {meta[0]}), which has no values to "
+                        f"train or evaluate on; feed real tensors (meta example inputs serve planning only)")
