@@ -161,7 +161,7 @@ def _initialise(model: nn.Module, stage: Stage, index: int, fresh: dict[int, tup
         shown = ", ".join(left[:3]) + (f" and {len(left) - 3} more" if len(left) > 3 else "")
         raise PPLLError(f"stage {index} of the meta-built model holds {len(left)} tensor(s) that no module "
                         f"initialises ({shown}: their module has no reset_parameters()); give them values: "
-                        f"{MATERIALIZE_HELP.removeprefix('compile(model, ..., ')}")
+                        f"{MATERIALIZE_HELP}")
 
 
 def _fetch(model: nn.Module, index: int, names: dict[int, list[str]], fresh: dict[int, tuple[Tensor, Tensor]],
