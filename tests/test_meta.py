@@ -114,9 +114,10 @@ def test_a_hook_materialises_the_normally_built_model_and_it_trains_the_same(tra
                 torch.testing.assert_close(ours[i][name], value, rtol=0, atol=0, msg=f"{runtime} {i} {name}")
 
 
-def test_the_model_shares_the_materialised_tensors_with_its_stages(one_thread_quietly):
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_the_model_shares_the_materialised_tensors_with_its_stages(tracer, one_thread_quietly):
     model = _meta(Residual)
-    compiled = ppll_compile.compile(model, gpus=2, example_inputs=(X,), policy="dgl")
+    compiled = ppll_compile.compile(model, gpus=2, example_inputs=(X,), policy="dgl", tracer=tracer)
     stage_tensors = {id(p) for s in compiled.stages for p in s.parameters()}
     assert {id(p) for p in model.parameters()} == stage_tensors
     assert not any(p.is_meta for p in model.parameters())
