@@ -18,6 +18,9 @@ from .errors import PlanError, PolicyError
 from .module_cost import ModuleCost
 from .heads import copied_blocks, counted_head
 from .lower import lower_ppll, next_blocks
+from .materialize import MaterializeHook, Materialization, StateDictSource, local_stages as materialized_stages
+from .materialize import meta_note
+from .meta import PLANNED_ON_META, is_meta
 from .options import SavedPlan, check_no_blocks, read_saved_plan, resolve_mode, resolve_options
 from .options import PlanOptions
 from .partition import StageRequest, ppll_layout, segment_costs, stage_request, time_layout
@@ -55,22 +58,54 @@ def plan(model: nn.Module, gpus: int | None = None, *, teacher: nn.Module | None
 def compile(model: nn.Module, gpus: int | None = None, *, teacher: nn.Module | None = None,
             mode: str | None = None, blocks: Sequence[Sequence[str]] | None = None,
             example_inputs: Sequence[Any] | None = None, example_kwargs: dict[str, Any] | None = None,
-            plan: Plan | str | Path | None = None, **options: Any) -> CompiledPipeline:
+            plan: Plan | str | Path | None = None, materialize: MaterializeHook | None = None,
+            state_dict: StateDictSource | None = None, local_stages: Sequence[int] | None = None,
+            **options: Any) -> CompiledPipeline:
     """Plan ``model`` (see :func:`plan`) and lower it to stage modules and auxiliary heads on their devices.
 
     The stages share the model's parameter objects (each stage is moved to its device, and the model's
     parameters with it); calling the result runs the stages in order and, in eval mode, gives the model's
     own output. With ``teacher=`` the result is a :class:`~ppll_compile.pipeline.DistillPipeline`.
+
+    A model built on the meta device (``with torch.device("meta"): model = Net()``) is planned without
+    allocating it, and each stage is then materialised on its own device only (see
+    :mod:`ppll_compile.materialize`): its tensors allocated there, then filled by
+
+    - default: the model's own initialisation (Hugging Face's ``_init_weights``, else ``reset_parameters()`` of
+      every module the stage holds; a tensor no module initialises is an error);
+    - ``materialize=fn(stage_module, stage_index, device)``: the hook fills the stage's allocated tensors
+      (``stage_module.module.named_parameters()``/``named_buffers()`` carry the model's own names);
+    - ``state_dict=load``: ``load(stage_index, names) -> {name: tensor}`` gives the stage's tensors by the model's
+      ``state_dict`` keys (e.g. read from a safetensors file), or one mapping gives every stage's; loaded over the
+      model's own initialisation, so buffers a checkpoint does not hold (rotary frequencies) keep theirs.
+
+    ``local_stages``: the stages this process materialises; by default every stage, or under ``torchrun``
+    (``WORLD_SIZE`` equal to the plan's world size) the stage of this ``RANK``, its head with it: the other
+    stages stay on meta, and a runtime refuses to run them. The plan's notes say how the model was materialised.
     """
     saved = read_saved_plan(plan)
     opts = resolve_options(gpus, saved, options)
     _check_devices_here(opts, placing=True)
+    meta = is_meta(model)
+    if not meta and (materialize is not None or state_dict is not None or local_stages is not None):
+        raise ValueError(f"materialize=, state_dict= and local_stages= give values to a model built on the meta "
+                         f"device, but {type(model).__name__} holds no meta tensor; drop them (or build the "
+                         f"model under torch.device('meta'))")
     if resolve_mode(mode, teacher, saved) == "pipebd":
+        if meta or (teacher is not None and is_meta(teacher)):
+            raise PlanError("compile() of a blockwise distillation (teacher=) takes models with their weights: "
+                            "materialise the student and teacher first (to_empty() and load their weights), or "
+                            "use plan() to plan them on the meta device")
         return compile_pipebd(model, teacher, example_inputs, example_kwargs, opts,  # type: ignore[arg-type]
                               blocks or (saved and saved.blocks))
     check_no_blocks(blocks)
+    how = Materialization(hook=materialize, state_dict=state_dict) if meta else None
     result, a, policy = _plan_ppll(model, example_inputs, example_kwargs, opts, saved)
-    lowered = lower_ppll(model, result, a, policy, untie=opts.tied == "untie")
+    if how is not None:
+        how = dataclasses.replace(how, stages=materialized_stages(result, local_stages))
+        here = sorted(range(result.num_stages) if how.stages is None else how.stages)
+        result = dataclasses.replace(result, notes=(*result.notes, meta_note(how, result, here)))
+    lowered = lower_ppll(model, result, a, policy, untie=opts.tied == "untie", materialize=how)
     return CompiledPipeline(model=model, graph_module=a.gm, plan=result, lowered=lowered,
                             policy=opts.policy, front=_FRONT)
 
@@ -120,6 +155,8 @@ def _plan_ppll(model: nn.Module, example_inputs: Sequence[Any] | None, example_k
         notes += (timed,)
     result = assemble_ppll(type(model).__name__, a, heads, costs, layout, opts, policy.name, (*a.notes, *notes),
                            figures, measured)
+    if is_meta(model):
+        result = dataclasses.replace(result, notes=(*result.notes, PLANNED_ON_META))
     untied = _untied(a, result)
     if untied:
         result = dataclasses.replace(result, untied=tuple(name for names, _ in untied for name in names),

@@ -12,6 +12,8 @@ from torch import Tensor, nn
 
 from .errors import TraceError
 from .export import export
+from .fake_state import on_device
+from .meta import faked, input_device, is_meta, unfake
 from .plan_file import EXPORT_NOTE
 from .trace import check_leaf_names, fixed_arguments, trace
 
@@ -32,6 +34,20 @@ def _buffer_owners(model: nn.Module, gm: fx.GraphModule) -> dict[str, tuple[nn.M
             if name in owner._buffers:
                 owners[str(n.target)] = (owner, name)
     return owners
+
+
+def _export(model: nn.Module, tensors: dict[str, Tensor], fixed: dict[str, Any],
+            bake_train_mode: bool) -> tuple[fx.GraphModule, list[str]]:
+    """:func:`~ppll_compile.export.export`; a meta-built model (or meta inputs) on fake tensors of the inputs'
+    device, the graph then reading the model's own tensors."""
+    if not is_meta(model) and not any(t.is_meta for t in tensors.values()):
+        return export(model, tensors, fixed, bake_train_mode=bake_train_mode)
+    with faked(model, input_device(tensors.values())) as (mode, own):
+        device = input_device(tensors.values())
+        fakes = {k: on_device(mode.from_tensor(t), device) for k, t in tensors.items()}
+        gm, notes = export(model, fakes, fixed, bake_train_mode=bake_train_mode)
+    unfake(gm, own)
+    return gm, notes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,9 +98,9 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dic
                          "every module. Drop leaf_modules, or use tracer='fx'")
     if "use_cache" in inspect.signature(model.forward).parameters and "use_cache" not in given:
         fixed["use_cache"] = False
+    tensors = {k: v for k, v in values.items() if isinstance(v, Tensor)}
     try:
-        gm, notes = export(model, {k: v for k, v in values.items() if isinstance(v, Tensor)}, fixed,
-                           bake_train_mode=bake_train_mode)
+        gm, notes = _export(model, tensors, fixed, bake_train_mode)
     except TraceError as e:
         if fx_error is None:
             raise

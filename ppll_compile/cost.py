@@ -17,8 +17,9 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 from torch.utils._mode_utils import no_dispatch
 
-from .fake_state import FakeState, storage_id
+from .fake_state import FakeState, on_device, storage_id
 from .flops import flop_counter
+from .meta import input_device
 from .memo import PLAIN, Out, Outcome, Uncacheable, module_signature, plain, pure_function
 from .plan import TensorSpec
 from .errors import PlanError, PPLLError
@@ -380,7 +381,7 @@ def _run_real(measure: _Measure, n: fx.Node, args: Any, kwargs: Any, needs_grad:
     def real(x: Any) -> Any:
         if not isinstance(x, FakeTensor):
             return x
-        if id(x) in real_of:
+        if id(x) in real_of and not real_of[id(x)].is_meta:  # a meta model's parameter: random values
             return real_of[id(x)].detach()
         if x.is_floating_point():
             return torch.randn(x.shape, dtype=x.dtype, device=x.device)
@@ -421,10 +422,11 @@ def measure_graph(gm: fx.GraphModule, inputs: Sequence[Any], kwargs: dict[str, A
     args.update(kwargs or {})
     values = [args[name] for name in placeholder_names]
     with train_mode(gm), mode, contextlib.ExitStack() as stack:
-        state = FakeState(gm, mode, stack)
+        device = input_device(values)
+        state = FakeState(gm, mode, stack, device)
         if not reuse or state.needs_all(values):
             state.swap_all()
-        fake_args = [mode.from_tensor(a) if isinstance(a, Tensor) else a for a in values]
+        fake_args = [on_device(mode.from_tensor(a), device) if isinstance(a, Tensor) else a for a in values]
         measure = _Measure(gm, state, reuse)
         disabled = logging.root.manager.disable  # torch logs a failing fake kernel's traceback; the error says it
         logging.disable(max(disabled, logging.ERROR))

@@ -22,6 +22,15 @@ _GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_
                  "_global_backward_hooks")
 
 
+def on_device(fake: Tensor, device: torch.device) -> Tensor:
+    """``fake`` (a fake tensor) standing on ``device`` if it stands on the meta device: a parameter of a model built
+    under ``torch.device("meta")``, or a meta example input, measured as if on the device the model would run on
+    (a fake tensor holds no data wherever it stands)."""
+    if fake.device.type == "meta" and device.type != "meta":
+        fake.fake_device = device  # type: ignore[attr-defined]
+    return fake
+
+
 class FakeState:
     """The model's parameters and buffers, swapped for fake tensors as the nodes being run come to need them.
 
@@ -30,8 +39,10 @@ class FakeState:
     outside torch, a constant tensor) first swaps in all of them, as if swapped at the start.
     """
 
-    def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode, stack: contextlib.ExitStack):
+    def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode, stack: contextlib.ExitStack,
+                 device: torch.device | None = None):
         self.gm = gm
+        self.device = device or torch.device("cpu")  # where a meta parameter's fake stands (the inputs' device)
         self.mode = mode
         self.stack = stack
         self.state = {id(t): t for _, t in (*gm.named_parameters(remove_duplicate=False),
@@ -47,7 +58,7 @@ class FakeState:
         """The fake tensor standing for parameter or buffer ``t`` (one per tensor object)."""
         f = self.fakes.get(id(t))
         if f is None:
-            f = self.fakes[id(t)] = self.mode.from_tensor(t)
+            f = self.fakes[id(t)] = on_device(self.mode.from_tensor(t), self.device)
             self.fake_ids.add(id(f))
             self.storages.add(storage_id(f))
             self.keys.pop(storage_id(f), None)  # left by a value freed before this storage took its place

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import contextlib
 import copy
 import inspect
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ from .export import OUTPUT_SPEC
 from .head_types import head_type_for
 from .heads import copied_blocks, head_for
 from .lowered import SOURCE_NAME, Inputs, Lowered, Stage
+from .materialize import Materialization, materialize_stage
 from .plan import Plan
 from .policy import Policy
 from .trace import attribute, module_path, quiet
@@ -132,18 +134,27 @@ def model_inputs(model: nn.Module, gm: fx.GraphModule, fixed: dict[str, Any]) ->
                   names=tuple(n.target for n in gm.graph.nodes if n.op == "placeholder"))
 
 
-def lower_ppll(model: nn.Module, plan: Plan, a: Analysis, policy: Policy, *, untie: bool = False) -> Lowered:
+def lower_ppll(model: nn.Module, plan: Plan, a: Analysis, policy: Policy, *, untie: bool = False,
+               materialize: Materialization | None = None) -> Lowered:
     """The stage modules of a ``ppll`` plan and the auxiliary head of every stage but the last, on their devices.
 
     ``untie``: a parameter used on both sides of a cut is copied into the later stage (``tied='untie'``). A head that
     copies or follows the blocks after its cut (``transformer`` with ``init: copy``, ``momentum``) gets deep copies of
     the model's own block modules; a momentum head also learns which parameters of the next stage it follows.
+
+    ``materialize`` (a model built on the meta device): each stage it names (every stage by default) is allocated
+    on its device and filled (see :mod:`ppll_compile.materialize`), before the heads copy any block; the other
+    stages, and their heads, stay on meta.
     """
     by_name = {c.node: c for c in a.cuts}
     stages = split_stages(a.gm, [by_name[c] for c in plan.cuts], untie=untie)
     input_shape = a.inputs[0].shape if a.inputs else None
+    here = range(len(stages)) if materialize is None or materialize.stages is None else materialize.stages
     for st, sp in zip(stages, plan.stages):
-        st.to(sp.device)
+        if materialize is None:
+            st.to(sp.device)
+        elif st.index in here:
+            materialize_stage(model, st, st.index, torch.device(sp.device), materialize)
     heads: list[nn.Module | None] = []
     for i, sp in enumerate(plan.stages):
         if sp.is_last:
@@ -151,11 +162,12 @@ def lower_ppll(model: nn.Module, plan: Plan, a: Analysis, policy: Policy, *, unt
             continue
         depth = copied_blocks(sp.head.config)
         blocks = next_blocks(model, a.nodes, plan.cuts[i], depth, stage=i, config=sp.head.config) if depth else []
-        head = head_for(policy, sp.head.config, sp.boundary[0], a.num_classes, input_shape, per_token=a.per_token,
-                        blocks=[m for _, m in blocks] if depth else None)[0]
+        with torch.device("meta") if i not in here else contextlib.nullcontext():  # a meta stage: a meta head
+            head = head_for(policy, sp.head.config, sp.boundary[0], a.num_classes, input_shape,
+                            per_token=a.per_token, blocks=[m for _, m in blocks] if depth else None)[0]
         if (t := head_type_for(sp.head.config)) is not None and t.follows_next:
             head.mirrors = _mirrors(blocks, stages[i + 1], i, plan.cuts[i])
-        heads.append(head.to(sp.device))
+        heads.append(head.to(sp.device) if i in here else head)
     return Lowered(modules=tuple(stages), heads=tuple(heads), devices=tuple(torch.device(d) for d in plan.devices),
                    inputs=model_inputs(model, a.gm, a.fixed_args))
 

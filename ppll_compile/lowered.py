@@ -12,6 +12,7 @@ import torch.fx as fx
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
+from .meta import check_materialized, check_real_batch
 from .plan import StagePlan
 
 SOURCE_NAME = "ppll_name"
@@ -189,6 +190,8 @@ class Lowered:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the modules in order, each on its device: the model's own output (in eval mode)."""
         values: Any = self.inputs.bind(*args, **kwargs)
-        for module, device in zip(self.modules, self.devices):
+        check_real_batch(values)
+        for i, (module, device) in enumerate(zip(self.modules, self.devices)):
+            check_materialized(i, module, None)
             values = module(*move(values, device))
         return values

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from ..lowered import Lowered
+from ..meta import check_real_batch
 from ..plan import Plan, TensorSpec
 from .messages import Message, dtype_of, shape_text
 
@@ -50,6 +51,7 @@ def batch_message(plan: Plan, lowered: Lowered, inputs: Any, target: Any, *, ind
         values = lowered.inputs.bind(*inputs)
     else:
         values = lowered.inputs.bind(inputs)
+    check_real_batch((values, target))
     batch = check_inputs(plan.inputs, values)
     if batch == 0:
         raise ValueError(f"batch {index} is empty (0 examples): nothing to train on, and a mean loss over no "

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ..lowered import Lowered
+from ..meta import check_materialized
 from ..plan import Plan
 from .config import TrainConfig
 from .pipebd import DistillRunner
@@ -25,6 +26,9 @@ def make_runners(plan: Plan, lowered: Lowered, config: TrainConfig, indices: Seq
                               losses=[lowered.losses[k] for k in plan.stages[i].blocks], device=d, config=config,
                               group=g)
                 for i, d, g in zip(indices, devices, groups)]
+    for i in indices:
+        for k in plan.stages[i].blocks or (i,):
+            check_materialized(i, lowered.modules[k], lowered.heads[k])
     needs = [bool(getattr(h, "needs_input", False)) for h in lowered.heads]
     return [StageRunner(stage=lowered.modules[i], head=lowered.heads[i], plan=plan.stages[i], device=d,
                         config=config, carry_raw=any(needs[i + 1:]), group=g)
