@@ -18,6 +18,7 @@ from .errors import PlanError, PolicyError
 from .module_cost import ModuleCost
 from .heads import copied_blocks, counted_head
 from .lower import lower_ppll, next_blocks
+from .output_head import NoOutputProjection
 from .options import SavedPlan, check_no_blocks, read_saved_plan, resolve_mode, resolve_options
 from .options import PlanOptions
 from .partition import StageRequest, ppll_layout, segment_costs, stage_request, time_layout
@@ -165,6 +166,8 @@ def _drop_blockless_cuts(a: Analysis, policy: Policy, model: nn.Module) -> Analy
     def blockless(cut: Cut) -> str | None:
         try:
             _copied(a, policy, cut, None, model)
+        except NoOutputProjection:  # the model's, not the cut's: no cut would do
+            raise
         except PolicyError as e:
             return str(e)
         return None
