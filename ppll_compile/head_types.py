@@ -333,7 +333,8 @@ BUILT_IN = tuple(register_head_type(t).name for t in (
                              way_out="use type lm, a fresh projection"), options={
         # the model's own final norm and output projection (e.g. Llama's model.norm, lm_head), frozen copies
         "projection": choice("frozen", "frozen", "shared"),  # frozen: a copy per stage; shared: one per device
-        "adapter": choice("none", "none", "linear", "norm"),  # trained before them: Linear(D, D) = identity at first
+        "adapter": choice("linear", "none", "linear", "norm"),  # trained before them: Linear(D, D) initialised to
+        #                              the identity (the head starts as the model's own read-out), LayerNorm(D), none
     }),
 ))
 """The built-in head types' names, in the order registered."""

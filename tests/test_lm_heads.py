@@ -67,7 +67,7 @@ def error(fn, *args, **kwargs) -> str:
 # ---- options --------------------------------------------------------------------------------------------------
 
 def test_the_options_validate_and_bad_values_are_named():
-    assert policy().per_token == {"type": "lm_output", "projection": "frozen", "adapter": "none"}
+    assert policy().per_token == {"type": "lm_output", "projection": "frozen", "adapter": "linear"}
     assert policy(projection="shared", adapter="linear").per_token == {"type": "lm_output", "projection": "shared",
                                                                        "adapter": "linear"}
     assert error(policy, projection="fresh") == ("inline: per_token.projection must be one of frozen, shared, got "
@@ -110,7 +110,7 @@ def test_a_frozen_head_is_the_models_norm_and_projection_unchanged_by_training_w
 
 
 def test_shared_heads_on_one_device_hold_one_copy_of_the_compiled_weights():
-    c = compiled(projection="shared")
+    c = compiled(projection="shared", adapter="none")
     first, second = c.heads[:-1]
     assert list(first.parameters()) == [] and first.frozen_names == ["net.0.0.weight", "net.0.1.weight"]
     assert all(a is b for a, b in zip(first.frozen_tensors(), second.frozen_tensors(), strict=True))
@@ -144,17 +144,18 @@ def _plan(policy_, optimizer: str):
 
 def test_the_plan_keeps_no_gradient_or_optimizer_state_of_the_projection():
     fresh = 2 * D + D * 64 + 64 * V + V  # the lm policy's head: LayerNorm(D), Linear(D, 64, no bias), Linear(64, V)
-    frozen = {o: _plan(policy(), o) for o in ("sgd", "adam")}
+    adapter = D * D + D                  # the frozen head trains its Linear(D, D) adapter only
+    frozen = {o: _plan(policy(projection="frozen", adapter="linear"), o) for o in ("sgd", "adam")}
     lm = {o: _plan("lm", o) for o in ("sgd", "adam")}
     for s_lm, s_frozen in zip(lm["adam"].stages[:-1], frozen["adam"].stages[:-1], strict=True):
-        assert (s_lm.head.param_count, s_frozen.head.param_count) == (fresh, 0)
+        assert (s_lm.head.param_count, s_frozen.head.param_count) == (fresh, adapter)
         assert s_lm.param_count == s_frozen.param_count  # the same backbone
     # Adam keeps two states per trained float32 parameter that SGD does not: 8 bytes each, none for the projection
     for i in range(2):
         grown = {k: p["adam"].stages[i].memory_bytes - p["sgd"].stages[i].memory_bytes
                  for k, p in (("lm", lm), ("frozen", frozen))}
-        assert grown["lm"] - grown["frozen"] == 8 * fresh
-        assert frozen["adam"].stages[i].head.memory_bytes - frozen["sgd"].stages[i].head.memory_bytes == 0
+        assert grown["lm"] - grown["frozen"] == 8 * (fresh - adapter)
+        assert frozen["adam"].stages[i].head.memory_bytes - frozen["sgd"].stages[i].head.memory_bytes == 8 * adapter
 
 
 def spec(n: int) -> TensorSpec:
@@ -163,7 +164,7 @@ def spec(n: int) -> TensorSpec:
 
 def test_the_projection_is_measured_like_a_fresh_one_without_its_weight_gradient():
     model = llama()
-    frozen, twice = (head_spec(policy(), None, spec(n), V, None, "sgd", per_token=True,
+    frozen, twice = (head_spec(policy(adapter="none"), None, spec(n), V, None, "sgd", per_token=True,
                                blocks=[model.model.norm, model.lm_head]) for n in (N, 2 * N))
     # what a head saves for backward grows with the batch but for the 4-byte total weight of the loss; its weights
     # do not: the frozen copy of the norm and the projection, once; a fresh head's weights and their gradients
