@@ -21,6 +21,7 @@ from .lower import lower_ppll, next_blocks
 from .materialize import MaterializeHook, Materialization, StateDictSource, local_stages as materialized_stages
 from .materialize import meta_note
 from .meta import PLANNED_ON_META, is_meta
+from .output_head import NoOutputProjection
 from .options import SavedPlan, check_no_blocks, read_saved_plan, resolve_mode, resolve_options
 from .options import PlanOptions
 from .partition import StageRequest, ppll_layout, segment_costs, stage_request, time_layout
@@ -202,6 +203,8 @@ def _drop_blockless_cuts(a: Analysis, policy: Policy, model: nn.Module) -> Analy
     def blockless(cut: Cut) -> str | None:
         try:
             _copied(a, policy, cut, None, model)
+        except NoOutputProjection:  # the model's, not the cut's: no cut would do
+            raise
         except PolicyError as e:
             return str(e)
         return None

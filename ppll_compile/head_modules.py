@@ -99,7 +99,7 @@ class MomentumHead(AuxHead):
         """EMA factor m: ``ema = m * ema + (1 - m) * weight``."""
         self.every = int(every)
         """Steps between two pulls."""
-        self.ema_names = _as_buffers(trunk, prefix="net.0.")
+        self.ema_names = frozen_buffers(trunk, prefix="net.0.")
         """The trunk's EMA tensors (buffers of this head), in the order of :attr:`mirrors`."""
         self.mirrors: list[str] = []
         """Names, in the next stage module's ``named_parameters()``, of the parameters the EMA tensors follow (set by
@@ -163,7 +163,7 @@ def head_loss(head: nn.Module, h: Tensor, target: Tensor, input: Tensor | None =
     return cross_entropy(head(h), target)
 
 
-def _as_buffers(module: nn.Module, prefix: str = "") -> list[str]:
+def frozen_buffers(module: nn.Module, prefix: str = "") -> list[str]:
     """Turn every parameter of ``module`` into a buffer (weights shared inside it stay shared); the buffers' names,
     each parameter once, in ``module.named_parameters()`` order, with ``prefix``."""
     names = [prefix + n for n, _ in module.named_parameters()]

@@ -37,7 +37,8 @@ class HeadRequest:
 
 @dataclass(frozen=True, kw_only=True)
 class BlockUse:
-    """How a head type uses the model's blocks after its cut (found by :func:`ppll_compile.lower.next_blocks`)."""
+    """How a head type uses the model's blocks after its cut, or other modules of the model (found by
+    :func:`ppll_compile.lower.next_blocks`)."""
 
     depth: Callable[[Mapping[str, Any]], int]
     """How many blocks a config of the type uses (0: none, the head stands alone); called on configs as written."""
@@ -47,6 +48,9 @@ class BlockUse:
     """The way out an error offers when the blocks are not there (``...; use init: fresh``)."""
     detail: str = ""
     """How errors name the options that make it use them, before its depth (``init: copy, ``)."""
+    find: Callable[[nn.Module, Sequence[Any], str], list[tuple[str, nn.Module]]] | None = None
+    """Where the modules come from, ``find(model, captured nodes, cut node)`` giving (path, module) pairs, as many as
+    :attr:`depth` says; ``None``: the blocks right after the cut."""
 
 
 @dataclass(frozen=True, kw_only=True)

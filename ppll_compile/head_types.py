@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from .errors import PolicyError
 from .head_modules import CIFAR_MEAN, CIFAR_STD, AuxHead, InfoProHead, MomentumHead, meta_copies
+from .output_head import output_layers, projection_head
 from .head_registry import (BlockUse, HeadRequest, HeadType, head_type, head_type_for, head_type_names,
                             register_head_type, unregister_head_type)
 from .plan import format_bytes
@@ -94,6 +95,11 @@ def _lm_net(o: Mapping, kind: str, shape: Sequence[int], num_classes: int) -> nn
     d, r = shape[-1], o["rank"]
     project = [nn.Linear(d, r, bias=False), nn.Linear(r, num_classes)] if r else [nn.Linear(d, num_classes)]
     return nn.Sequential(nn.LayerNorm(d), *project)
+
+
+def _output_head(r: HeadRequest) -> AuxHead:
+    """An optional trained adapter, then frozen copies of the model's final norm and output projection."""
+    return projection_head(r.options, r.shape, r.num_classes, r.loss, r.blocks)
 
 
 def _infopro_nets(o: Mapping, shape: Sequence[int], num_classes: int,
@@ -321,6 +327,14 @@ BUILT_IN = tuple(register_head_type(t).name for t in (
     }),
     HeadType(name="lm", kinds=("sequence",), build=_plain(_lm_net), per_token=True, options={
         "rank": integer(64),         # 0: LayerNorm, Linear(D, C); r > 0: LayerNorm, Linear(D, r), Linear(r, C)
+    }),
+    HeadType(name="lm_output", kinds=("sequence",), build=_output_head, per_token=True,
+             blocks=BlockUse(depth=lambda c: 2, verb="reads", find=output_layers,
+                             way_out="use type lm, a fresh projection"), options={
+        # the model's own final norm and output projection (e.g. Llama's model.norm, lm_head), frozen copies
+        "projection": choice("frozen", "frozen", "shared"),  # frozen: a copy per stage; shared: one per device
+        "adapter": choice("linear", "none", "linear", "norm"),  # trained before them: Linear(D, D) initialised to
+        #                              the identity (the head starts as the model's own read-out), LayerNorm(D), none
     }),
 ))
 """The built-in head types' names, in the order registered."""

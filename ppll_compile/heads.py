@@ -27,6 +27,7 @@ from .errors import PolicyError
 from .head_modules import (IGNORE_INDEX, AuxHead, InfoProHead, MomentumHead, head_loss, logits_of, meta_copies,
                            model_loss)
 from .head_types import HeadRequest, head_type, head_type_for
+from .output_head import ProjectionHead
 from .module_cost import ModuleCost, measure_module
 from .optimizers import optimizer_spec
 from .phases import phase
@@ -128,6 +129,8 @@ def _counted_head(policy: Policy, config: Mapping[str, Any] | None, spec: Tensor
     if t is not None and t.follows_next:  # its trunk is not trained; its EMA weights are kept
         extra = head.ema_bytes()
         config = {**config, "mirror_bytes": extra}
+    if isinstance(head, ProjectionHead):  # its frozen copy of the model's projection: no gradient, no optimizer state
+        extra = head.frozen_bytes()
     cost = measure_module(head, lambda: head_loss(head, h, y, x), inputs=(h,))
     pbytes = sum(p.numel() * p.element_size() for p in head.parameters())
     memory = pbytes * (2 + optimizer_spec(optimizer).states) + cost.activation_bytes + extra

@@ -21,6 +21,7 @@ from .capture import BUFFER_OWNERS
 from .export import OUTPUT_SPEC
 from .head_types import head_type_for
 from .heads import copied_blocks, head_for
+from .output_head import share_frozen
 from .lowered import SOURCE_NAME, Inputs, Lowered, Stage
 from .materialize import Materialization, materialize_stage
 from .plan import Plan
@@ -168,6 +169,7 @@ def lower_ppll(model: nn.Module, plan: Plan, a: Analysis, policy: Policy, *, unt
         if (t := head_type_for(sp.head.config)) is not None and t.follows_next:
             head.mirrors = _mirrors(blocks, stages[i + 1], i, plan.cuts[i])
         heads.append(head.to(sp.device) if i in here else head)
+    share_frozen(heads)  # shared lm_output heads on one device: one copy of the frozen projection
     return Lowered(modules=tuple(stages), heads=tuple(heads), devices=tuple(torch.device(d) for d in plan.devices),
                    inputs=model_inputs(model, a.gm, a.fixed_args))
 
@@ -193,6 +195,8 @@ def next_blocks(model: nn.Module, nodes: Sequence[fx.Node], cut: str, depth: int
     too few follow it.
     """
     what, verb, way_out = _head_text(config or {}, stage)
+    if (t := head_type_for(config or {})) is not None and t.blocks is not None and t.blocks.find is not None:
+        return t.blocks.find(model, nodes, cut)  # modules found elsewhere (the lm_output head's norm and projection)
     order = [n.name for n in nodes]
     at = order.index(cut)
     before = module_path(nodes[at])

@@ -194,10 +194,10 @@ def test_wrong_option_values_say_what_was_expected(tmp_path):
 
 def test_unknown_or_misplaced_head_type(tmp_path):
     msg, path = error(tmp_path, {"heads": {"feature_map": {"type": "foo"}}})
-    assert msg == (f"{path}: heads.feature_map.type must be one of conv, infopro, lm, mlp, momentum, token, "
+    assert msg == (f"{path}: heads.feature_map.type must be one of conv, infopro, lm, lm_output, mlp, momentum, token, "
                    f"transformer, got 'foo'")
     msg, path = error(tmp_path, {"heads": {"feature_map": {"width": 3}}})
-    assert msg == (f"{path}: heads.feature_map.type must be one of conv, infopro, lm, mlp, momentum, token, "
+    assert msg == (f"{path}: heads.feature_map.type must be one of conv, infopro, lm, lm_output, mlp, momentum, token, "
                    f"transformer, got None")
     msg, path = error(tmp_path, {"heads": {"sequence": {"type": "conv"}}})
     assert msg == (f"{path}: heads.sequence.type 'conv' cannot read sequence tensors (N x L x D) "

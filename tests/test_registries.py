@@ -23,7 +23,7 @@ from tests.models import Residual
 
 SHAPES = {"feature_map": (4, 16, 8, 8), "channels_last": (4, 8, 8, 16), "sequence": (4, 9, 64), "vector": (4, 32)}
 INPUT_SHAPE = (4, 3, 16, 16)
-KNOWN = "conv, infopro, lm, mlp, momentum, token, transformer"
+KNOWN = "conv, infopro, lm, lm_output, mlp, momentum, token, transformer"
 
 
 def _spec(kind: str) -> TensorSpec:

@@ -344,16 +344,16 @@ def test_the_per_token_entry_is_validated_like_every_head_config():
     assert msg({"type": "lm", "rnak": 8}) == "p.yaml: unknown key 'rnak' at per_token (allowed: rank, type)"
     assert msg({"type": "lm", "rank": -1}) == "p.yaml: per_token.rank must be an integer >= 0, got -1"
     assert msg({"type": "lm", "rank": "64"}) == "p.yaml: per_token.rank must be an integer >= 0, got '64'"
-    assert msg({"rank": 8}) == ("p.yaml: per_token.type must be one of conv, infopro, lm, mlp, momentum, token, "
-                                "transformer, got None")
+    assert msg({"rank": 8}) == ("p.yaml: per_token.type must be one of conv, infopro, lm, lm_output, mlp, momentum, "
+                                "token, transformer, got None")
     assert msg("lm") == "p.yaml: per_token must be a mapping, got 'lm'"
     assert msg({"type": "mlp"}) == ("p.yaml: per_token.type 'mlp' gives one score vector per example (N x C), but "
-                                    "per_token serves labels of one class per token (N x L); use type lm")
+                                    "per_token serves labels of one class per token (N x L); use type lm or lm_output")
     assert msg({"type": "conv"}) == ("p.yaml: per_token.type 'conv' cannot read sequence tensors (N x L x D) "
-                                     "(it reads feature_map, channels_last); use type lm")
+                                     "(it reads feature_map, channels_last); use type lm or lm_output")
     assert error(build_head, {"type": "token"}, SEQ, 10, per_token=True) == (
         "head config: type 'token' gives one score vector per example (N x C), but the sequence boundary 'h' of shape "
-        "(3, 7, 24) serves labels of one class per token (N x L); use type lm")
+        "(3, 7, 24) serves labels of one class per token (N x L); use type lm or lm_output")
 
 
 
