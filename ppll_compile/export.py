@@ -42,8 +42,8 @@ ONCE_NOTE = ("train and eval mode run the same operators on the same values, so 
 
 
 class _OpLog(TorchDispatchMode):
-    """Records every operator call below autograd: the operator, the grad mode, and its arguments with each tensor
-    replaced by where it comes from (a parameter or buffer by name, an input by name, an earlier call's output)."""
+    """Records every operator call below autograd but metadata queries: the operator, the grad mode, and its
+    arguments with each tensor replaced by where it comes from (a parameter or buffer by name, an input by name, an earlier call's output)."""
 
     def __init__(self, labels: dict[int, Any]) -> None:
         super().__init__()
@@ -56,8 +56,10 @@ class _OpLog(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        self.calls.append((str(func), torch.is_grad_enabled(), pytree.tree_map(self.label, (args, kwargs))))
         out = func(*args, **kwargs)
+        if func.namespace == "prim" or func.__name__.startswith("sym_"):
+            return out  # a query of metadata (a tensor's device, size): no value computed
+        self.calls.append((str(func), torch.is_grad_enabled(), pytree.tree_map(self.label, (args, kwargs))))
         for j, t in enumerate(pytree.tree_leaves(out)):
             if isinstance(t, torch.Tensor) and id(t) not in self.labels:
                 self.alive.append(t)
