@@ -72,7 +72,9 @@ def _operator_log(model: nn.Module, kwargs: dict[str, Any], training: bool) -> l
     mode = FakeTensorMode()
     state = {k: mode.from_tensor(t) for k, t in (*model.named_parameters(remove_duplicate=False),
                                                   *model.named_buffers(remove_duplicate=False))}
-    given = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    meta = any(t.is_meta for t in state.values())  # a model built on the meta device: its inputs go there too
+    given = {k: mode.from_tensor(v.to("meta") if meta else v) if isinstance(v, torch.Tensor) else v
+             for k, v in kwargs.items()}
     log = _OpLog({**{id(t): ("state", k) for k, t in state.items()},
                   **{id(v): ("input", k) for k, v in given.items() if isinstance(v, torch.Tensor)}})
     with in_mode(model, training), quiet(), contextlib.redirect_stderr(io.StringIO()), mode, log:

@@ -53,6 +53,8 @@ def test_the_mode_matters_where_it_changes_an_operator_or_a_value():
     assert mode_matters(nn.Sequential(nn.BatchNorm1d(4)), x)
     assert mode_matters(_Pick(), {"x": torch.randn(2, 4)})  # same operators, other values
     assert not mode_matters(nn.Sequential(nn.Linear(4, 4)), x)
+    with torch.device("meta"):  # a model built without weights: its inputs are taken to the meta device
+        assert not mode_matters(_mlp(0.0), x)
 
 
 def _counting_exports(monkeypatch) -> list[bool]:
