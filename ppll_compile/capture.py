@@ -22,6 +22,21 @@ BUFFER_OWNERS = "ppll_buffer_owners"
 its name there, so that a stage moved to a device can point the model at the moved buffer."""
 
 
+_EXPORT_ONLY = (("transformers.modeling_utils", "PreTrainedModel"),)
+"""Base classes (module, name) of models that ``tracer='auto'`` hands straight to ``torch.export``: Hugging Face
+models branch on shapes and on their config's Python values and take ``**kwargs``, which symbolic tracing
+cannot follow (``transformers`` ships its own fx tracer for that reason)."""
+
+
+def _export_only(model: nn.Module) -> str | None:
+    """Why symbolic tracing is not tried on ``model`` under ``tracer='auto'``, or ``None`` when it is tried."""
+    for cls in type(model).__mro__:
+        if (cls.__module__, cls.__qualname__) in _EXPORT_ONLY:
+            return (f"{type(model).__name__} is a {cls.__module__.split('.')[0]} {cls.__qualname__}, whose forward "
+                    f"torch.fx does not take")
+    return None
+
+
 def _buffer_owners(model: nn.Module, gm: fx.GraphModule) -> dict[str, tuple[nn.Module, str]]:
     owners = {}
     for n in gm.graph.nodes:
@@ -73,6 +88,9 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dic
     """Capture ``model`` on its example call with the chosen front end (``auto``, ``fx`` or ``export``; checked by
     :class:`~ppll_compile.options.PlanOptions`).
 
+    Under ``auto``, symbolic tracing is tried first, except on models known to need ``torch.export`` (Hugging Face
+    ``PreTrainedModel`` subclasses, given no ``leaf_modules`` or ``split_points``), which go to it at once; the
+    notes say why ``torch.export`` was used.
     ``leaf_modules`` and ``split_points`` steer symbolic tracing; ``torch.export`` has no opaque modules, so
     ``leaf_modules`` with ``tracer='export'`` is an error. A forward argument ``use_cache`` that is not given is
     captured as ``False`` under ``torch.export`` (a pipeline stage cannot hand a key/value cache back).
@@ -83,7 +101,14 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dic
     given = dict(zip(inspect.signature(model.forward).parameters, example_inputs)) | dict(example_kwargs)
     values = {n: given[n] for n in names}
     fx_error: TraceError | None = None
-    if tracer != "export":
+    known = _export_only(model) if tracer == "auto" and not leaf_modules and not split_points else None
+    if known is not None:
+        try:  # the error fx would give at once (a **kwargs forward), else why fx is not tried
+            fixed_arguments(model, example_inputs, example_kwargs, allow_var=False)
+            fx_error = TraceError(known)
+        except TraceError as e:
+            fx_error = e
+    elif tracer != "export":
         try:
             gm = trace(model, example_inputs=example_inputs, example_kwargs=example_kwargs,
                        leaf_modules=leaf_modules, split_points=split_points, bake_train_mode=bake_train_mode)

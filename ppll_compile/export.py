@@ -12,6 +12,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import PlanError, TraceError
 from .modes import merge_modes
@@ -31,6 +34,68 @@ def _export_once(model: nn.Module, kwargs: dict[str, Any], dynamic: Any,
         except Exception as e:
             e.add_note(warned(caught))
             raise
+
+
+ONCE_NOTE = ("train and eval mode run the same operators on the same values, so torch.export captured the model "
+             "once (in train mode)")
+"""The note of an export that captured one mode only (see :func:`mode_matters`)."""
+
+
+class _OpLog(TorchDispatchMode):
+    """Records every operator call below autograd but metadata queries: the operator, the grad mode, and its
+    arguments with each tensor replaced by where it comes from (a parameter or buffer by name, an input by name, an earlier call's output)."""
+
+    def __init__(self, labels: dict[int, Any]) -> None:
+        super().__init__()
+        self.labels = labels  # id of a live tensor -> its origin
+        self.alive: list[torch.Tensor] = []  # keeps every labelled tensor alive, so that no id is reused
+        self.calls: list[Any] = []
+
+    def label(self, v: Any) -> Any:
+        return self.labels.get(id(v), ("unknown", tuple(v.shape), v.dtype)) if isinstance(v, torch.Tensor) else v
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.namespace == "prim" or func.__name__.startswith("sym_"):
+            return out  # a query of metadata (a tensor's device, size): no value computed
+        self.calls.append((str(func), torch.is_grad_enabled(), pytree.tree_map(self.label, (args, kwargs))))
+        for j, t in enumerate(pytree.tree_leaves(out)):
+            if isinstance(t, torch.Tensor) and id(t) not in self.labels:
+                self.alive.append(t)
+                self.labels[id(t)] = ("call", len(self.calls) - 1, j, tuple(t.shape), t.dtype, t.stride())
+        return out
+
+
+def _operator_log(model: nn.Module, kwargs: dict[str, Any], training: bool) -> list[Any]:
+    """Every operator ``model`` runs on fake copies of its state and of ``kwargs`` in one mode, and its output."""
+    mode = FakeTensorMode()
+    state = {k: mode.from_tensor(t) for k, t in (*model.named_parameters(remove_duplicate=False),
+                                                  *model.named_buffers(remove_duplicate=False))}
+    meta = any(t.is_meta for t in state.values())  # a model built on the meta device: its inputs go there too
+    given = {k: mode.from_tensor(v.to("meta") if meta else v) if isinstance(v, torch.Tensor) else v
+             for k, v in kwargs.items()}
+    log = _OpLog({**{id(t): ("state", k) for k, t in state.items()},
+                  **{id(v): ("input", k) for k, v in given.items() if isinstance(v, torch.Tensor)}})
+    with in_mode(model, training), quiet(), contextlib.redirect_stderr(io.StringIO()), mode, log:
+        out = torch.func.functional_call(model, state, (), given, strict=False)
+    leaves, spec = pytree.tree_flatten(out)
+    return [*log.calls, ("output", spec, [log.label(v) for v in leaves])]
+
+
+def mode_matters(model: nn.Module, kwargs: dict[str, Any]) -> bool:
+    """Whether ``model`` called with ``kwargs`` may compute differently in train and in eval mode.
+
+    Both modes are run eagerly on fake tensors (shapes only, no real compute) and every operator call below
+    autograd is logged with the grad mode and its arguments, each tensor named by where it comes from; equal
+    logs and outputs mean the same computation on the same values, whatever Python read ``self.training`` on
+    the way (a dropout of probability 0 in train mode, ``p=0.0 if not self.training else self.p`` with ``p``
+    0). A run that fails on fake tensors counts as a difference (both modes are then captured).
+    """
+    try:
+        return _operator_log(model, kwargs, True) != _operator_log(model, kwargs, False)
+    except Exception:  # noqa: BLE001 - Python that reads values, a kernel without a fake: capture both modes
+        return True
 
 
 def _attr(model: nn.Module, unlifted: nn.Module, target: str) -> Any:
@@ -71,6 +136,7 @@ def export(model: nn.Module, inputs: dict[str, torch.Tensor], fixed: dict[str, A
            bake_train_mode: bool = False) -> tuple[fx.GraphModule, list[str]]:
     """Capture ``model`` called with tensor ``inputs`` (by argument name) and the non-default ``fixed`` values,
     in train and in eval mode, merged so that the graph follows ``train()``/``eval()``; and notes on the capture.
+    Where the mode changes nothing (:func:`mode_matters`), the train-mode capture serves both and the notes say so.
 
     The batch dimension, and every dimension of integer inputs (a sequence's length), is captured as dynamic
     where the model allows it, so the stages take other sizes (images keep their size: leaving it free makes
@@ -86,11 +152,14 @@ def export(model: nn.Module, inputs: dict[str, torch.Tensor], fixed: dict[str, A
     dynamic = {k: ({d: torch.export.Dim.AUTO for d in range(_free_dims(inputs[k]))} if k in inputs else None)
                for k in kwargs}
     notes: list[str] = []
+    modes = (True, False) if mode_matters(model, kwargs) else (True,)
+    if len(modes) == 1:
+        notes.append(ONCE_NOTE)
     try:
-        programs = [_export_once(model, kwargs, dynamic, mode) for mode in (True, False)]
+        programs = [_export_once(model, kwargs, dynamic, mode) for mode in modes]
     except Exception:  # noqa: BLE001 - a batch size the model cannot leave free: capture the example's
         try:
-            programs = [_export_once(model, kwargs, None, mode) for mode in (True, False)]
+            programs = [_export_once(model, kwargs, None, mode) for mode in modes]
         except Exception as e:
             rejected = rejecting_module(model, (), kwargs)
             if rejected is not None:
@@ -101,8 +170,10 @@ def export(model: nn.Module, inputs: dict[str, torch.Tensor], fixed: dict[str, A
         batch = next(iter(inputs.values())).shape[0]
         notes.append(f"torch.export fixed the input shapes: the stages take batches of exactly {batch} examples of "
                      f"the example's shape")
-    train, eval = (_graph_module(model, ep, list(inputs)) for ep in programs)
-    merge = merge_modes(train, eval, partial=bake_train_mode)
+    train, *others = (_graph_module(model, ep, list(inputs)) for ep in programs)
+    if not others:
+        return train, notes
+    merge = merge_modes(train, others[0], partial=bake_train_mode)
     if merge.structural and not bake_train_mode:
         paths = sorted({module_path(n) or type(model).__name__ + ".forward"
                         for n in merge.sources or merge.structural})

@@ -399,25 +399,44 @@ def _operator(name: str) -> Any:
     return getattr(getattr(getattr(torch.ops, namespace), packet), overload)
 
 
+TIMING_BUDGET = 2 ** 30
+"""Bytes that timing one operator call on the device (:func:`measure_calls`) may allocate: its arguments, their
+rotating copies and its outputs. A call that needs more keeps its roofline estimate (the vocabulary projection of a
+large language model at a long sequence is gigabytes on its own)."""
+
+
 def measure_calls(calls: Iterable[tuple[Any, ...]], device: torch.device, threads: int = 1) -> dict[str, float]:
     """Seconds of every operator call (an :attr:`Op.call`) on ``device``, re-created on random tensors of its
     shapes: the fastest of three timed repeats after a warm-up, each repeat running it often enough to last a
     millisecond, on rotating copies of its arguments (at least 8 MiB of them, so that it does not read from a
     warm cache), as in a training step. Leaves the process as it was (see the module's text). A call that cannot
-    be re-created is left out (its roofline estimate stands)."""
+    be re-created is left out (its roofline estimate stands), and so is a call whose arguments and outputs
+    (sized on the meta device first, nothing allocated;
+    outputs as large as the arguments where the meta device cannot run it) exceed :data:`TIMING_BUDGET`: it is priced by the
+    roofline formula, never timed at a smaller shape; copies and repeats are cut to stay within the budget."""
     out: dict[str, float] = {}
+    meta = torch.device("meta")
     with _isolated(device, threads) as (sync, g), torch.no_grad():
         for call in calls:
             try:
                 func = _operator(call[0])
+                shaped = (_rebuild(call[1], meta, g), _rebuild(call[2], meta, g))
+                size = sum(nbytes(t) for t in pytree.tree_leaves(shaped) if isinstance(t, Tensor))
+                try:
+                    result = sum(nbytes(t) for t in pytree.tree_leaves(func(*shaped[0], **shaped[1]))
+                                 if isinstance(t, Tensor))
+                except Exception:  # noqa: BLE001  (no meta kernel: take the outputs as large as the arguments)
+                    result = size
+                if size + result > TIMING_BUDGET:
+                    continue
                 made = [(_rebuild(call[1], device, g), _rebuild(call[2], device, g))]
-                size = sum(nbytes(t) for t in pytree.tree_leaves(made) if isinstance(t, Tensor))
-                made += [(_rebuild(call[1], device, g), _rebuild(call[2], device, g))
-                         for _ in range(min(15, (8 * 2 ** 20) // max(size, 1)))]
+                copies = min(15, (8 * 2 ** 20) // max(size, 1), (TIMING_BUDGET - size - result) // max(size, 1))
+                made += [(_rebuild(call[1], device, g), _rebuild(call[2], device, g)) for _ in range(copies)]
                 t0 = time.perf_counter()
                 func(*made[0][0], **made[0][1])
                 sync()
                 reps = max(len(made), min(100, int(1e-3 / max(time.perf_counter() - t0, 1e-7))))
+                reps = min(reps, max(1, (TIMING_BUDGET - size * len(made)) // max(result, 1)))
                 runs = [made[i % len(made)] for i in range(reps)]
                 out[repr(call)] = _best(lambda: [func(*a, **k) for a, k in runs], sync, 3) / reps
             except Exception:  # noqa: BLE001  (an operator whose arguments random tensors cannot stand for)
