@@ -65,11 +65,10 @@ def _live_sets(nodes: Sequence[fx.Node], positions: Sequence[int]) -> list[list[
     return result
 
 
-def _dominator_cuts(nodes: Sequence[fx.Node], side: set[fx.Node]) -> list[fx.Node]:
-    """Nodes that dominate the output in the data-flow graph, with ``side`` values' edges left out."""
+def _graph(nodes: Sequence[fx.Node], side: set[fx.Node]) -> nx.DiGraph:
+    """The data-flow graph from a source before the inputs to the output, ``side`` values' edges left out."""
     g = nx.DiGraph()
     g.add_node(_SOURCE)
-    output = nodes[-1]
     for n in nodes:
         if n.op == "get_attr":
             continue
@@ -80,15 +79,71 @@ def _dominator_cuts(nodes: Sequence[fx.Node], side: set[fx.Node]) -> list[fx.Nod
         for a in inputs:
             if a not in side:
                 g.add_edge(a, n)
-    idom = nx.immediate_dominators(g, _SOURCE)
+    return g
+
+
+def _dominator_cuts(nodes: Sequence[fx.Node], side: set[fx.Node]) -> list[fx.Node] | None:
+    """Nodes that dominate the output in the data-flow graph, with ``side`` values' edges left out, in graph
+    order; ``None`` when the output cannot be reached from the inputs at all."""
+    idom = nx.immediate_dominators(_graph(nodes, side), _SOURCE)
+    output = nodes[-1]
     if output not in idom:
-        return []
+        return None
     chain = []
     v = idom[output]
     while v != _SOURCE:
         chain.append(v)
         v = idom[v]
     return chain[::-1]
+
+
+def _reaches_output(nodes: Sequence[fx.Node], side: set[fx.Node]) -> bool:
+    """The output can be reached from the inputs with ``side`` values' edges left out."""
+    return nx.has_path(_graph(nodes, side), _SOURCE, nodes[-1])
+
+
+class _Trials:
+    """Counts the cuts that leaving out the edges of ``side`` plus a few ``extra`` values yields, recomputing
+    dominators only for trials that can add cuts.
+
+    A cut after ``v`` needs two things: ``v`` dominates the output in the graph without the edges of
+    ``side | extra``, and every value live after ``v`` is ``v``, a side value or an extra one. The second
+    alone is read off the live sets once: ``bound(extra)`` counts the eligible positions whose live values
+    beyond ``v`` and ``side`` all lie in ``extra``. The cuts are a subset of those positions, so a trial whose
+    bound does not beat the best count cannot beat it; nor can one that cuts the output off from the inputs
+    (no cuts at all). Every other trial is counted in full by :meth:`count`, so the result is that of
+    counting every trial. Those are few: when the output is reachable the bound is the count, since every
+    path from the inputs to the output leaves the nodes up to ``v`` by an edge from a value live after ``v``
+    (a later node fed by nothing is a side value whose edges are left out), and every such value but ``v``
+    has lost its edges, so the path passes through ``v``. Dominators are thus recomputed about once per
+    change of the chosen side values, and the search takes time linear in the graph's size, not quadratic.
+    """
+
+    def __init__(self, nodes: Sequence[fx.Node], side: set[fx.Node], eligible: Sequence[fx.Node],
+                 order: dict[fx.Node, int]) -> None:
+        self.nodes, self.side, self.order = nodes, side, order
+        self.eligible = set(eligible)
+        self.lacking: dict[frozenset[fx.Node], int] = {}  # how many positions lack exactly these values
+        for v, live in zip(eligible, _live_sets(nodes, [order[v] for v in eligible])):
+            key = frozenset(n for n in live if n is not v and n not in side)
+            self.lacking[key] = self.lacking.get(key, 0) + 1
+
+    def bound(self, extra: set[fx.Node]) -> int:
+        """How many eligible positions have nothing but ``v``, side values and ``extra`` live after them."""
+        members = list(extra)
+        return sum(self.lacking.get(frozenset(k), 0)
+                   for size in range(len(members) + 1) for k in itertools.combinations(members, size))
+
+    def count(self, extra: set[fx.Node]) -> tuple[list[fx.Node], list[fx.Node] | None]:
+        """The cuts with ``extra`` values travelling beside the side values, and the output's dominators in
+        graph order (``None`` where the output cannot be reached)."""
+        chain = _dominator_cuts(self.nodes, self.side | extra)
+        if chain is None:
+            return [], None
+        dominators = [v for v in chain if v in self.eligible]
+        lives = _live_sets(self.nodes, [self.order[v] for v in dominators])
+        return ([v for v, live in zip(dominators, lives) if all(n is v or n in self.side or n in extra for n in live)],
+                chain)
 
 
 def legal_cuts(gm: fx.GraphModule, *, max_side_values: int = MAX_SIDE_VALUES) -> list[Cut]:
@@ -100,6 +155,10 @@ def legal_cuts(gm: fx.GraphModule, *, max_side_values: int = MAX_SIDE_VALUES) ->
     Python scalars (sizes read off tensors) may cross a cut beside ``v``; so may up to ``max_side_values``
     side tensors (inputs or widely used values such as an attention mask) when leaving their edges out of
     the dominance test yields more cuts. Requires :func:`ppll_compile.cost.measure_graph` to have run.
+
+    Side values are chosen greedily from the most used candidates, then from groups of the few most used
+    computed ones; a trial is kept when it yields more cuts. Trials that cannot yield more are told apart
+    without recomputing dominators (see :class:`_Trials`), so the time grows linearly with the model's depth.
     """
     nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
@@ -108,16 +167,12 @@ def legal_cuts(gm: fx.GraphModule, *, max_side_values: int = MAX_SIDE_VALUES) ->
     side = {n for n in nodes if n.op in _COMPUTE and not _is_tensor(n)
             and not isinstance(_value(n), (tuple, list, dict))}
     side |= {n for n in nodes if n.op in _COMPUTE and all(a.op == "get_attr" for a in n.all_input_nodes)}
+    # cuts are computed tensors with computation on both sides of them
+    eligible = [n for n in nodes if n.op in _COMPUTE and _is_tensor(n) and order[n] < last_compute]
+    trials = _Trials(nodes, side, eligible, order)
 
-    def count(extra: set[fx.Node]) -> list[fx.Node]:
-        """Dominators that are computed tensors with computation on both sides of them, across which nothing
-        but side values (and ``extra``) travels."""
-        dominators = [v for v in _dominator_cuts(nodes, side | extra)
-                      if v.op in _COMPUTE and _is_tensor(v) and order[v] < last_compute]
-        lives = _live_sets(nodes, [order[v] for v in dominators])
-        return [v for v, live in zip(dominators, lives) if all(n is v or n in side or n in extra for n in live)]
-
-    best = count(set())
+    best, chain = trials.count(set())
+    dominating = set(chain or ())
     candidates = [n for n in nodes if n.op != "get_attr" and n.op != "output" and n not in side
                   and (n.op == "placeholder" or len(n.users) >= 3) and _is_tensor(n)]
     candidates.sort(key=lambda n: (-len(n.users), order[n]))
@@ -125,16 +180,22 @@ def legal_cuts(gm: fx.GraphModule, *, max_side_values: int = MAX_SIDE_VALUES) ->
     for c in candidates:
         if len(chosen) >= max_side_values:
             break
-        trial = count(chosen | {c})
+        # leaving out the edges of c as well cuts the output off exactly when c dominates it already
+        if chain is None or trials.bound(chosen | {c}) <= len(best) or c in dominating:
+            continue
+        trial, trial_chain = trials.count(chosen | {c})
         if len(trial) > len(best):
             chosen.add(c)
-            best = trial
+            best, chain = trial, trial_chain
+            dominating = set(chain or ())
     # computed values that only help together (a rotary embedding's cos and sin, and the mask): groups of the most
     # used ones (the model's own inputs travel alone, so two input branches are never cut apart)
     pool = [c for c in candidates if c.op != "placeholder"][:_GROUP_POOL]
     for size in range(2, max_side_values + 1):
         for group in itertools.combinations(pool, size):
-            trial = count(set(group))
+            if trials.bound(set(group)) <= len(best) or not _reaches_output(nodes, side | set(group)):
+                continue
+            trial, _ = trials.count(set(group))
             if len(trial) > len(best):
                 chosen, best = set(group), trial
 

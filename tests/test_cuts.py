@@ -1,9 +1,17 @@
 """Legal cuts: nodes that dominate the output; skip connections are never cut."""
 
-import torch
+import itertools
+import warnings
 
-from ppll_compile.cost import measure_graph
-from ppll_compile.cuts import legal_cuts
+import networkx as nx
+import pytest
+import torch
+import torchvision
+
+from ppll_compile.capture import capture
+from ppll_compile.cost import META_KEY, measure_graph
+from ppll_compile.cuts import MAX_SIDE_VALUES, Cut, legal_cuts
+from ppll_compile.plan import TensorSpec
 from ppll_compile.trace import trace
 
 from models import DictOut, Masked, Residual, TwoInputs
@@ -46,3 +54,107 @@ def test_dict_output_whose_features_are_returned_too():
     assert _cuts(DictOut(), torch.randn(2, 4)) == [
         ("l1", ("l1",)), ("relu", ("relu",)), ("l2", ("l2",)), ("relu_1", ("relu_1",)),
     ]
+
+
+def _reference_cuts(gm, max_side_values: int = MAX_SIDE_VALUES) -> list[Cut]:
+    """The straightforward search: recompute the output's dominators (networkx) for every trial set of side values."""
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    compute = ("call_module", "call_function", "call_method")
+
+    def value(n):
+        return n.meta[META_KEY].value if META_KEY in n.meta else None
+
+    def is_tensor(n):
+        v = value(n)
+        return isinstance(v, TensorSpec) and not (v.dtype in ("int", "float", "bool") and v.shape == () and v.bytes == 0)
+
+    def live_after(p):
+        return [n for n in nodes[:p + 1] if n.op != "get_attr" and max((order[u] for u in n.users), default=-1) > p]
+
+    def dominators(removed):
+        g = nx.DiGraph()
+        g.add_node("source")
+        for n in nodes:
+            if n.op == "get_attr":
+                continue
+            g.add_node(n)
+            inputs = [a for a in n.all_input_nodes if a.op != "get_attr"]
+            if n.op == "placeholder" or not inputs:
+                g.add_edge("source", n)
+            g.add_edges_from((a, n) for a in inputs if a not in removed)
+        idom = nx.immediate_dominators(g, "source")
+        chain, v = [], idom.get(nodes[-1], "source")
+        while v != "source":
+            chain.append(v)
+            v = idom[v]
+        return chain[::-1]
+
+    last_compute = max(i for i, n in enumerate(nodes) if n.op in compute)
+    side = {n for n in nodes if n.op in compute and not is_tensor(n) and not isinstance(value(n), (tuple, list, dict))}
+    side |= {n for n in nodes if n.op in compute and all(a.op == "get_attr" for a in n.all_input_nodes)}
+
+    def count(extra):
+        return [v for v in dominators(side | extra)
+                if v.op in compute and is_tensor(v) and order[v] < last_compute
+                and all(n is v or n in side or n in extra for n in live_after(order[v]))]
+
+    best = count(set())
+    candidates = sorted((n for n in nodes if n.op not in ("get_attr", "output") and n not in side
+                         and (n.op == "placeholder" or len(n.users) >= 3) and is_tensor(n)),
+                        key=lambda n: (-len(n.users), order[n]))
+    chosen = set()
+    for c in candidates:
+        if len(chosen) >= max_side_values:
+            break
+        trial = count(chosen | {c})
+        if len(trial) > len(best):
+            chosen, best = chosen | {c}, trial
+    pool = [c for c in candidates if c.op != "placeholder"][:6]
+    for size in range(2, max_side_values + 1):
+        for group in itertools.combinations(pool, size):
+            trial = count(set(group))
+            if len(trial) > len(best):
+                best = trial
+    return [Cut(node=v.name, position=order[v],
+                boundary=(v.name, *(n.name for n in live_after(order[v]) if n is not v))) for v in best]
+
+
+def _hf(name: str) -> tuple[torch.nn.Module, tuple, dict]:
+    import transformers as tf
+    torch.manual_seed(0)
+    ids = torch.randint(1, 128, (2, 16))
+    small = dict(vocab_size=128, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64)
+    if name == "llama":
+        config = tf.LlamaConfig(**small, num_key_value_heads=1, bos_token_id=0, eos_token_id=0)
+        return tf.LlamaForCausalLM(config), (ids,), {}
+    if name == "bert":
+        config = tf.BertConfig(**small, num_labels=3, max_position_embeddings=64)
+        return tf.BertForSequenceClassification(config).eval(), (), {"input_ids": ids, "attention_mask": ids > 8}
+    config = tf.GPT2Config(vocab_size=128, n_embd=32, n_layer=3, n_head=2, n_positions=64)
+    return tf.GPT2LMHeadModel(config), (ids,), {}
+
+
+_GRAPHS = {
+    "resnet": lambda: (torchvision.models.resnet18(num_classes=10), (torch.randn(2, 3, 32, 32),), {}),
+    "vit": lambda: (torchvision.models.VisionTransformer(32, 8, 3, 2, 32, 64), (torch.randn(2, 3, 32, 32),), {}),
+    "llama": lambda: _hf("llama"),
+    "bert": lambda: _hf("bert"),
+    "gpt2": lambda: _hf("gpt2"),
+    "masked": lambda: (Masked(depth=4), (torch.randn(2, 5, 8), torch.ones(2, 5)), {}),
+    "two_inputs": lambda: (TwoInputs(), (torch.randn(2, 4), torch.randn(2, 6)), {}),
+}
+
+
+@pytest.mark.parametrize("name", list(_GRAPHS))
+def test_cuts_equal_the_straightforward_search_on_real_graphs(name):
+    model, args, kwargs = _GRAPHS[name]()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        captured = capture(model, args, kwargs)
+    measure_graph(captured.gm, captured.inputs)
+    for side_values in range(MAX_SIDE_VALUES + 1):
+        cuts = legal_cuts(captured.gm, max_side_values=side_values)
+        assert cuts == _reference_cuts(captured.gm, side_values), side_values
+    if name in ("llama", "bert", "masked"):  # the side values found are the ones that make blocks cuttable
+        assert any(len(c.boundary) > 1 for c in legal_cuts(captured.gm))
