@@ -162,6 +162,12 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--link-bandwidth", type=_positive_float, metavar="BYTES_PER_S",
                    help="bytes per second between neighbouring stages")
     g.add_argument("--flops-per-second", type=_positive_float, metavar="F", help="device throughput in FLOP/s")
+    g.add_argument("--gpus-per-node", type=_positive_int, metavar="N",
+                   help="devices per node: stage replicas take consecutive devices, device d on node d // N")
+    g.add_argument("--intra-node-bandwidth", type=_positive_float, metavar="BYTES_PER_S",
+                   help="bytes per second of a link inside a node (default: --link-bandwidth)")
+    g.add_argument("--inter-node-bandwidth", type=_positive_float, metavar="BYTES_PER_S",
+                   help="bytes per second of a link across nodes (default: --link-bandwidth)")
     g.add_argument("--replicas", type=_replicas, metavar="auto|none|N|R,...",
                    help="data-parallel replicas per stage: auto (the partitioner chooses; pipebd default), none "
                         "(ppll default), a cap N, or one count per stage")
@@ -226,7 +232,7 @@ def _parser() -> argparse.ArgumentParser:
 
 _OPTION_FLAGS = ("gpus", "devices", "device_speeds", "memory_limit", "link_bandwidth", "flops_per_second",
                  "policy", "batch_size", "partitioner", "profile", "optimizer", "split_points", "replicas", "tracer",
-                 "tied", "bake_train_mode")
+                 "tied", "bake_train_mode", "gpus_per_node", "intra_node_bandwidth", "inter_node_bandwidth")
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
