@@ -21,7 +21,8 @@ class Problem:
     :mod:`partitioners.objective` on one replica) and needs
     ``sum(memory[a:b]) + head_memory[b-1]`` bytes, which must not exceed ``memory_limit[j]``. Stage ``j`` runs
     on device ``j``; with ``gpus_per_node``, its send takes ``cross_comm[b-1]`` instead of ``comm[b-1]`` when
-    devices ``j`` and ``j + 1`` sit on different nodes. ``None`` means zeros for per-segment fields, ones for ``speeds`` and no cap for ``memory_limit``.
+    devices ``j`` and ``j + 1`` sit on different nodes. ``None`` means zeros for per-segment fields, ones for
+    ``speeds`` and no cap for ``memory_limit``.
     Sums are evaluated as differences of float64 prefix sums, identically by every function here, so
     solvers and the reported costs agree to the last bit.
     """
