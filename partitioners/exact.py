@@ -40,7 +40,7 @@ def _dynamic(t: Arrays) -> tuple[int, ...]:
     best[0, 0] = 0.0
     start = np.zeros((k + 1, n + 1), dtype=int)
     for j in range(k):
-        cost = t.segments.cost(a, b, speed=t.speeds[j])
+        cost = t.segments.cost(a, b, speed=t.speeds[j], cross=t.crossing(j))
         cost = np.where((a < b) & (memory <= t.caps[j]), cost, math.inf)
         step = np.maximum(best[j][:n, None], cost)
         best[j + 1, 1:], start[j + 1, 1:] = step.min(axis=0), step.argmin(axis=0)
@@ -98,7 +98,8 @@ def _probe(t: Arrays, limit: float) -> tuple[tuple[int, ...] | None, float]:
 
     After stage ``j``, ``reach`` marks the positions a partition can have reached. For an end ``b`` the
     best start is the largest reachable position below ``b``: stage compute and memory only shrink as the
-    start moves right, while head and comm depend on ``b`` alone. Stage ends are only tried in a window:
+    start moves right, while head and comm depend on ``b`` alone (and on ``j``: a send across nodes). Stage
+    ends are only tried in a window:
     a stage cannot end after compute ``limit * speed`` beyond the last reachable position, nor so early
     that the later stages cannot carry the rest of the compute at ``limit``.
     """
@@ -128,7 +129,7 @@ def _probe(t: Arrays, limit: float) -> tuple[tuple[int, ...] | None, float]:
             return None, bound
         start = np.maximum.accumulate(positions[first:high] * reach[first:high])[low - 1 - first :]
         compute, send = stage_seconds(t.segments.compute_top[low - 1 : high] - prefix[start],
-                                      t.segments.comm[low - 1 : high], speed=t.speeds[j])
+                                      t.segments.sends(t.crossing(j))[low - 1 : high], speed=t.speeds[j])
         cost = compute + send  # start[a] is 0 here (else _dynamic): prefix[start] is the stage's bottom
         good = cost <= limit
         over = ~good

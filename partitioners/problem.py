@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import InfeasibleMemoryError, PartitionError
-from .objective import Segments
+from .objective import Links, Segments
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -19,8 +19,10 @@ class Problem:
     A stage ``j`` covering segments ``[a, b)`` costs
     ``(sum(compute[a:b]) - start[a] + head[b-1]) / speeds[j] + comm[b-1]`` seconds (the objective of
     :mod:`partitioners.objective` on one replica) and needs
-    ``sum(memory[a:b]) + head_memory[b-1]`` bytes, which must not exceed ``memory_limit[j]``.
-    ``None`` means zeros for per-segment fields, ones for ``speeds`` and no cap for ``memory_limit``.
+    ``sum(memory[a:b]) + head_memory[b-1]`` bytes, which must not exceed ``memory_limit[j]``. Stage ``j`` runs
+    on device ``j``; with ``gpus_per_node``, its send takes ``cross_comm[b-1]`` instead of ``comm[b-1]`` when
+    devices ``j`` and ``j + 1`` sit on different nodes. ``None`` means zeros for per-segment fields, ones for
+    ``speeds`` and no cap for ``memory_limit``.
     Sums are evaluated as differences of float64 prefix sums, identically by every function here, so
     solvers and the reported costs agree to the last bit.
     """
@@ -44,12 +46,16 @@ class Problem:
     """Per device: relative speed, one per stage when given."""
     memory_limit: float | Sequence[float] | None = None
     """Per device: memory cap in bytes; a single number caps every device alike."""
+    cross_comm: Sequence[float] | None = None
+    """Per segment ``i``: time to send the boundary after ``i`` to a device on another node (``None``: ``comm``)."""
+    gpus_per_node: int | None = None
+    """Consecutive devices per node (device ``j`` is on node ``j // gpus_per_node``), or ``None`` for one node."""
 
     def __post_init__(self) -> None:
         n = len(vector("compute", self.compute))
         if n == 0:
             raise PartitionError("Problem.compute is empty; expected one cost per segment (a model has at least one)")
-        for name in ("head", "comm", "start", "memory", "head_memory", "params"):
+        for name in ("head", "comm", "start", "memory", "head_memory", "params", "cross_comm"):
             values = getattr(self, name)
             if values is not None and len(vector(name, values)) != n:
                 raise PartitionError(
@@ -64,6 +70,15 @@ class Problem:
             vector("speeds", self.speeds)
         if self.memory_limit is not None:
             vector("memory_limit", self.memory_limit)
+        check_gpus_per_node("Problem", self.gpus_per_node)
+
+
+def check_gpus_per_node(owner: str, value: object) -> None:
+    """Raise unless ``value`` is ``None`` or a whole number of devices per node >= 1."""
+    if value is not None and not (isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+                                  and value >= 1):
+        raise PartitionError(f"{owner}.gpus_per_node is {value!r}; expected a whole number of devices per node >= 1, "
+                             "or None for one node")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,6 +95,8 @@ class Arrays:
     """Per stage: the device's relative speed."""
     caps: np.ndarray
     """Per stage: the device's memory cap (``inf`` for none)."""
+    cross: np.ndarray | None = None
+    """Per stage: whether its send goes to another node (``None``: no stage's does)."""
 
     @classmethod
     def of(cls, problem: Problem, num_stages: int) -> Arrays:
@@ -89,8 +106,12 @@ class Arrays:
         memory_prefix = np.concatenate(([0.0], np.cumsum(np.zeros(n) if problem.memory is None
                                                          else np.asarray(problem.memory, dtype=np.float64))))
         head_memory = np.zeros(n) if problem.head_memory is None else np.asarray(problem.head_memory, np.float64)
+        links = Links(gpus_per_node=problem.gpus_per_node)
+        cross = links.crosses(np.arange(num_stages), 1) if problem.gpus_per_node else None
         return cls(
-            segments=Segments.of(problem.compute, head=problem.head, comm=problem.comm, start=problem.start),
+            segments=Segments.of(problem.compute, head=problem.head, comm=problem.comm, start=problem.start,
+                                 cross_comm=problem.cross_comm if problem.gpus_per_node else None),
+            cross=cross if cross is not None and cross.any() else None,
             memory_prefix=memory_prefix,
             memory_top=memory_prefix[1:] + head_memory,
             speeds=_per_device("speeds", problem.speeds, num_stages, 1.0),
@@ -99,7 +120,11 @@ class Arrays:
 
     def stage_cost(self, j: int, a: int, b: int) -> float:
         """Time of stage ``j`` over segments ``[a, b)``: the objective of :mod:`partitioners.objective`."""
-        return float(self.segments.cost(a, b, speed=self.speeds[j]))
+        return float(self.segments.cost(a, b, speed=self.speeds[j], cross=self.crossing(j)))
+
+    def crossing(self, j: int) -> bool:
+        """Whether stage ``j``'s send goes to another node."""
+        return bool(self.cross is not None and self.cross[j])
 
     @property
     def starts(self) -> bool:

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import InfeasibleMemoryError, PartitionError
-from .objective import Segments
-from .problem import check_ends, format_bytes, vector
+from .objective import Links, Segments
+from .problem import check_ends, check_gpus_per_node, format_bytes, vector
 
-_SEGMENT_FIELDS = ("head", "comm", "start", "grad_bytes", "head_grad_bytes", "memory", "head_memory")
+_SEGMENT_FIELDS = ("head", "comm", "start", "grad_bytes", "head_grad_bytes", "memory", "head_memory", "cross_comm")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,7 +27,10 @@ class ReplicaProblem:
     ``sync = 2 (r-1)/r * (sum(grad_bytes[a:b]) + head_grad_bytes[b-1]) / allreduce_bandwidth``; each replica
     needs ``sum(memory[a:b]) + head_memory[b-1]`` bytes. ``None`` means zeros for per-segment fields. With
     ``split_compute`` (measured times at each replica's share of the batch), ``sum(compute[a:b]) / r`` is
-    replaced by ``sum(split_compute[r-2][a:b])`` for ``r >= 2``.
+    replaced by ``sum(split_compute[r-2][a:b])`` for ``r >= 2``. With ``gpus_per_node``, stage ``j``'s replicas
+    take the next devices after stage ``j - 1``'s (from device 0); its send takes ``cross_comm[b-1]`` instead of
+    ``comm[b-1]`` when its last device and the next stage's first sit on different nodes, and its all-reduce runs
+    at ``inter_node_bandwidth`` when its replicas span nodes (:class:`partitioners.objective.Links`).
     """
 
     compute: Sequence[float]
@@ -59,6 +62,13 @@ class ReplicaProblem:
     split_compute: Sequence[Sequence[float]] | None = None
     """``split_compute[r-2][i]``: seconds of segment ``i`` on each of ``r >= 2`` replicas (at its batch share);
     replaces ``compute[i] / r``, and caps the replicas of a stage at ``len(split_compute) + 1``."""
+    cross_comm: Sequence[float] | None = None
+    """Per segment ``i``: seconds to send the boundary after ``i`` to another node at the full batch (``None``:
+    ``comm``)."""
+    gpus_per_node: int | None = None
+    """Consecutive devices per node (device ``d`` is on node ``d // gpus_per_node``), or ``None`` for one node."""
+    inter_node_bandwidth: float | None = None
+    """Bytes per second of the all-reduce of a stage whose replicas span nodes (``None``: ``allreduce_bandwidth``)."""
 
     def __post_init__(self) -> None:
         n = len(_column("compute", self.compute))
@@ -78,6 +88,13 @@ class ReplicaProblem:
                 f"ReplicaProblem.allreduce_bandwidth is {self.allreduce_bandwidth!r}; "
                 "expected a positive number of bytes per second"
             )
+        if self.inter_node_bandwidth is not None and not (_is_number(self.inter_node_bandwidth)
+                                                          and self.inter_node_bandwidth > 0):
+            raise PartitionError(
+                f"ReplicaProblem.inter_node_bandwidth is {self.inter_node_bandwidth!r}; "
+                "expected a positive number of bytes per second, or None for allreduce_bandwidth"
+            )
+        check_gpus_per_node("ReplicaProblem", self.gpus_per_node)
         if self.memory_limit is not None and not (_is_number(self.memory_limit) and self.memory_limit >= 0):
             raise PartitionError(
                 f"ReplicaProblem.memory_limit is {self.memory_limit!r}; "
@@ -143,6 +160,8 @@ def solve_replicated(problem: ReplicaProblem) -> Layout:
     if not min_limit <= t.limit:
         raise _infeasible(problem, min_limit)
     fits = (a < b) & (memory <= t.limit)
+    if t.links.gpus_per_node is not None:
+        return _on_nodes(problem, t, fits)
     r = np.arange(1, t.max_replicas + 1)
     costs = np.where(fits[..., None], _cost(t, a[..., None], np.maximum(b, 1)[..., None], r), math.inf)
 
@@ -169,6 +188,67 @@ def solve_replicated(problem: ReplicaProblem) -> Layout:
     return _layout(t, ends[::-1], replicas[::-1])
 
 
+def _on_nodes(problem: ReplicaProblem, t: _Tables, fits: np.ndarray) -> Layout:
+    """:func:`solve_replicated` on nodes: a stage's cost depends on its first device modulo ``gpus_per_node``
+    (whether its send crosses nodes, whether its replicas span them), so the threshold search's DP runs over
+    (segment, first free device modulo ``gpus_per_node``), keeping the fewest devices then stages (or, for a fixed
+    stage count, the fewest devices per count): the rest of a layout depends on that state alone."""
+    n, g, most = len(t.memory_top), int(t.links.gpus_per_node), t.max_replicas
+    phase, r = np.arange(g)[:, None], np.arange(1, most + 1)[None, :]
+    kind = 2 * t.links.crosses(phase, r).astype(int) + t.links.spans(phase, r).astype(int)  # (g, most)
+    first = np.full((most, 4), -1)  # a first device of each kind of placement, per replica count
+    first[np.broadcast_to(r - 1, kind.shape), kind] = np.broadcast_to(phase, kind.shape)
+    a, b = np.arange(n + 1)[:, None, None, None], np.arange(n + 1)[None, :, None, None]
+    costs = _cost(t, a, np.maximum(b, 1), np.arange(1, most + 1)[:, None], np.maximum(first, 0))
+    costs = np.where(fits[..., None, None] & (first >= 0), costs, math.inf)  # (n + 1, n + 1, most, 4)
+    fixed = problem.stages
+    nxt = (phase + r) % g
+    moves = [np.nonzero(nxt == q) for q in range(g)]  # (phase, replicas - 1) of the stages that leave phase q
+    layers, step = (1, (n + 1) * r[0] + 1.0) if fixed is None else (fixed + 1, r[0] * 1.0)
+
+    def fewest(limit: float) -> tuple[np.ndarray, np.ndarray]:
+        """``best[s, b, q]``: fewest devices (then stages; ``s`` stages when fixed) of stages ending at ``b`` that
+        leave the next free device at phase ``q``, and the (start, phase, replicas) of the last of them."""
+        ok = costs <= limit
+        best = np.full((layers, n + 1, g), math.inf)
+        best[0, 0, 0] = 0.0
+        back = np.zeros((layers, n + 1, g, 3), dtype=int)
+        for end in range(1, n + 1):
+            allowed = ok[:end, end][:, r[0] - 1, kind]  # (end, g, most)
+            value = np.where(allowed, best[:, :end, :, None] + step, math.inf)  # (layers, end, g, most)
+            for q, (ps, rs) in enumerate(moves):
+                sub = value[:, :, ps, rs].reshape(layers, -1)
+                pick = sub.argmin(axis=1)
+                start, which = np.divmod(pick, len(ps))
+                row = np.stack([start, ps[which], rs[which] + 1], axis=1)
+                if fixed is None:
+                    best[0, end, q], back[0, end, q] = sub[0, pick[0]], row[0]
+                else:
+                    best[1:, end, q], back[1:, end, q] = sub[np.arange(layers), pick][:-1], row[:-1]
+        return best, back
+
+    def devices(best: np.ndarray) -> tuple[float, int]:
+        """The fewest devices of a whole layout, and the phase it ends at."""
+        q = int(best[-1, n].argmin())
+        key = best[-1, n, q]
+        return (key if fixed is not None else key // (n + 1) if math.isfinite(key) else key), q
+
+    candidates = np.unique(costs[np.isfinite(costs)])
+    lo, hi = 0, len(candidates) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if devices(fewest(candidates[mid])[0])[0] <= problem.devices else (mid + 1, hi)
+    best, back = fewest(candidates[lo])
+    _, q = devices(best)
+    ends, replicas, end, layer = [], [], n, layers - 1
+    while end > 0:
+        start, q, count = back[layer, end, q]
+        ends.append(end)
+        replicas.append(int(count))
+        end, layer = int(start), layer if fixed is None else layer - 1
+    return _layout(t, ends[::-1], replicas[::-1])
+
+
 def solve_fixed_replicas(problem: ReplicaProblem, replicas: Sequence[int]) -> Layout:
     """The stage ends with the fastest slowest stage when stage ``j`` runs on ``replicas[j]`` devices.
 
@@ -189,8 +269,8 @@ def solve_fixed_replicas(problem: ReplicaProblem, replicas: Sequence[int]) -> La
     best = np.full((k + 1, n + 1), math.inf)
     best[0, 0] = 0.0
     start = np.zeros((k + 1, n + 1), dtype=int)
-    for j, r in enumerate(replicas, 1):
-        cost = np.where((a < b) & (memory <= t.limit), _cost(t, a, np.maximum(b, 1), r), math.inf)
+    for j, (r, first) in enumerate(zip(replicas, Links.firsts(replicas)), 1):
+        cost = np.where((a < b) & (memory <= t.limit), _cost(t, a, np.maximum(b, 1), r, first), math.inf)
         step = np.maximum(best[j - 1][:, None], cost)
         best[j], start[j] = step.min(axis=0), step.argmin(axis=0)
     ends, end = [], n
@@ -255,8 +335,8 @@ class _Tables:
     """``memory_prefix[i]`` is the summed memory of segments ``0 .. i-1`` (length n + 1)."""
     memory_top: np.ndarray
     """``memory_prefix[b] + head_memory[b-1]`` at index ``b-1``."""
-    bandwidth: float
-    """Bytes per second of the all-reduce."""
+    links: Links
+    """Devices per node and the all-reduce's bytes per second inside and across nodes."""
     limit: float
     """Per-device memory cap (``inf`` for none)."""
     max_replicas: int
@@ -274,18 +354,22 @@ class _Tables:
             cap = min(cap, len(split) + 1)
         return cls(
             segments=Segments.of(problem.compute, head=problem.head, comm=problem.comm, start=problem.start,
-                                 grad_bytes=problem.grad_bytes, head_grad_bytes=problem.head_grad_bytes, split=split),
+                                 grad_bytes=problem.grad_bytes, head_grad_bytes=problem.head_grad_bytes, split=split,
+                                 cross_comm=problem.cross_comm if problem.gpus_per_node else None),
             memory_prefix=memory,
             memory_top=memory[1:] + head_memory,
-            bandwidth=float(problem.allreduce_bandwidth),
+            links=Links(gpus_per_node=problem.gpus_per_node, intra=float(problem.allreduce_bandwidth),
+                        inter=float(problem.inter_node_bandwidth or problem.allreduce_bandwidth)),
             limit=math.inf if problem.memory_limit is None else float(problem.memory_limit),
             max_replicas=cap,
         )
 
 
-def _cost(t: _Tables, a, b, r):
-    """Time of the stage ``[a, b)`` on ``r`` replicas: the objective; scalars or broadcast arrays, identical bits."""
-    return t.segments.cost(a, b, replicas=r, bandwidth=t.bandwidth)
+def _cost(t: _Tables, a, b, r, first=0):
+    """Time of the stage ``[a, b)`` on ``r`` replicas from device ``first``: the objective; scalars or broadcast
+    arrays, identical bits."""
+    compute, send = t.segments.placed(a, b, first, t.links, replicas=r)
+    return compute + send
 
 
 def _memory(t: _Tables, a, b):
@@ -295,8 +379,8 @@ def _memory(t: _Tables, a, b):
 
 def _layout(t: _Tables, ends: Sequence[int], replicas: Sequence[int]) -> Layout:
     """``ends`` and ``replicas`` as a ``Layout`` with each stage's cost."""
-    spans = zip((0, *ends), ends, replicas)
-    costs = tuple(float(_cost(t, a, b, r)) for a, b, r in spans)
+    spans = zip((0, *ends), ends, replicas, Links.firsts(replicas))
+    costs = tuple(float(_cost(t, a, b, r, first)) for a, b, r, first in spans)
     return Layout(ends=tuple(int(b) for b in ends), replicas=tuple(int(r) for r in replicas), costs=costs)
 
 

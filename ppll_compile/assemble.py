@@ -115,11 +115,13 @@ def assemble(layout: StageLayout, devices: Sequence[str], parts: Callable[[int, 
     ``start .. end - 1``; ``notes`` are the earlier steps' (the CPU fallback's and the stages' follow them);
     ``kind`` holds the plan kind's own fields (``mode``, ``teacher``, ``blocks``, ...)."""
     notes = (*notes, *_cpu_fallback(layout, opts))
+    links = opts.links()
     stages = []
     start = offset = 0
     for j, (end, r) in enumerate(zip(layout.ends, layout.replicas)):
         p = parts(j, start, end, r)
         stages.append(StagePlan(
+            crosses_nodes=bool(p.boundary) and bool(links.crosses(offset, r)),
             index=j, device=devices[offset], replicas=r, first_node=p.nodes[0].name, last_node=p.nodes[-1].name,
             first_module=module_path(p.nodes[0]), last_module=module_path(p.nodes[-1]),
             nodes=tuple(n.name for n in p.nodes), aux_flops=p.aux_flops, memory_bytes=p.memory_bytes,
@@ -134,7 +136,7 @@ def assemble(layout: StageLayout, devices: Sequence[str], parts: Callable[[int, 
         optimizer=opts.optimizer, flops_per_second=opts.flops_per_second, link_bandwidth=opts.link_bandwidth,
         device_speeds=layout.speeds, memory_limit=opts.memory_limit, legal_cuts=tuple(c.node for c in a.cuts),
         stages=tuple(stages), sequential_cost=sequential, notes=notes, tracer=a.tracer, hardware=opts.hardware,
-        calibration=figures.record() if figures is not None else {}, **kind)
+        calibration=figures.record() if figures is not None else {}, **opts.topology, **kind)
     plan.validate()
     return plan
 
@@ -153,7 +155,8 @@ def assemble_ppll(model: str, a: Analysis, heads: Mapping[int, HeadSpec], costs:
     last_stage = len(layout.ends) - 1
     head_grad = costs.head_grad_bytes
     assert costs.head is not None and head_grad is not None, "ppll costs price a head at every cut"
-    segments = costs.segments()
+    links = opts.links()
+    segments, firsts = costs.segments(links), layout.firsts
 
     def parts(j: int, start: int, end: int, r: int) -> StageParts:
         nodes = [n for n in a.segment_nodes(start, end - 1) if n.op not in ("placeholder", "get_attr")] \
@@ -163,17 +166,17 @@ def assemble_ppll(model: str, a: Analysis, heads: Mapping[int, HeadSpec], costs:
         cut = None if last else a.cuts[end - 1]
         head = model_head() if last else stage_head(heads[end - 1], j, last_stage + 1)
         grad = s.grad_bytes + (0 if last else head_grad[end - 1])
-        speed, bandwidth = layout.speeds[j], opts.link_bandwidth
+        speed, first = layout.speeds[j], firsts[j]
         if measured is not None:
             work, step = measured[(start, end - 1)].seconds, measured[(start, end - 1)].step_seconds
-            compute, send = stage_seconds(work, costs.comm[end - 1], speed=speed, replicas=r, grad_bytes=grad,
-                                          bandwidth=bandwidth)
+            compute, send = stage_seconds(work, segments.send(end, links.crosses(first, r)), speed=speed, replicas=r,
+                                          grad_bytes=grad, bandwidth=links.allreduce_bandwidth(first, r))
         else:
-            compute, send = segments.seconds(start, end, speed=speed, replicas=r, bandwidth=bandwidth, grad_bytes=grad)
+            compute, send = segments.placed(start, end, first, links, speed=speed, replicas=r, grad_bytes=grad)
             step = sum(costs.step[start:end]) + (0.0 if last or not costs.head_step else costs.head_step[end - 1]) \
                 if costs.step else 0.0
         step /= speed * r
-        said = tuple(() if last else head_notes(head, j, bandwidth))
+        said = tuple(() if last else head_notes(head, j, links.inter if links.crosses(first, r) else links.intra))
         if cut is not None and cut.node in multi:
             said += (f"stage {j} sends {len(cut.boundary)} values ({', '.join(cut.boundary)}); its aux head reads "
                      f"the first",)

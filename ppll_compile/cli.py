@@ -167,6 +167,12 @@ def _parser() -> argparse.ArgumentParser:
                    "nothing timed here: h100, h200, a100-80gb, a100-40gb, l40s, mi300x, cpu (this machine), or a "
                    "figures file (--calibrate --figures on the training machine writes one); its memory is the "
                    "default --memory-limit, its intra-node link the default --link-bandwidth")
+    g.add_argument("--gpus-per-node", type=_positive_int, metavar="N",
+                   help="devices per node: stage replicas take consecutive devices, device d on node d // N")
+    g.add_argument("--intra-node-bandwidth", type=_positive_float, metavar="BYTES_PER_S",
+                   help="bytes per second of a link inside a node (default: --link-bandwidth)")
+    g.add_argument("--inter-node-bandwidth", type=_positive_float, metavar="BYTES_PER_S",
+                   help="bytes per second of a link across nodes (default: --link-bandwidth)")
     g.add_argument("--replicas", type=_replicas, metavar="auto|none|N|R,...",
                    help="data-parallel replicas per stage: auto (the partitioner chooses; pipebd default), none "
                         "(ppll default), a cap N, or one count per stage")
@@ -231,7 +237,7 @@ def _parser() -> argparse.ArgumentParser:
 
 _OPTION_FLAGS = ("gpus", "devices", "device_speeds", "memory_limit", "link_bandwidth", "flops_per_second",
                  "hardware", "policy", "batch_size", "partitioner", "profile", "optimizer", "split_points", "replicas",
-                 "tracer", "tied", "bake_train_mode")
+                 "tracer", "tied", "bake_train_mode", "gpus_per_node", "intra_node_bandwidth", "inter_node_bandwidth")
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:

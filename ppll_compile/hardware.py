@@ -208,11 +208,15 @@ def _positive(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
 
 
-def hardware_defaults(spec: str | Path | None) -> dict[str, Any]:
+def hardware_defaults(spec: str | Path | None, devices: int | None = None, nodes: bool = False) -> dict[str, Any]:
     """The plan options a hardware sets when the user gives none: ``memory_limit`` (its memory per device) and
-    ``link_bandwidth`` (its intra-node link), where known."""
+    ``link_bandwidth`` (its intra-node link), where known; and, when ``devices`` are more than one of its nodes
+    holds or the user gave ``gpus_per_node`` (``nodes``), its nodes with their intra- and inter-node links."""
     if spec is None:
         return {}
     hw = load_hardware(spec)
     defaults = {"memory_limit": hw.memory_bytes, "link_bandwidth": hw.intra_node_bandwidth}
+    if hw.gpus_per_node is not None and (nodes or (devices is not None and devices > hw.gpus_per_node)):
+        defaults.update(gpus_per_node=hw.gpus_per_node, intra_node_bandwidth=hw.intra_node_bandwidth,
+                        inter_node_bandwidth=hw.inter_node_bandwidth)
     return {k: v for k, v in defaults.items() if v is not None}

@@ -13,6 +13,7 @@ import yaml
 from torch import nn
 
 import partitioners
+from partitioners.objective import Links
 
 from .errors import PartitionError, PlanError
 from .hardware import hardware_defaults, load_hardware
@@ -64,6 +65,13 @@ class PlanOptions:
     """Relative speed per device (heterogeneous devices); 1.0 each by default."""
     link_bandwidth: float = DEFAULT_LINK_BANDWIDTH
     """Bytes per second between neighbouring stages."""
+    gpus_per_node: int | None = None
+    """Devices per node: stage replicas take consecutive devices, device ``d`` on node ``d // gpus_per_node``;
+    ``None``: one node."""
+    intra_node_bandwidth: float | None = None
+    """Bytes per second of a link inside a node (``None``: ``link_bandwidth``)."""
+    inter_node_bandwidth: float | None = None
+    """Bytes per second of a link across nodes (``None``: ``link_bandwidth``); needs ``gpus_per_node``."""
     flops_per_second: float = DEFAULT_FLOPS_PER_SECOND
     """Device throughput that turns FLOPs into seconds (profile ``flops``)."""
     leaf_modules: tuple[Any, ...] = ()
@@ -93,7 +101,7 @@ class PlanOptions:
     (the first device's, calibrated), no default cap."""
 
     def __post_init__(self) -> None:
-        for name in ("gpus", "batch_size", "memory_limit", "num_classes"):
+        for name in ("gpus", "batch_size", "memory_limit", "num_classes", "gpus_per_node"):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -111,6 +119,16 @@ class PlanOptions:
         for name in ("link_bandwidth", "flops_per_second"):
             if not _positive_number(getattr(self, name)):
                 raise ValueError(f"{name} must be a positive number, got {getattr(self, name)!r}")
+        for name in ("intra_node_bandwidth", "inter_node_bandwidth"):
+            if getattr(self, name) is not None and not _positive_number(getattr(self, name)):
+                raise ValueError(f"{name} must be a positive number of bytes per second or None, got "
+                                 f"{getattr(self, name)!r}")
+        if self.inter_node_bandwidth is not None and self.gpus_per_node is None:
+            raise ValueError(f"inter_node_bandwidth={self.inter_node_bandwidth!r} prices links across nodes, but "
+                             "gpus_per_node is not given (one node); set gpus_per_node=N or drop "
+                             "inter_node_bandwidth")
+        if self.gpus is not None:
+            self.check_nodes(self.gpus)
         if self.device_speeds is not None and not all(_positive_number(s) for s in self.device_speeds):
             raise ValueError(f"device_speeds must all be positive numbers, got {list(self.device_speeds)}")
         for i, device in enumerate(self.devices or ()):
@@ -136,6 +154,35 @@ class PlanOptions:
         if self.replicas_chosen and self.partitioner != "exact":
             raise ValueError(f"replicas={r!r} lets the exact partitioner place replicas; drop "
                              f"partitioner={self.partitioner!r}")
+
+    def links(self) -> Links:
+        """The devices per node and the bandwidths of the links inside and across nodes that the partitioner, the
+        plan and the simulator price sends and all-reduces with: the ones given, else ``link_bandwidth`` (the one
+        place that resolves them)."""
+        return Links(gpus_per_node=self.gpus_per_node,
+                     intra=float(self.intra_node_bandwidth or self.link_bandwidth),
+                     inter=float(self.inter_node_bandwidth or self.link_bandwidth))
+
+    @property
+    def topology(self) -> dict[str, Any]:
+        """What a plan records of the nodes: ``gpus_per_node`` and the resolved bandwidths (all ``None`` when no
+        topology is given)."""
+        if self.gpus_per_node is None and self.intra_node_bandwidth is None:
+            return {"gpus_per_node": None, "intra_node_bandwidth": None, "inter_node_bandwidth": None}
+        links = self.links()
+        return {"gpus_per_node": links.gpus_per_node, "intra_node_bandwidth": links.intra,
+                "inter_node_bandwidth": links.inter if links.gpus_per_node else None}
+
+    def check_nodes(self, devices: int) -> None:
+        """Raise unless ``devices`` (every stage's replicas together) fill whole nodes of ``gpus_per_node``."""
+        g = self.gpus_per_node
+        if g is None or devices % g == 0:
+            return
+        lower, upper = devices // g * g, (devices // g + 1) * g
+        choices = f"{lower} or {upper}" if lower else f"{upper}"
+        raise ValueError(f"gpus={devices} is not a multiple of gpus_per_node={g}: the devices must fill whole nodes; "
+                         f"plan for {choices} devices, or set gpus_per_node to the devices each node gives the "
+                         f"pipeline")
 
     @property
     def replicas_chosen(self) -> bool:
@@ -192,7 +239,8 @@ class SavedPlan:
 
 
 _CARRIED = ("batch_size", "num_classes", "policy", "profile", "optimizer", "memory_limit", "device_speeds",
-            "link_bandwidth", "flops_per_second", "hardware")
+            "link_bandwidth", "flops_per_second", "hardware", "gpus_per_node", "intra_node_bandwidth",
+            "inter_node_bandwidth")
 
 
 def read_saved_plan(plan: Plan | str | Path | None) -> SavedPlan | None:
@@ -279,11 +327,15 @@ def _check_saved(saved: SavedPlan, ends: list[str]) -> None:
 
 def resolve_options(gpus: int | None, base: SavedPlan | None, options: dict[str, Any]) -> PlanOptions:
     """Options from the call, falling back to a re-applied plan's own settings, then to the defaults of the
-    hardware they name (its memory per device as ``memory_limit``, its intra-node link as ``link_bandwidth``)."""
+    hardware they name (its memory per device as ``memory_limit``, its intra-node link as ``link_bandwidth``, and
+    for more devices than one of its nodes holds, its nodes and their links: see
+    :func:`~ppll_compile.hardware.hardware_defaults`)."""
     given = {**(base.settings if base is not None else {}), **options}
     hardware = given.get("hardware")
-    return PlanOptions.make(gpus=gpus, **{**hardware_defaults(str(hardware) if hardware is not None else None),
-                                          **given})
+    devices = gpus if gpus is not None else len(given.get("devices") or ()) or None
+    defaults = hardware_defaults(str(hardware) if hardware is not None else None, devices,
+                                 given.get("gpus_per_node") is not None)
+    return PlanOptions.make(gpus=gpus, **{**defaults, **given})
 
 
 def resolve_mode(mode: str | None, teacher: nn.Module | None, base: SavedPlan | None) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 import partitioners
-from partitioners.objective import Segments
+from partitioners.objective import Links, Segments
 from partitioners.replicas import Layout, ReplicaProblem, layout_costs, solve_fixed_replicas, solve_replicated
 
 from .analysis import Analysis
@@ -38,7 +38,7 @@ class Costs:
     compute: list[float]
     """Forward and backward seconds at the full batch on one nominal device."""
     comm: list[float]
-    """Seconds to send the boundary after the unit at the full batch (0 for the last unit)."""
+    """Seconds to send the boundary after the unit at the full batch inside a node (0 for the last unit)."""
     start: list[float] | None = None
     """``ppll``: seconds a stage starting at the unit saves: its input arrives detached, so its first layers
     compute no input gradient."""
@@ -62,23 +62,33 @@ class Costs:
     """Measured seconds at each share of the batch that ``2, 3, ...`` replicas train on (``profile="time"``)."""
 
     def replica_problem(self, opts: PlanOptions, devices: int, cap: int | None) -> ReplicaProblem:
-        """The exact replica partitioner's problem over ``devices``, each stage on at most ``cap`` of them."""
+        """The exact replica partitioner's problem over ``devices``, each stage on at most ``cap`` of them, its sends
+        and all-reduces over the links they cross."""
+        opts.check_nodes(devices)
+        links = opts.links()
         return ReplicaProblem(compute=self.compute, head=self.head, comm=self.comm, start=self.start,
                               grad_bytes=self.grad_bytes,
-                              head_grad_bytes=self.head_grad_bytes, allreduce_bandwidth=opts.link_bandwidth,
+                              head_grad_bytes=self.head_grad_bytes, allreduce_bandwidth=links.intra,
                               memory=self.memory, head_memory=self.head_memory, memory_limit=opts.memory_limit,
-                              devices=devices, max_replicas=cap, split_compute=self.split)
+                              devices=devices, max_replicas=cap, split_compute=self.split,
+                              cross_comm=links.across(self.comm), gpus_per_node=links.gpus_per_node,
+                              inter_node_bandwidth=links.inter if links.gpus_per_node else None)
 
-    def problem(self, speeds: Sequence[float] | None, memory_limit: float | None) -> partitioners.Problem:
-        """The stage-count solvers' problem, stage ``j`` on a device of relative speed ``speeds[j]``."""
+    def problem(self, speeds: Sequence[float] | None, memory_limit: float | None,
+                links: Links | None = None) -> partitioners.Problem:
+        """The stage-count solvers' problem, stage ``j`` on device ``j`` of relative speed ``speeds[j]``, its send
+        over the link it crosses (``links``: one node)."""
+        links = links or Links()
         return partitioners.Problem(compute=self.compute, head=self.head, comm=self.comm, start=self.start,
                                     memory=self.memory, head_memory=self.head_memory, params=self.params,
-                                    speeds=speeds, memory_limit=memory_limit)
+                                    speeds=speeds, memory_limit=memory_limit, cross_comm=links.across(self.comm),
+                                    gpus_per_node=links.gpus_per_node)
 
-    def segments(self) -> Segments:
+    def segments(self, links: Links | None = None) -> Segments:
         """The sums the stage-cost objective reads, as the solvers read them (so a plan's costs are theirs)."""
         return Segments.of(self.compute, head=self.head, comm=self.comm, start=self.start,
-                           grad_bytes=self.grad_bytes, head_grad_bytes=self.head_grad_bytes, split=self.split)
+                           grad_bytes=self.grad_bytes, head_grad_bytes=self.head_grad_bytes, split=self.split,
+                           cross_comm=(links or Links()).across(self.comm))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,6 +117,11 @@ class StageLayout:
     """``manual``, a solver's name, or ``exact-replicas``."""
     costs: tuple[float, ...] = ()
     """Per stage: seconds as the solver's objective costs it (empty for cuts given by hand in a ``ppll`` plan)."""
+
+    @property
+    def firsts(self) -> list[int]:
+        """Per stage: its first device (the stages' replicas take consecutive devices from 0)."""
+        return Links.firsts(self.replicas)
 
 
 def segment_costs(a: Analysis, heads: Mapping[int, HeadSpec], head_costs: Mapping[int, ModuleCost], policy: Policy,
@@ -139,7 +154,7 @@ def segment_costs(a: Analysis, heads: Mapping[int, HeadSpec], head_costs: Mappin
         notes = (figures.describe(),)
     return Costs(
         compute=seg_time, head=[head_time.get(i, 0.0) for i in range(n)], start=start, step=step, head_step=head_step,
-        comm=[sum(t.bytes for t in a.boundary(c)) / opts.link_bandwidth for c in a.cuts] + [0.0],
+        comm=[sum(t.bytes for t in a.boundary(c)) / opts.links().intra for c in a.cuts] + [0.0],
         memory=[s.memory for s in seg], grad_bytes=[s.grad_bytes for s in seg],
         head_memory=[heads[i].memory_bytes if i in heads else 0 for i in range(n)],
         head_grad_bytes=[heads[i].param_count * 4 if i in heads else 0 for i in range(n)],  # float32 heads
@@ -316,6 +331,7 @@ def ppll_layout(costs: Costs, request: StageRequest, opts: PlanOptions) -> Stage
     n = len(costs.compute)
     fixed = opts.replicas if isinstance(opts.replicas, tuple) else None
     if request.manual is not None:
+        opts.check_nodes(sum(fixed or (1,) * request.stages))
         return StageLayout(ends=tuple(c + 1 for c in request.manual) + (n,),
                            replicas=fixed or (1,) * request.stages, speeds=request.speeds,  # type: ignore[arg-type]
                            partitioner="manual")
@@ -327,7 +343,8 @@ def ppll_layout(costs: Costs, request: StageRequest, opts: PlanOptions) -> Stage
                          opts, devices)
         return StageLayout(ends=layout.ends, replicas=layout.replicas, speeds=(1.0,) * len(layout.ends),
                            partitioner="exact-replicas", costs=layout.costs)
-    problem = costs.problem(request.speeds, opts.memory_limit)
+    opts.check_nodes(request.stages)
+    problem = costs.problem(request.speeds, opts.memory_limit, opts.links())
     ends = _solved(lambda: partitioners.solve(problem, request.stages, opts.partitioner), costs, opts,
                    request.stages)
     return StageLayout(ends=ends, replicas=(1,) * request.stages, speeds=request.speeds,  # type: ignore[arg-type]

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from partitioners.objective import allreduce_seconds
+from partitioners.objective import Links, allreduce_seconds
 
 from .errors import PlanError
 from .plan_file import PLAN_VERSION, PlanFile
@@ -71,6 +71,13 @@ class Plan(PlanTable, PlanFile):
     """Device throughput used to turn FLOPs into seconds (profile ``flops``)."""
     link_bandwidth: float
     """Bytes per second between neighbouring stages."""
+    gpus_per_node: int | None = None
+    """Devices per node (stage replicas take consecutive devices, device ``d`` on node ``d // gpus_per_node``), or
+    ``None``: one node."""
+    intra_node_bandwidth: float | None = None
+    """Bytes per second of a link inside a node (``None``: :attr:`link_bandwidth`)."""
+    inter_node_bandwidth: float | None = None
+    """Bytes per second of a link across nodes (``None``: :attr:`link_bandwidth`)."""
     device_speeds: tuple[float, ...]
     """Relative speed of each stage's device (1.0 = nominal)."""
     memory_limit: int | None
@@ -139,13 +146,29 @@ class Plan(PlanTable, PlanFile):
     def bottleneck_stage(self) -> int:
         return max(range(len(self.stages)), key=lambda i: self.stages[i].cost)
 
+    def links(self) -> Links:
+        """The devices per node and the bandwidths of the links inside and across nodes the plan was costed with."""
+        return Links(gpus_per_node=self.gpus_per_node,
+                     intra=float(self.intra_node_bandwidth or self.link_bandwidth),
+                     inter=float(self.inter_node_bandwidth or self.link_bandwidth))
+
+    def first_device(self, stage: StagePlan) -> int:
+        """The index of ``stage``'s first device among all the stages' replicas (they take consecutive devices)."""
+        return sum(s.replicas for s in self.stages[:stage.index])
+
+    def send_bandwidth(self, stage: StagePlan) -> float:
+        """Bytes per second of the link ``stage`` sends its boundary over: across nodes or inside one."""
+        links = self.links()
+        return links.inter if stage.crosses_nodes else links.intra
+
     def allreduce_cost(self, stage: StagePlan, link_bandwidth: float | None = None) -> float:
         """Seconds per batch of ``stage``'s ring all-reduce over its replicas (0 for one), ``2 (r-1)/r`` times its
-        gradient bytes (backbone, plus a ``ppll`` stage's aux head) over ``link_bandwidth`` (default: the plan's);
-        part of the stage's ``compute_cost``."""
+        gradient bytes (backbone, plus a ``ppll`` stage's aux head) over ``link_bandwidth`` (default: the links its
+        replicas span, the inter-node one when they sit on several nodes); part of the stage's ``compute_cost``."""
         r = stage.replicas
         head = stage.head.param_count * 4 if self.mode == "ppll" and not stage.is_last else 0  # float32 heads
-        return allreduce_seconds(stage.grad_bytes + head, r, link_bandwidth or self.link_bandwidth)
+        bandwidth = link_bandwidth or self.links().allreduce_bandwidth(self.first_device(stage), r)
+        return allreduce_seconds(stage.grad_bytes + head, r, bandwidth)
 
     def totals(self) -> dict[str, float]:
         return {
@@ -198,6 +221,15 @@ class Plan(PlanTable, PlanFile):
             if dup:
                 raise PlanError(f"node(s) {sorted(dup)} appear in more than one stage")
             seen.update(s.nodes)
+        if self.gpus_per_node is not None and not (isinstance(self.gpus_per_node, int) and self.gpus_per_node >= 1):
+            raise PlanError(f"gpus_per_node must be a positive integer or None, got {self.gpus_per_node!r}")
+        links = self.links()
+        for s in self.stages:
+            crosses = not s.is_last and bool(links.crosses(self.first_device(s), s.replicas))
+            if s.crosses_nodes != crosses:
+                raise PlanError(f"stage {s.index}: crosses_nodes is {s.crosses_nodes} but its last device and the "
+                                f"next stage's first sit on {'two nodes' if crosses else 'one node'} (gpus_per_node="
+                                f"{self.gpus_per_node}); set crosses_nodes: {str(crosses).lower()}")
         if len(self.device_speeds) != len(self.stages):
             raise PlanError(f"device_speeds has {len(self.device_speeds)} entries for {len(self.stages)} stages")
         unknown_cuts = [c for c in self.cuts if c not in self.legal_cuts]

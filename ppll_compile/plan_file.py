@@ -51,6 +51,13 @@ class PlanFile:
             elif isinstance(v, tuple):
                 v = list(v)
             d[f.name] = v
+        if d.get("gpus_per_node") is None:  # one node: the file reads as it did before nodes existed
+            d.pop("gpus_per_node", None)
+            d.pop("inter_node_bandwidth", None)
+            if d.get("intra_node_bandwidth") is None:
+                d.pop("intra_node_bandwidth", None)
+            for stage in d["stages"]:
+                stage.pop("crosses_nodes", None)
         d["totals"] = self.totals()
         return d
 

@@ -171,6 +171,8 @@ class StagePlan:
     """Devices that run the stage data-parallel, each on a slice of the batch (gradients all-reduced)."""
     blocks: tuple[int, ...] = ()
     """``pipebd``: the distillation blocks the stage trains (indices into :attr:`Plan.blocks`)."""
+    crosses_nodes: bool = False
+    """Whether its boundary goes to another node (its last device and the next stage's first sit on two nodes)."""
 
     @property
     def is_last(self) -> bool:

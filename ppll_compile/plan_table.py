@@ -8,9 +8,10 @@ class PlanTable:
 
     def table(self) -> str:
         """The stage table and totals as plain aligned text."""
+        nodes = self.gpus_per_node is not None
         header = ["stage", "device", "first", "last", "nodes", "params", "fwd", "bwd",
                   "teacher" if self.blocks else "aux",
-                  "memory", "boundary", "head", "cost ms"]
+                  "memory", "boundary", *(["link"] if nodes else []), "head", "cost ms"]
         rows = []
         b = self.bottleneck_stage
         for s in self.stages:
@@ -21,26 +22,38 @@ class PlanTable:
                 s.device + (f" x{s.replicas}" if s.replicas > 1 else ""), s.first_module or s.first_node,
                 s.last_module or s.last_node, str(len(s.nodes)), f"{s.param_count / 1e6:.2f}M",
                 format_flops(s.flops_fwd), format_flops(s.flops_bwd), format_flops(s.aux_flops),
-                format_bytes(s.memory_bytes), bnd, head, f"{s.cost * 1e3:.3f}",
+                format_bytes(s.memory_bytes), bnd, *([_link(s)] if nodes else []), head, f"{s.cost * 1e3:.3f}",
             ])
         teacher = f" from teacher {self.teacher} ({len(self.blocks)} blocks)" if self.blocks else ""
         lines = [
             f"{self.mode.upper()} plan for {self.model}{teacher}: {len(self.stages)} stages on "
-            f"{self.world_size} devices, batch {self.batch_size}, policy {self.policy}, partitioner "
+            f"{self.world_size} devices{self._nodes()}, batch {self.batch_size}, policy {self.policy}, partitioner "
             f"{self.partitioner}, profile {self.profile}",
-            _aligned(header, rows, right={4, 5, 6, 7, 8, 9, 12}),
+            _aligned(header, rows, right={4, 5, 6, 7, 8, 9, 13 if nodes else 12}),
             f"bottleneck {self.bottleneck_cost * 1e3:.3f} ms (stage {b}, marked *)  "
             f"ideal {self.ideal_cost * 1e3:.3f} ms  imbalance {self.imbalance:.3f}  "
             f"predicted speedup {self.predicted_speedup:.2f}x over sequential "
             f"({self.sequential_cost * 1e3:.3f} ms)",
             f"{len(self.legal_cuts)} legal cuts; costs {self._cost_basis()}, "
-            f"{format_bytes(self.link_bandwidth)}/s links, optimizer {self.optimizer}"
+            f"{self._links()}, optimizer {self.optimizer}"
             + (f", memory limit {format_bytes(self.memory_limit)}" if self.memory_limit else ""),
         ]
         if self.blocks:
             lines += ["", self.block_table()]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+    def _nodes(self) -> str:
+        """`` (N nodes of G)`` for a plan on nodes, else nothing."""
+        g = self.gpus_per_node
+        return "" if g is None else f" ({-(-self.world_size // g)} node{'s' if self.world_size > g else ''} of {g})"
+
+    def _links(self) -> str:
+        """The bandwidths the sends were priced at: one for every link, or inside and across nodes."""
+        links = self.links()
+        if self.gpus_per_node is None:
+            return f"{format_bytes(links.intra)}/s links"
+        return f"{format_bytes(links.intra)}/s links inside nodes, {format_bytes(links.inter)}/s across"
 
     def _cost_basis(self) -> str:
         if self.profile == "roofline":
@@ -64,6 +77,12 @@ class PlanTable:
     def __str__(self) -> str:
         return self.table()
 
+
+
+def _link(stage) -> str:
+    """The table's ``link`` cell: ``node`` for a boundary sent to another node, ``intra`` inside one, ``-`` for
+    none."""
+    return "-" if stage.is_last else "node" if stage.crosses_nodes else "intra"
 
 
 def _aligned(header: list[str], rows: list[list[str]], *, right: set[int]) -> str:

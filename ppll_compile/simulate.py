@@ -225,7 +225,7 @@ def simulate(plan: Plan, *, steps: int = 64, queue_depth: int = 2, link_bandwidt
     assume: nothing is shared and the result does not depend on the machine that simulates.
     """
     bandwidth = _check(plan, steps, queue_depth, link_bandwidth, cores)
-    work = [_work(plan, s, bandwidth) for s in plan.stages]
+    work = [_work(plan, s, bandwidth if link_bandwidth is not None else None) for s in plan.stages]
     pools = [p for p in _pools(plan, cores) if p.oversubscribed]
     stage_rules = rules(plan.num_stages, queue="fifo", depth=queue_depth, decoupled=decoupled)
     if pools:
@@ -310,9 +310,9 @@ def _device_key(device: str) -> str:
     return "cpu" if kind == "cpu" else f"{kind}:{index or 0}"
 
 
-def _work(plan: Plan, stage: StagePlan, bandwidth: float) -> Work:
+def _work(plan: Plan, stage: StagePlan, bandwidth: float | None) -> Work:
     """Early and late forward, backward, all-reduce, step and send seconds of one replica of ``stage`` per batch
-    (module docstring)."""
+    (module docstring); ``bandwidth`` ``None``: over the links the stage crosses (inside or across nodes)."""
     compute = max(0.0, stage.compute_cost - plan.allreduce_cost(stage))
     step = min(compute, max(0.0, stage.step_cost))
     rest = compute - step
@@ -324,7 +324,8 @@ def _work(plan: Plan, stage: StagePlan, bandwidth: float) -> Work:
         total = fwd + stage.flops_bwd
     early = rest * first / total if total > 0 else rest
     forward = rest * fwd / total if total > 0 else rest
-    send = 0.0 if stage.is_last else sum(t.bytes for t in stage.boundary) / bandwidth / stage.replicas
+    send = 0.0 if stage.is_last else \
+        sum(t.bytes for t in stage.boundary) / (bandwidth or plan.send_bandwidth(stage)) / stage.replicas
     return Work(early=early, late=forward - early, backward=rest - forward, step=step,
                  allreduce=plan.allreduce_cost(stage, bandwidth), send=send, replicas=stage.replicas)
 

@@ -135,3 +135,41 @@ def test_an_infeasible_memory_cap_reports_the_smallest_that_works(options):
     copy = pickle.loads(pickle.dumps(error))  # it crosses process pipes whole
     assert (type(copy), str(copy), copy.min_limit) == (InfeasibleMemoryError, str(error), error.min_limit)
     assert not math.isinf(error.min_limit)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_plans_costs_on_nodes_are_the_exact_solvers_objective(monkeypatch, seed):
+    rng = random.Random(200 + seed)
+    model = _mlp(rng)
+    seen = _spied(monkeypatch, rng)
+    gpus, per_node = rng.choice([(2, 1), (4, 2), (3, 3), (3, 1), (4, 4)])
+    speeds = [rng.choice([0.5, 1.0, 2.0]) for _ in range(gpus)]
+    plan = _plan(model, gpus, device_speeds=speeds, gpus_per_node=per_node, intra_node_bandwidth=1e9,
+                 inter_node_bandwidth=rng.choice([1e7, 1e8]), link_bandwidth=1e9)
+    (costs, request, opts, layout), = seen
+    problem = costs.problem(request.speeds, opts.memory_limit, opts.links())
+    assert problem.gpus_per_node == per_node and problem.cross_comm is not None
+    solver = partitioners.stage_costs(problem, layout.ends)
+    assert [s.cost for s in plan.stages] == solver == list(layout.costs)
+    assert plan.bottleneck_cost == partitioners.bottleneck(problem, partitioners.brute_force(problem, gpus))
+    assert [s.crosses_nodes for s in plan.stages] == [(j + 1) % per_node == 0 and j < gpus - 1 for j in range(gpus)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_plans_costs_on_nodes_are_the_replica_solvers_objective(monkeypatch, seed):
+    rng = random.Random(300 + seed)
+    model = _mlp(rng)
+    seen = _spied(monkeypatch, rng)
+    gpus, per_node = rng.choice([(4, 2), (4, 1), (3, 3), (6, 2), (6, 3)])
+    plan = _plan(model, gpus, replicas=True, gpus_per_node=per_node, link_bandwidth=1e6,
+                 inter_node_bandwidth=rng.choice([1e4, 1e5]))
+    (costs, request, opts, layout), = seen
+    problem = costs.replica_problem(opts, gpus, None)
+    assert (problem.gpus_per_node, problem.inter_node_bandwidth) == (per_node, opts.inter_node_bandwidth)
+    assert layout.costs == solve_replicated(problem).costs
+    assert [s.cost for s in plan.stages] == list(layout.costs) == layout_costs(problem, layout.ends, layout.replicas)
+    assert plan.bottleneck_cost == brute_force_replicated(problem).bottleneck
+    assert [plan.allreduce_cost(s) for s in plan.stages] == [
+        2 * (s.replicas - 1) / s.replicas * (s.grad_bytes + (0 if s.is_last else 4 * s.head.param_count))
+        / (1e6 if (plan.first_device(s) // per_node == (plan.first_device(s) + s.replicas - 1) // per_node)
+           else opts.inter_node_bandwidth) for s in plan.stages]

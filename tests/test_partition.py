@@ -299,3 +299,40 @@ def test_import_does_not_load_torch() -> None:
     code = "import sys, partitioners; assert 'torch' not in sys.modules, 'partitioners imported torch'"
     root = Path(__file__).resolve().parents[1]
     subprocess.run([sys.executable, "-c", code], cwd=root, check=True)
+
+
+def _on_nodes(problem: Problem, seed: int) -> Problem:
+    """``problem`` with stage ``j`` on device ``j`` of nodes of 1, 2 or 3 devices whose link across is 5 to 50 times
+    slower than the one inside (some boundaries sent inside a node for free, to provoke ties)."""
+    rng = np.random.default_rng(1000 + seed)
+    n = len(problem.compute)
+    comm = problem.comm if problem.comm is not None else _values(rng, n)
+    slower = float(rng.choice([5.0, 50.0]))
+    return dataclasses.replace(problem, comm=comm, cross_comm=[c * slower + float(rng.integers(0, 2)) for c in comm],
+                               gpus_per_node=int(rng.choice([1, 2, 3])))
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_exact_matches_brute_force_on_nodes(seed: int) -> None:
+    problem, k = _random_problem(seed)
+    problem = _on_nodes(problem, seed)
+    exact, exact_min = _outcome(solve, problem, k)
+    reference, reference_min = _outcome(brute_force, problem, k)
+    assert (exact is None) == (reference is None)
+    if reference is None:
+        assert math.isclose(exact_min, reference_min, rel_tol=1e-9, abs_tol=1e-12)
+        return
+    _assert_valid(problem, k, exact)
+    assert bottleneck(problem, exact) == bottleneck(problem, reference)
+
+
+def test_nodes_change_the_optimum_on_random_problems() -> None:
+    changed = 0
+    for seed in range(300):
+        problem, k = _random_problem(seed)
+        on_nodes = _on_nodes(problem, seed)
+        try:
+            changed += bottleneck(on_nodes, solve(on_nodes, k)) > bottleneck(problem, solve(problem, k))
+        except InfeasibleMemoryError:
+            continue
+    assert changed >= 30

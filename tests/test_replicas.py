@@ -361,3 +361,76 @@ def test_split_compute_that_does_not_shrink_keeps_one_replica() -> None:
     assert layout.replicas == (1, 1) and layout.costs == (4.0, 4.0)
     faster = dataclasses.replace(problem, split_compute=[[2.5, 2.0], [4.0, 4.0], [4.0, 4.0]])
     assert solve_replicated(faster).replicas == (2, 2) and solve_replicated(faster).costs == (2.5, 2.0)
+
+
+def _on_nodes(problem: ReplicaProblem, seed: int) -> ReplicaProblem:
+    """``problem`` on nodes of 1, 2 or 3 devices whose link across (sends and all-reduces) is 4 to 40 times slower
+    than the one inside."""
+    rng = random.Random(2000 + seed)
+    n = len(problem.compute)
+    comm = problem.comm or [rng.choice([0, 0.25, 1, 0.3]) for _ in range(n)]
+    slower = rng.choice([4.0, 40.0])
+    return dataclasses.replace(problem, comm=comm, cross_comm=[c * slower + rng.choice([0, 0.5]) for c in comm],
+                               gpus_per_node=rng.choice([1, 2, 3]),
+                               inter_node_bandwidth=problem.allreduce_bandwidth / slower)
+
+
+@pytest.mark.parametrize("group", range(4))
+def test_solver_matches_brute_force_on_nodes(group: int) -> None:
+    for seed in range(100 * group, 100 * group + 100):
+        problem = _on_nodes(_random_problem(seed), seed)
+        try:
+            expected = brute_force_replicated(problem)
+        except InfeasibleMemoryError as error:
+            with pytest.raises(InfeasibleMemoryError) as caught:
+                solve_replicated(problem)
+            assert caught.value.min_limit == error.min_limit, f"seed {seed}"
+            continue
+        layout = solve_replicated(problem)
+        key = (layout.bottleneck, layout.devices, len(layout.ends))
+        assert key == (expected.bottleneck, expected.devices, len(expected.ends)), f"seed {seed}: {problem}"
+        _check_valid(problem, layout)
+
+
+def test_random_problems_on_nodes_cover_the_interesting_cases() -> None:
+    spanning = crossing = changed = 0
+    for seed in range(400):
+        problem = _on_nodes(_random_problem(seed), seed)
+        try:
+            layout = solve_replicated(problem)
+        except InfeasibleMemoryError:
+            continue
+        g, first = problem.gpus_per_node, 0
+        for r in layout.replicas:
+            spanning += r > 1 and first // g != (first + r - 1) // g
+            crossing += first + r < layout.devices and (first + r) % g == 0
+            first += r
+        plain = dataclasses.replace(problem, gpus_per_node=None)
+        changed += (layout.bottleneck, layout.devices) != (solve_replicated(plain).bottleneck,
+                                                           solve_replicated(plain).devices)
+    assert spanning >= 20 and crossing >= 50 and changed >= 50
+
+
+@pytest.mark.parametrize("seed", range(120))
+def test_fixed_replicas_on_nodes_match_brute_force(seed: int) -> None:
+    problem = _on_nodes(dataclasses.replace(_random_problem(seed), stages=None, max_replicas=None), seed)
+    n = len(problem.compute)
+    rng = random.Random(seed)
+    k = rng.randint(1, min(n, problem.devices))
+    replicas = [1] * k
+    for _ in range(problem.devices - k):
+        if rng.random() < 0.7:
+            replicas[rng.randrange(k)] += 1
+    best = None
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        ends = (*cuts, n)
+        layout = Layout(ends=ends, replicas=tuple(replicas), costs=tuple(layout_costs(problem, ends, replicas)))
+        if problem.memory_limit is None or max(_stage_memory(problem, layout)) <= problem.memory_limit:
+            best = layout if best is None or layout.bottleneck < best.bottleneck else best
+    if best is None:
+        with pytest.raises(InfeasibleMemoryError):
+            solve_fixed_replicas(problem, replicas)
+        return
+    layout = solve_fixed_replicas(problem, replicas)
+    assert layout.bottleneck == best.bottleneck, f"seed {seed}"
+    assert list(layout.costs) == layout_costs(problem, layout.ends, layout.replicas)

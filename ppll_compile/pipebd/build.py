@@ -96,7 +96,7 @@ def _block_costs(b: Blocks, summaries: list[tuple[Summary, Summary]], teacher: l
         note = figures.describe()
     else:
         compute = [(ts.flops_fwd + ss.flops_fwd + ss.flops_bwd) / opts.flops_per_second for ts, ss in summaries]
-    comm = [sum(v.bytes for v in b.teacher.boundary(c)) / opts.link_bandwidth for c in b.cuts(0)] + [0.0]
+    comm = [sum(v.bytes for v in b.teacher.boundary(c)) / opts.links().intra for c in b.cuts(0)] + [0.0]
     return Costs(compute=compute, comm=comm, step=step,
                  memory=[ts.param_bytes + ss.memory for ts, ss in summaries],
                  grad_bytes=[ss.grad_bytes for _, ss in summaries], split=split or None), figures, note
@@ -176,14 +176,14 @@ def plan_pipebd(student: nn.Module, teacher: nn.Module, example_inputs: Sequence
     devices = stage_devices(sum(layout.replicas), opts.devices[:sum(layout.replicas)] if opts.devices else None)
     block_plans = _block_plans(b, summaries, costs, loss_cfg, output)
 
-    segments = costs.segments()
+    segments = costs.segments(opts.links())
 
     def parts(j: int, start: int, end: int, r: int) -> StageParts:
         own = block_plans[start:end]
         nodes = [x for k in range(start, end) for x in b.nodes(k)[1]]
         last = j == len(layout.ends) - 1
         boundary = () if last else b.teacher.boundary(b.cuts(0)[end - 1])  # the output, and any side values
-        compute, send = segments.seconds(start, end, replicas=r, bandwidth=opts.link_bandwidth)  # the objective
+        compute, send = segments.placed(start, end, layout.firsts[j], opts.links(), replicas=r)  # the objective
         types = list(dict.fromkeys(k.loss["type"] for k in own))
         return StageParts(nodes=nodes, summary=s.summary(nodes, opts.optimizer),
                           head=HeadSpec(policy=rules.name, kind="distill", config={"type": "+".join(types)}),
