@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
 import dataclasses
+import math
 import os
+from collections.abc import Callable, Mapping, Sequence
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -300,8 +301,9 @@ def _solved(solve: Callable[[], Any], costs: Costs | None = None, opts: PlanOpti
 def fewest_devices(costs: Costs, memory_limit: float) -> int | None:
     """The fewest stages (one device each) whose every stage fits ``memory_limit`` bytes, by the exact partitioner
     (a replica holds its whole stage, so replicas do not help); ``None`` when not even one segment per stage
-    fits."""
-    for k in range(1, len(costs.compute) + 1):
+    fits. The scan starts where the stages' caps add up to the segments' memory (no fewer stages can hold it)."""
+    first = max(1, math.ceil(sum(costs.memory) / memory_limit))
+    for k in range(first, len(costs.compute) + 1):
         try:
             partitioners.solve(costs.problem(None, memory_limit), k, "exact")
         except InfeasibleMemoryError:
