@@ -584,6 +584,7 @@ def test_hugging_face_model_needs_export_and_auto_takes_it():
 
 # ---- 6. channels-last boundaries ------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_swin_boundaries_are_channels_last_maps():
     torch.manual_seed(0)
     model = timm.create_model("swin_tiny_patch4_window7_224", img_size=64, window_size=4, depths=(2, 2, 2, 2),
@@ -652,6 +653,7 @@ def test_layout_of_reads_the_graph():
 
 # ---- 7. token-level models ------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_causal_lm_is_cut_between_its_decoder_layers_and_takes_other_lengths():
     torch.manual_seed(0)
     model, ids = _llama(), torch.randint(0, 128, (4, 16))
@@ -674,6 +676,7 @@ def _llama() -> nn.Module:
     return LlamaForCausalLM(config)
 
 
+@pytest.mark.slow
 def test_causal_lm_trains_on_per_token_labels_with_lm_heads(one_thread_quietly):
     model, ids = _llama(), _ids(2, 16)
     c = _compile(model, 2, example_kwargs={"input_ids": ids})

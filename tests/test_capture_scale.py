@@ -131,6 +131,7 @@ def _measured(layers: int, monkeypatch, reuse: bool = True) -> tuple[int, dict]:
     return len(runs), {n.name: n.meta[META_KEY] for n in c.gm.graph.nodes if n.op != "output"}
 
 
+@pytest.mark.slow
 @needs_transformers
 def test_repeated_decoder_layers_of_an_exported_llama_are_measured_once(monkeypatch):
     two, costs = _measured(2, monkeypatch)

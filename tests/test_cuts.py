@@ -146,6 +146,7 @@ _GRAPHS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(_GRAPHS))
 def test_cuts_equal_the_straightforward_search_on_real_graphs(name):
     model, args, kwargs = _GRAPHS[name]()

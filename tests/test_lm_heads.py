@@ -121,6 +121,7 @@ def test_shared_heads_on_one_device_hold_one_copy_of_the_compiled_weights():
     assert not torch.equal(c.model.lm_head.weight, kept[1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", [{"projection": "frozen", "adapter": "linear"},
                                      {"projection": "shared", "adapter": "norm"}])
 def test_threads_train_the_same_parameters_as_sequential(options, one_thread_quietly):
@@ -142,6 +143,7 @@ def _plan(policy_, optimizer: str):
                                  optimizer=optimizer)
 
 
+@pytest.mark.slow
 def test_the_plan_keeps_no_gradient_or_optimizer_state_of_the_projection():
     fresh = 2 * D + D * 64 + 64 * V + V  # the lm policy's head: LayerNorm(D), Linear(D, 64, no bias), Linear(64, V)
     adapter = D * D + D                  # the frozen head trains its Linear(D, D) adapter only

@@ -66,6 +66,7 @@ def test_a_meta_model_plans_as_the_model_built_normally(tracer, meta_inputs):
     assert all(p.is_meta for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_a_meta_llama_plans_as_the_llama_built_normally():
     with quiet():
         normal = ppll_compile.plan(_llama(False), gpus=2, example_kwargs={"input_ids": IDS})
