@@ -244,9 +244,12 @@ def test_the_watcher_aborts_the_groups_on_another_ranks_report_and_not_on_its_ow
 
 
 def test_unwatch_stops_the_watcher(group, monkeypatch):
-    monkeypatch.setattr(faults_module, "abort", lambda groups: pytest.fail("aborted after unwatch"))
+    aborted: list = []  # the watcher runs in its own thread: record, and assert here
+    monkeypatch.setattr(faults_module, "abort", aborted.append)
     faults = _faults(rank=1)
     faults.watch([])
     faults.unwatch()
+    assert not [t for t in threading.enumerate() if t.name == "ppll-watch"]
     group.set(ERROR_KEY, json.dumps(_report(stage=2, rank=3)))
     time.sleep(0.6)
+    assert aborted == []
