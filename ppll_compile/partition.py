@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from .plan_specs import HeadSpec
 from .policy import Policy
 from .profile import StageTime, first_device, time_stages
 from .plan_table import format_bytes
-from .roofline import DeviceFigures, Op, device_figures, seconds, step_ops
+from .roofline import DeviceFigures, Op, device_figures, seconds, stage_threads, step_ops
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,12 +178,7 @@ def plan_figures(opts: PlanOptions, devices: int, ops: Sequence[Op]) -> DeviceFi
     device = first_device(opts.devices) if hardware is None else torch.device("cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
         device = torch.device("cpu")
-    return device_figures(device, _stage_threads(device, devices), calls={op.call: None for op in ops if op.call})
-
-
-def _stage_threads(device: torch.device, devices: int) -> int:
-    """Threads a stage computes on: on a CPU, its share of the cores (as the runtimes give it); else 1."""
-    return max(1, (os.cpu_count() or 1) // max(1, devices)) if device.type == "cpu" else 1
+    return device_figures(device, stage_threads(device, devices), calls={op.call: None for op in ops if op.call})
 
 
 def time_layout(a: Analysis, heads: Mapping[int, HeadSpec], policy: Policy, opts: PlanOptions, seed: StageLayout,
@@ -205,7 +199,7 @@ def time_layout(a: Analysis, heads: Mapping[int, HeadSpec], policy: Policy, opts
                         for e in options[j] if s < e})
     device = first_device(opts.devices)
     threads = torch.get_num_threads()
-    torch.set_num_threads(_stage_threads(device, devices))
+    torch.set_num_threads(stage_threads(device, devices))
     began = time.perf_counter()
     try:
         times = time_stages(a, heads, policy, device, opts.optimizer, intervals)
@@ -321,7 +315,7 @@ def _refused(e: InfeasibleMemoryError, costs: Costs, opts: PlanOptions, devices:
         if cap == load_hardware(str(opts.hardware)).memory_bytes else \
         f"memory_limit={format_bytes(cap)} per device (hardware={opts.hardware!r})"
     more = (f"the fewest devices that fit it is {fewest} (gpus={fewest})" if fewest is not None else
-            f"no number of devices fits it (a single segment needs more), so only a larger cap works")
+            "no number of devices fits it (a single segment needs more), so only a larger cap works")
     return InfeasibleMemoryError(
         f"the stages cannot fit {where} on {devices} device(s): {more}; on {devices} device(s) the "
         f"smallest memory_limit that works is {format_bytes(e.min_limit)} (pass memory_limit= to plan for devices "
