@@ -24,7 +24,7 @@ import torch
 import torchvision
 from torch import nn
 
-import partitioners
+from ppll_compile import partitioners
 import ppll_compile
 from ppll_compile.phases import PHASES, record_phases
 from ppll_compile.trace import trace

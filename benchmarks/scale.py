@@ -127,7 +127,7 @@ def _even_splits(layers: int, stages: int) -> list[str]:
 
 def _param_splits(named: list[tuple[str, int]], stages: int) -> list[str]:
     """DeepSpeed ``parameters``: the min-max contiguous split of the layers' parameter counts."""
-    import partitioners
+    from ppll_compile import partitioners
     ends = partitioners.solve(partitioners.Problem(compute=[float(c) for _, c in named]), stages, "exact")
     return [named[e - 1][0] for e in ends[:-1]]
 

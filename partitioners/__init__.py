@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+if __name__ == "partitioners":  # this folder imported by its old top-level name from a source checkout
+    raise ImportError("'partitioners' is installed as 'ppll_compile.partitioners' (a top-level 'partitioners' would clash "
+                      "with other packages): import ppll_compile.partitioners")
+
 import itertools
 import math
 from collections.abc import Callable, Sequence

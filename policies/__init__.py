@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+if __name__ == "policies":  # this folder imported by its old top-level name from a source checkout
+    raise ImportError("'policies' is installed as 'ppll_compile.policies' (a top-level 'policies' would clash "
+                      "with other packages): import ppll_compile.policies")
+
 from pathlib import Path
 
 __all__ = ["path", "names", "distill_path", "distill_names"]

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from partitioners.objective import stage_seconds
+from ppll_compile.partitioners.objective import stage_seconds
 
 from .analysis import Analysis, Summary
 from .heads import head_notes, model_head, stage_head

@@ -5,7 +5,7 @@
 and re-exported here as members of the one family; the others are defined here.
 """
 
-from partitioners.errors import InfeasibleMemoryError, PartitionError, PPLLError
+from ppll_compile.partitioners.errors import InfeasibleMemoryError, PartitionError, PPLLError
 
 __all__ = ["PPLLError", "TraceError", "CutError", "PolicyError", "PlanError", "PartitionError",
            "InfeasibleMemoryError", "StageError", "CheckpointError", "ModelFileError"]

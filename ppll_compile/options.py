@@ -12,8 +12,8 @@ from typing import Any
 import yaml
 from torch import nn
 
-import partitioners
-from partitioners.objective import Links
+from ppll_compile import partitioners
+from ppll_compile.partitioners.objective import Links
 
 from .errors import PartitionError, PlanError
 from .hardware import hardware_defaults, load_hardware

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-import partitioners
-from partitioners.objective import Links, Segments
-from partitioners.replicas import Layout, ReplicaProblem, layout_costs, solve_fixed_replicas, solve_replicated
+from ppll_compile import partitioners
+from ppll_compile.partitioners.objective import Links, Segments
+from ppll_compile.partitioners.replicas import Layout, ReplicaProblem, layout_costs, solve_fixed_replicas, solve_replicated
 
 from .analysis import Analysis
 from .module_cost import ModuleCost

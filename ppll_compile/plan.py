@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from partitioners.objective import Links, allreduce_seconds
+from ppll_compile.partitioners.objective import Links, allreduce_seconds
 
 from .errors import PlanError
 from .plan_file import PLAN_VERSION, PlanFile

@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 from torch import nn
 
-import policies as _policies
+from ppll_compile import policies as _policies
 
 from .errors import PolicyError
 from .head_types import BUILT_IN, KINDS, head_type, head_type_names

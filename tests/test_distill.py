@@ -237,7 +237,7 @@ def test_replicas_fixed_per_stage_and_stage_ends_by_hand():
 
 
 def test_the_chosen_layout_is_optimal_for_the_plans_own_costs():
-    from partitioners.replicas import ReplicaProblem, brute_force_replicated
+    from ppll_compile.partitioners.replicas import ReplicaProblem, brute_force_replicated
     p = _compiled(split_points=None, gpus=4, profile="flops", flops_per_second=1e9, link_bandwidth=1e12).plan
     problem = ReplicaProblem(compute=[b.cost for b in p.blocks], devices=4, allreduce_bandwidth=1e12,
                              comm=[b.output.bytes / 1e12 for b in p.blocks[:-1]] + [0.0],

@@ -9,7 +9,7 @@ import yaml
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-import policies
+from ppll_compile import policies
 from ppll_compile.errors import PolicyError
 from ppll_compile.heads import AuxHead, InfoProHead, build_head, head_loss, make_head
 from ppll_compile.plan import TensorSpec

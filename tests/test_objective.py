@@ -13,13 +13,13 @@ import pytest
 import torch
 from torch import nn
 
-import partitioners
+from ppll_compile import partitioners
 import ppll_compile
-from partitioners.objective import Segments, stage_seconds
-from partitioners.replicas import brute_force_replicated, layout_costs, solve_replicated
+from ppll_compile.partitioners.objective import Segments, stage_seconds
+from ppll_compile.partitioners.replicas import brute_force_replicated, layout_costs, solve_replicated
 from ppll_compile import api
 from ppll_compile.errors import InfeasibleMemoryError, PartitionError, PPLLError
-from partitioners.problem import format_bytes
+from ppll_compile.partitioners.problem import format_bytes
 
 pytestmark = pytest.mark.usefixtures("one_thread_quietly")
 

@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from partitioners import InfeasibleMemoryError, PartitionError, Problem, bottleneck, brute_force
-from partitioners.replicas import (
+from ppll_compile.partitioners import InfeasibleMemoryError, PartitionError, Problem, bottleneck, brute_force
+from ppll_compile.partitioners.replicas import (
     Layout,
     ReplicaProblem,
     brute_force_replicated,
@@ -176,7 +176,7 @@ def test_no_replication_is_plain_min_max_partition(seed: int) -> None:
 def test_brute_force_enumerates_every_layout() -> None:
     # 3 segments on 3 devices: one stage on 1, 2 or 3 replicas (3 layouts), two stages at either of 2 split
     # points on (1, 1), (1, 2) or (2, 1) (6 layouts), three stages on (1, 1, 1) (1 layout): 10 in all.
-    from partitioners.replicas import _assignments
+    from ppll_compile.partitioners.replicas import _assignments
 
     assert [list(_assignments(k, 3 - k, 3)) for k in (1, 2, 3)] == \
         [[(1,), (2,), (3,)], [(1, 1), (1, 2), (2, 1)], [(1, 1, 1)]]

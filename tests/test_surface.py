@@ -23,19 +23,22 @@ PUBLIC = {
     "ppll_compile.runtime.base": "the base a new runtime subclasses",
     "ppll_compile.runtime.registry": "registering a runtime",
     "ppll_compile.runtime.schedule": "the schedule as data",
-    "partitioners": "registering and calling solvers",
-    "policies": "the shipped policy files",
+    "ppll_compile.partitioners": "registering and calling solvers",
+    "ppll_compile.policies": "the shipped policy files",
 }
 
 
 def _declared() -> dict[str, list[str]]:
     found = {}
-    for package in ("ppll_compile", "partitioners", "policies"):
-        for path in sorted((ROOT / package).rglob("*.py")):
+    # each top-level folder and the name it installs as (pyproject.toml's package-dir)
+    for folder, package in {"ppll_compile": "ppll_compile", "partitioners": "ppll_compile.partitioners",
+                            "policies": "ppll_compile.policies"}.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
             tree = ast.parse(path.read_text())
             for node in tree.body:
                 if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets):
-                    name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+                    parts = path.relative_to(ROOT / folder).with_suffix("").parts
+                    name = ".".join((package, *parts)).removesuffix(".__init__")
                     found[name] = [ast.literal_eval(e) for e in node.value.elts]
     return found
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import yaml
 from torch import nn
 
-import policies
+from ppll_compile import policies
 from ppll_compile.errors import PolicyError
 from ppll_compile.heads import IGNORE_INDEX, AuxHead, build_head, head_for, head_loss, head_spec, make_head, model_loss
 from ppll_compile.plan import TensorSpec

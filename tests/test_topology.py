@@ -14,9 +14,9 @@ import yaml
 from torch import nn
 
 import ppll_compile
-from partitioners import Problem, bottleneck, brute_force, solve, stage_costs
-from partitioners.objective import Links
-from partitioners.replicas import ReplicaProblem, brute_force_replicated, layout_costs, solve_replicated
+from ppll_compile.partitioners import Problem, bottleneck, brute_force, solve, stage_costs
+from ppll_compile.partitioners.objective import Links
+from ppll_compile.partitioners.replicas import ReplicaProblem, brute_force_replicated, layout_costs, solve_replicated
 from ppll_compile import Plan, PlanError
 from ppll_compile.cli import main
 from ppll_compile.options import PlanOptions

@@ -12,7 +12,7 @@ from typing import Any
 from torch import Tensor
 from torch.nn import functional as F
 
-import policies as _policies
+from ppll_compile import policies as _policies
 
 from ..errors import PolicyError
 from ..policy import read_yaml
