@@ -244,6 +244,21 @@ def test_matplotlib_draws_without_graphviz(residual, tmp_path, monkeypatch):
         draw_graph(residual, tmp_path / "graph.png", engine="graphviz")
 
 
+def test_without_the_graphviz_package_auto_draws_with_matplotlib(residual, tmp_path, monkeypatch):
+    # the graphviz package is the optional `draw` extra: `auto` does without it, `graphviz` says how to get it
+    import importlib.util
+    import sys
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/dot")
+    monkeypatch.setitem(sys.modules, "graphviz", None)  # import graphviz raises ImportError
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "graphviz" else real(name, *a))
+    assert draw_graph(residual, tmp_path / "auto.png").engine == "matplotlib"
+    with pytest.raises(PPLLError, match=re.escape(
+            "drawing with graphviz needs the `graphviz` Python package: `pip install 'ppll-compile[draw]'` (or "
+            "`pip install graphviz`), or pass engine='matplotlib'")):
+        draw_graph(residual, tmp_path / "graph.png", engine="graphviz")
+
+
 # ---- gantt --------------------------------------------------------------------------------------------
 
 def _timeline(source="simulated"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -267,7 +268,8 @@ def draw_graph(compiled: Any, path: str | Path, *, max_nodes: int = MAX_NODES, e
     """Draw the traced graph of a compiled pipeline (or ``(graph_module, plan)``) coloured by stage, cuts in red.
 
     ``engine``: ``graphviz`` (needs the ``dot`` program), ``matplotlib`` (a layered top-to-bottom layout), or
-    ``auto`` (graphviz when ``dot`` is installed). ``detail``: graphs with more than ``max_nodes`` nodes are
+    ``auto`` (graphviz when the ``dot`` program and the ``graphviz`` Python package, the ``draw`` extra, are
+    installed). ``detail``: graphs with more than ``max_nodes`` nodes are
     drawn as a module-level summary (``auto``), or always (``modules``), or never (``nodes``); see
     :func:`describe_graph`.
     """
@@ -280,7 +282,8 @@ def draw_graph(compiled: Any, path: str | Path, *, max_nodes: int = MAX_NODES, e
         raise PPLLError("engine='graphviz' needs the Graphviz `dot` program, which is not on PATH; install Graphviz "
                         "(`apt-get install graphviz` or `brew install graphviz`) or pass engine='matplotlib'")
     desc = describe_graph(gm, plan, max_nodes=max_nodes, detail=detail)
-    if engine == "matplotlib" or (engine == "auto" and not has_dot):
+    can_dot = has_dot and importlib.util.find_spec("graphviz") is not None
+    if engine == "matplotlib" or (engine == "auto" and not can_dot):
         _graph_matplotlib(desc, path)
         return GraphPicture(path=path, engine="matplotlib", description=desc)
     return GraphPicture(path=path, engine="graphviz", description=desc, source=_graph_graphviz(desc, path))
@@ -291,8 +294,8 @@ def _graph_graphviz(desc: GraphDescription, path: Path) -> str:
     try:
         import graphviz
     except ImportError:
-        raise PPLLError("drawing with graphviz needs the `graphviz` Python package; `pip install graphviz` or pass "
-                        "engine='matplotlib'") from None
+        raise PPLLError("drawing with graphviz needs the `graphviz` Python package: `pip install "
+                        "'ppll-compile[draw]'` (or `pip install graphviz`), or pass engine='matplotlib'") from None
     font = "Helvetica"
     dot = graphviz.Digraph("plan", graph_attr={"rankdir": "TB", "label": desc.title, "labelloc": "t",
                                                "fontname": font, "fontsize": "16", "nodesep": "0.25",
