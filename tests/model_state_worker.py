@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -94,13 +95,19 @@ def main(out: Path) -> None:
     """One rank: every scenario of :data:`PIPELINES` trained distributed; what each rank got, in ``out``."""
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
+    # one process group for both trainers: a group made and destroyed by each would reuse the same keys of
+    # torchrun's store, and the second could read the first's stale addresses
+    dist.init_process_group("gloo")
     record = {}
-    for name, (build, batches) in PIPELINES.items():
-        got = train(build(), "distributed", batches(), out, name)
-        state = got.pop("state")
-        if state is not None:
-            torch.save(state, out / f"{name}-state-{rank}.pt")
-        record[name] = got | {"received": state is not None}
+    try:
+        for name, (build, batches) in PIPELINES.items():
+            got = train(build(), "distributed", batches(), out, name)
+            state = got.pop("state")
+            if state is not None:
+                torch.save(state, out / f"{name}-state-{rank}.pt")
+            record[name] = got | {"received": state is not None}
+    finally:
+        dist.destroy_process_group()
     (out / f"rank-{rank}.json").write_text(json.dumps(record))
 
 

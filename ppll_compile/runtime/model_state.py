@@ -193,7 +193,10 @@ def write_state(state: OrderedDict[str, Any], path: Path) -> Path:
     temp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:
         if fmt == "safetensors":
+            open(temp, "wb").close()  # the permissions this process gives new files, which safetensors does not
+            mode = temp.stat().st_mode
             _safetensors().save_file(_unshared(state), str(temp), metadata={"format": "pt"})
+            os.chmod(temp, mode)
         else:
             with open(temp, "wb") as f:
                 torch.save(state, f)
