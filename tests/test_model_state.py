@@ -22,6 +22,7 @@ sys.path.insert(0, str(HERE))
 
 import model_state_worker as w  # noqa: E402
 
+import ppll_compile  # noqa: E402
 from ppll_compile.errors import PPLLError  # noqa: E402
 from ppll_compile.runtime import Trainer  # noqa: E402
 from tests.helpers import compiled_residual, free_port, image_batches, sgd  # noqa: E402
@@ -82,6 +83,32 @@ def test_untied_copies_fold_back_to_the_first_stage_and_load_into_a_fresh_model(
     x = torch.randint(0, w.VOCAB, (6,), generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
         torch.testing.assert_close(fresh.eval()(x), model.eval()(x), rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_a_gpt2_compiled_with_tied_untie_comes_back_whole():
+    tf = pytest.importorskip("transformers")
+
+    def gpt2() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=64, n_embd=16, n_layer=2, n_head=2, n_positions=32,
+                                                bos_token_id=0, eos_token_id=0))
+
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, 64, (2, 8), generator=g) for _ in range(2)]
+    data = [({"input_ids": x}, torch.cat([x[:, 1:], torch.full((2, 1), -100)], 1)) for x in ids]
+    compiled = ppll_compile.compile(gpt2(), 2, example_kwargs=data[0][0], tied="untie")
+    assert compiled.plan.untied == ("lm_head.weight = transformer.wte.weight",)
+    with _train(compiled, "sequential", data) as trainer:
+        state = trainer.model_state_dict()
+    _assert_equal_states(state, compiled.model.state_dict())
+    assert torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])  # stage 0's copy under both names
+    fresh = gpt2()
+    fresh.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        ours, theirs = fresh.eval()(ids[0]).logits, compiled.model.eval()(ids[0]).logits
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+        assert not torch.equal(ours, gpt2().eval()(ids[0]).logits)  # trained
 
 
 def test_a_trainer_built_without_the_pipeline_says_how_to_get_the_model(tmp_path):
