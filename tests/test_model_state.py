@@ -26,7 +26,7 @@ import ppll_compile  # noqa: E402
 from ppll_compile.errors import PPLLError  # noqa: E402
 from ppll_compile.runtime import Trainer  # noqa: E402
 from tests.helpers import compiled_residual, free_port, image_batches, sgd  # noqa: E402
-from tests.models import Residual  # noqa: E402
+from tests.models import Residual, conv_student, conv_teacher  # noqa: E402
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -83,6 +83,20 @@ def test_untied_copies_fold_back_to_the_first_stage_and_load_into_a_fresh_model(
     x = torch.randint(0, w.VOCAB, (6,), generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
         torch.testing.assert_close(fresh.eval()(x), model.eval()(x), rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_a_distilled_student_comes_back_whole():
+    torch.manual_seed(0)
+    compiled = ppll_compile.compile(conv_student(), 2, teacher=conv_teacher(), profile="flops", devices=["cpu", "cpu"],
+                                    example_inputs=(torch.randn(4, 3, 16, 16),))
+    before = {k: v.clone() for k, v in compiled.model.state_dict().items()}
+    with compiled.trainer(optimizer=sgd) as trainer:
+        for _ in range(2):
+            trainer.step(torch.randn(4, 3, 16, 16))
+        state = trainer.model_state_dict()
+    _assert_equal_states(state, compiled.model.state_dict())
+    assert any(not torch.equal(state[k], before[k]) for k in before)
 
 
 @pytest.mark.slow
