@@ -81,7 +81,9 @@ class CompiledPipeline:
         then follow it.
         """
         replanner = Replanner(self, options.get("rebalance_policy")) if self.plan.mode == "ppll" else None
-        return Trainer(self.plan, self.lowered, replanner=replanner, **options)
+        trainer = Trainer(self.plan, self.lowered, replanner=replanner, **options)
+        trainer.model = self.model  # what model_state_dict() and save_model() give back
+        return trainer
 
     def bind(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         """The model inputs in stage 0's order, from a call with the model's own signature."""

@@ -175,6 +175,11 @@ class Runtime:
         """``obj`` of every process of the pipeline, in rank order."""
         return [obj]
 
+    def gather_to_writer(self, obj: Any) -> list[Any] | None:
+        """``obj`` of every process of the pipeline, in rank order, on the process that writes (``is_main_writer``:
+        rank 0); ``None`` on the others."""
+        return [obj] if self.is_main_writer else None
+
     def close(self) -> None:
         """Release threads or process groups; the runtime cannot be used afterwards."""
 

@@ -234,6 +234,12 @@ class DistributedRuntime(Runtime):
         self._faults.collective(lambda: dist.all_gather_object(out, obj))
         return out
 
+    def gather_to_writer(self, obj: Any) -> list[Any] | None:
+        """``obj`` of every rank, in rank order, on rank 0 only (``None`` on the others)."""
+        out: list[Any] | None = [None] * dist.get_world_size() if self.rank == 0 else None
+        self._faults.collective(lambda: dist.gather_object(obj, out, dst=0))
+        return out
+
     def close(self) -> None:
         """Stop the receiving and watching threads; tell the others if batches are still in flight; release the group.
 

@@ -26,6 +26,7 @@ from .checkpointer import Checkpointer
 from .config import TrainConfig, optimizer_mismatch
 from .inputs import batch_message, loader_pair
 from .messages import EVAL, TRAIN, Message
+from .model_state import ModelState
 from .rebalance import REBALANCE_STEPS, REBALANCE_THRESHOLD, Move, Replanning, check_rebalance
 from .rebalancer import Rebalancer
 from .registry import autocast_per_stage, check_options
@@ -35,12 +36,14 @@ _TRAINERS: weakref.WeakKeyDictionary[Lowered, weakref.ref[Trainer]] = weakref.We
 """The last trainer built on each compiled pipeline's modules (one may be open at a time)."""
 
 
-class Trainer:
+class Trainer(ModelState):
     """Trains a compiled pipeline by local learning, or a student by blockwise distillation (a ``pipebd``
     plan); build it with :meth:`CompiledPipeline.trainer`.
 
     ``step(inputs, target)`` feeds one batch and returns, per stage, the losses of the batches that stage
-    finished since the last call; ``finish()`` drains the pipeline. The model is trained in place.
+    finished since the last call; ``finish()`` drains the pipeline. The model is trained in place, except under
+    ``distributed``: there each process's ``model`` is up to date for its own :attr:`stages` only, and
+    :meth:`model_state_dict` (the whole trained model, on rank 0) and :meth:`save_model` gather every stage's.
     Every stage sends its output on as soon as its forward made it, before its backward and step (early
     forwarding). ``queue``: ``"fifo"`` (every input in order: the same computation as ``sequential``),
     ``"latest"`` (a stage takes the newest waiting input and drops the older ones, counted in :attr:`dropped`;
