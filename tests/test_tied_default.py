@@ -9,7 +9,6 @@ weights: no download.
 from __future__ import annotations
 
 import importlib.util
-import re
 import warnings
 
 import pytest
