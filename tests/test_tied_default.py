@@ -23,15 +23,16 @@ needs_transformers = pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transforme
 
 
 class SharedEarly(nn.Module):
-    """``shared`` is called before and after ``b``, then four more layers: the cuts between the two calls can be
-    dropped and a few stages still planned."""
+    """``shared`` is called before and after ``b``, then ``depth`` more layers: the cuts between the two calls can
+    be dropped and a few stages still planned. With ``d=256, depth=0`` the balanced two-stage cut falls between the
+    two calls when they are not dropped."""
 
-    def __init__(self, d: int = 16):
+    def __init__(self, d: int = 16, depth: int = 4):
         super().__init__()
         self.a = nn.Linear(8, d)
         self.shared = nn.Linear(d, d)
         self.b = nn.Linear(d, d)
-        self.tail = nn.Sequential(*[nn.Sequential(nn.Linear(d, d), nn.ReLU()) for _ in range(4)])
+        self.tail = nn.Sequential(*[nn.Sequential(nn.Linear(d, d), nn.ReLU()) for _ in range(depth)])
         self.head = nn.Linear(d, 4)
 
     def forward(self, x):
@@ -69,15 +70,16 @@ def test_tied_defaults_to_auto_and_takes_only_its_three_values():
 
 # ---- tied cuts that can simply be dropped -------------------------------------------------------------------------
 
-def test_auto_drops_the_cuts_between_uses_when_enough_others_are_left():
+@pytest.mark.parametrize("width,depth,dropped", [(16, 4, "4 of 16"), (256, 0, "4 of 8")])
+def test_auto_drops_the_cuts_between_uses_when_enough_others_are_left(width, depth, dropped):
     torch.manual_seed(0)
-    model = SharedEarly()
+    model = SharedEarly(width, depth)
     compiled, caught = _compile(model, 2, example_inputs=(X,), policy="dgl")
     assert caught == []  # no untie warning
     assert compiled.plan.untied == ()
     assert not any("untied" in n for n in compiled.plan.notes)
-    assert ("4 of 16 legal cuts dropped: parameters used on both sides (parameter shared.weight is used on both "
-            "sides of it; pass tied='untie' to give each later stage its own copy)") in compiled.plan.notes
+    assert (f"{dropped} legal cuts dropped: parameters used on both sides (parameter shared.weight is used on both "
+            f"sides of it; pass tied='untie' to give each later stage its own copy)") in compiled.plan.notes
     ids = _stage_parameter_ids(compiled)
     assert sorted(ids) == sorted(id(p) for p in model.parameters())  # each of the model's own, exactly once
     compiled.eval()
