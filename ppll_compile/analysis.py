@@ -230,14 +230,19 @@ class Analysis:
                 names.setdefault(key, set()).add(name)
         return [(min(u), max(u), tuple(sorted(names[k]))) for k, u in uses.items() if u and min(u) != max(u)]
 
+    def shared_across(self, cuts: Sequence[Cut]) -> list[str]:
+        """The parameters used on both sides of any of ``cuts``, in graph order of first use: per tensor, its names
+        joined by `` = ``."""
+        return _crossing(self.shared_parameters(), cuts)
+
     def drop_shared_cuts(self) -> Analysis:
         """This analysis without the cuts that would put one parameter into two stages (``tied='error'``)."""
         spans = self.shared_parameters()
 
         def reason(cut: Cut) -> str | None:
-            crossing = [names for lo, hi, names in spans if lo <= cut.position < hi]
-            return (f"parameter {' = '.join(crossing[0])} is used on both sides of it, so two stages would train "
-                    f"one tensor (tied='untie' gives each stage its own copy)") if crossing else None
+            crossing = _crossing(spans, [cut])
+            return (f"parameter {crossing[0]} is used on both sides of it; pass tied='untie' to give each later "
+                    f"stage its own copy") if crossing else None
 
         return self.keep_cuts(reason, "parameters used on both sides")
 
@@ -316,6 +321,13 @@ class Analysis:
         before = [c.node for c in self.cuts if c.position < pos][-1:]
         after = [c.node for c in self.cuts if c.position > pos][:1]
         return " or ".join(repr(c) for c in before + after) or "none"
+
+
+def _crossing(spans: list[tuple[int, int, tuple[str, ...]]], cuts: Sequence[Cut]) -> list[str]:
+    """Of the shared parameters ``spans`` (first use, last use, names), those used on both sides of any of ``cuts``,
+    in graph order of first use: per tensor, its names joined by `` = ``."""
+    return [" = ".join(names) for lo, hi, names in sorted(spans, key=lambda s: s[:2])
+            if any(lo <= c.position < hi for c in cuts)]
 
 
 def _reasons(dropped: dict[str, str]) -> str:

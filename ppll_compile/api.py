@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from torch import nn
 from .analysis import Analysis, analyse
 from .cuts import Cut
 from .assemble import assemble_ppll
-from .errors import PlanError, PolicyError
+from .errors import CutError, PlanError, PolicyError
 from .module_cost import ModuleCost
 from .heads import copied_blocks, counted_head
 from .lower import lower_ppll, next_blocks
@@ -106,7 +107,8 @@ def compile(model: nn.Module, gpus: int | None = None, *, teacher: nn.Module | N
         how = dataclasses.replace(how, stages=materialized_stages(result, local_stages))
         here = sorted(range(result.num_stages) if how.stages is None else how.stages)
         result = dataclasses.replace(result, notes=(*result.notes, meta_note(how, result, here)))
-    lowered = lower_ppll(model, result, a, policy, untie=opts.tied == "untie", materialize=how)
+    lowered = lower_ppll(model, result, a, policy, untie=opts.tied == "untie" or bool(result.untied),
+                         materialize=how)
     return CompiledPipeline(model=model, graph_module=a.gm, plan=result, lowered=lowered,
                             policy=opts.policy, front=_FRONT)
 
@@ -142,9 +144,7 @@ def _plan_ppll(model: nn.Module, example_inputs: Sequence[Any] | None, example_k
     policy = load_policy(opts.policy)
     if saved is not None:
         a.check_saved_cuts(saved.cuts, saved.source)
-    a = _drop_unusable_cuts(a, policy, opts.tied, type(model).__name__)
-    a = _drop_blockless_cuts(a, policy, model)
-    request = stage_request(a, opts, saved)
+    a, request, untie_why = _usable_cuts(a, policy, opts, saved, model)
     heads, head_costs = _heads(a, request, saved, policy, opts.optimizer, model)
     devices = sum(opts.replicas) if isinstance(opts.replicas, tuple) else opts.gpus or request.stages
     costs, figures, notes = segment_costs(a, heads, head_costs, policy, opts, devices)
@@ -162,7 +162,67 @@ def _plan_ppll(model: nn.Module, example_inputs: Sequence[Any] | None, example_k
     if untied:
         result = dataclasses.replace(result, untied=tuple(name for names, _ in untied for name in names),
                                      notes=(*result.notes, *(note for _, note in untied)))
+        if untie_why is not None:
+            note = _auto_untie_note(result.untied, untie_why)
+            warnings.warn(note, UserWarning, stacklevel=3)  # at the caller of plan() or compile()
+            result = dataclasses.replace(result, notes=(*result.notes, note))
     return result, a, policy
+
+
+def _usable_cuts(a: Analysis, policy: Policy, opts: PlanOptions, saved: SavedPlan | None,
+                 model: nn.Module) -> tuple[Analysis, StageRequest, str | None]:
+    """``a`` with only the cuts a ``ppll`` plan can use, the stages asked for, and why tied parameters are untied
+    automatically (``None``: they are not).
+
+    A cut with a parameter used on both sides of it is dropped (``tied='error'``) or kept (``tied='untie'``);
+    ``tied='auto'`` drops such cuts when the stages asked for (their number, or the cuts given by hand) can do
+    without them, and keeps them otherwise. Under ``tied='error'``, a request that only such cuts would satisfy is
+    refused leading with ``tied='untie'``."""
+    name = type(model).__name__
+
+    def usable(tied: str) -> tuple[Analysis, StageRequest]:
+        kept = _drop_blockless_cuts(_drop_unusable_cuts(a, policy, tied, name), policy, model)
+        return kept, stage_request(kept, opts, saved)
+
+    if opts.tied == "untie":
+        return (*usable("untie"), None)
+    try:
+        return (*usable("error"), None)
+    except CutError as e:
+        refused = e
+    try:
+        loose, request = usable("untie")
+    except CutError as e:
+        raise (refused if opts.tied == "error" else e) from None
+    manual = request.manual is not None
+    if opts.tied == "error":
+        if manual:  # the cut given by hand names the parameter and tied='untie' first
+            raise refused
+        strict = loose.drop_shared_cuts()
+        k, total = len(strict.cuts), len(loose.cuts)
+        shared = loose.shared_across([c for c in loose.cuts if c not in strict.cuts])
+        raise CutError(f"cannot cut {name} into {request.stages} stages with tied='error': "
+                       f"{_parameters(shared)} used on both sides of "
+                       + (f"all {total} of its legal cut points" if k == 0 else
+                          f"{total - k} of its {total} legal cut points, leaving {k}")
+                       + "; pass tied='untie' (each later stage trains its own copy; the model keeps the first "
+                         "stage's)" + (f", or plan at most {k + 1} stages (gpus={k + 1} or fewer)" if k else ""))
+    why = ("the cuts given by hand (split_points or a saved plan) fall between {uses}" if manual else
+           f"{name} has too few legal cuts for {request.stages} stages otherwise")
+    return loose, request, why
+
+
+def _parameters(names: Sequence[str]) -> str:
+    """``parameter a is`` or ``parameters a, b are``."""
+    return f"parameter {names[0]} is" if len(names) == 1 else f"parameters {', '.join(names)} are"
+
+
+def _auto_untie_note(untied: Sequence[str], why: str) -> str:
+    """The plan's note (and the warning) on the parameters ``tied='auto'`` untied, ``why`` naming ``{uses}``."""
+    it, uses = ("it", "its uses") if len(untied) == 1 else ("them", "their uses")
+    return (f"{_parameters(untied)} untied (tied='auto'): {why.format(uses=uses)}, so each later stage that uses "
+            f"{it} trains its own copy and the model keeps the first stage's; pass tied='error' to refuse, or "
+            f"tied='untie' to untie without this warning")
 
 
 def _drop_unusable_cuts(a: Analysis, policy: Policy, tied: str, model: str) -> Analysis:

@@ -26,7 +26,8 @@ DEFAULT_FLOPS_PER_SECOND = 1e13
 DEFAULT_LINK_BANDWIDTH = 25e9
 """Bytes per second assumed between neighbouring stages (about PCIe 4.0 x16)."""
 PROFILES = ("roofline", "flops", "time")
-TIED = ("error", "untie")
+TIED = ("auto", "error", "untie")
+"""What to do with a parameter that stages on both sides of a cut use (see :attr:`PlanOptions.tied`)."""
 TRACERS = ("auto", "fx", "export")
 """``fx``: symbolic tracing; ``export``: ``torch.export``; ``auto``: symbolic tracing, else ``torch.export``."""
 
@@ -79,9 +80,12 @@ class PlanOptions:
     tracer: str = "auto"
     """How the model is captured: ``fx`` (symbolic tracing), ``export`` (``torch.export``) or ``auto``
     (symbolic tracing, else ``torch.export``)."""
-    tied: str = "error"
-    """A parameter that stages on both sides of a chosen cut use: ``error`` (refuse, naming it and the ways
-    out) or ``untie`` (each stage trains its own copy; the model keeps the owner's)."""
+    tied: str = "auto"
+    """A parameter that stages on both sides of a cut would use (tied input and output embeddings, a module called
+    at two depths): ``error`` drops such cuts and refuses a plan that then lacks cuts, naming the parameter and the
+    ways out; ``untie`` may cut there, and each later stage that uses the parameter trains its own copy (the model
+    keeps the first stage's); ``auto`` (default) drops such cuts when enough others are left, else unties, with a
+    note and a warning naming the parameters."""
     bake_train_mode: bool = False
     """Accept a model whose own ``forward`` branches on ``self.training``: the train branch is kept in eval too."""
     split_points: tuple[str, ...] | None = None
@@ -108,7 +112,7 @@ class PlanOptions:
         if self.tracer not in TRACERS:
             raise ValueError(f"tracer must be one of {', '.join(TRACERS)}, got {self.tracer!r}")
         if self.tied not in TIED:
-            raise ValueError(f"tied must be one of {', '.join(TIED)}, got {self.tied!r}")
+            raise ValueError(f"tied must be one of {', '.join(map(repr, TIED))}, got {self.tied!r}")
         if self.profile not in PROFILES:
             raise ValueError(f"profile must be one of {', '.join(PROFILES)}, got {self.profile!r}")
         if self.optimizer not in OPTIMIZER_STATES:

@@ -251,8 +251,10 @@ def stage_request(a: Analysis, opts: PlanOptions, saved: SavedPlan | None) -> St
     if opts.replicas_chosen:
         n_stages = min(n_stages, len(a.cuts) + 1)  # the partitioner chooses how many stages, at most one per device
     if n_stages - 1 > len(a.cuts):
-        raise CutError(f"model has {len(a.cuts)} legal cut points, so at most {len(a.cuts) + 1} stages; "
-                       f"got gpus={n_stages} (pass split_points=... or fewer gpus){a.dropped_summary()}")
+        k = len(a.cuts)
+        raise CutError((f"plan at most {k + 1} stages (gpus={k + 1} or fewer): the model has {k} legal cut point(s)"
+                        if k else "the model has no legal cut point, so it runs as one stage only")
+                       + f"; got gpus={n_stages}{a.dropped_summary()}")
     if opts.gpus is not None and opts.devices is not None and len(opts.devices) != opts.gpus and fixed is None:
         raise ValueError(f"devices lists {len(opts.devices)} device(s) but gpus={opts.gpus}")
     speeds = None if opts.replicas_chosen else _speeds(opts, n_stages)

@@ -174,8 +174,8 @@ class Replanner:
             why = (f"a {following[0]} head follows the next stage's parameters (compile with another head type to "
                    "rebalance, or move the cuts by compiling again with split_points=...)")
         elif plan.untied:
-            why = ("stages train their own copies of a tied parameter (tied='untie'), which a re-split would copy "
-                   "afresh (move the cuts by compiling again with split_points=...)")
+            why = (f"stages train their own copies of a tied parameter ({', '.join(plan.untied)}), which a re-split "
+                   "would copy afresh (move the cuts by compiling again with split_points=...)")
         elif self.pipeline.front is None:
             why = "it was not made by ppll_compile.compile (compile the model to move its cuts)"
         if why is not None:

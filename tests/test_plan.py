@@ -141,7 +141,7 @@ def test_validate_names_the_problem():
 
 def test_too_many_stages():
     with pytest.raises(CutError, match=re.escape(
-            "model has 5 legal cut points, so at most 6 stages; got gpus=8 (pass split_points=... or fewer gpus)")):
+            "plan at most 6 stages (gpus=6 or fewer): the model has 5 legal cut point(s); got gpus=8")):
         _plan(gpus=8)
 
 

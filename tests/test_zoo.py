@@ -72,7 +72,7 @@ def test_threads_train_as_sequential_with_dropout_on(name):
 
 
 @pytest.mark.skipif("transformers" in MISSING, reason="transformers is not installed")
-def test_a_tied_embedding_is_refused_by_default_naming_the_parameter():
+def test_a_tied_embedding_is_refused_under_tied_error_naming_the_parameter():
     entry = ZOO["gpt2"]
     x = batches(entry, [4], seed=0)[0][0]
     with pytest.raises(ppll_compile.CutError, match=re.escape("transformer.wte.weight")) as e:
