@@ -79,9 +79,10 @@ class Trainer:
                  timeout: float = 300.0, decoupled: bool = True, trace: bool = False, seed: int | None = 0,
                  schedule_reused: bool = False, rebalance: bool = False, rebalance_steps: int = REBALANCE_STEPS,
                  rebalance_threshold: float = REBALANCE_THRESHOLD, rebalance_policy: Any = None,
-                 replanner: Replanning | None = None) -> None:
+                 replanner: Replanning | None = None, accumulate: int = 1) -> None:
         kind = check_options(plan, runtime=runtime, queue=queue, optimizer=optimizer, queue_depth=queue_depth,
-                             loss=loss, decoupled=decoupled, trace=trace, seed=seed)
+                             loss=loss, decoupled=decoupled, trace=trace, seed=seed, accumulate=accumulate,
+                             rebalance=rebalance)
         settings = check_rebalance(rebalance, rebalance_steps, rebalance_threshold, rebalance_policy,
                                    runtime=runtime, kind=kind, plan=plan, replanner=replanner)
         self.plan = plan
@@ -90,7 +91,10 @@ class Trainer:
         self.runtime_name = runtime
         config = TrainConfig(optimizer=optimizer, scheduler=scheduler, loss=loss, clip_grad_norm=clip_grad_norm,
                              autocast=autocast_per_stage(autocast, plan.num_stages), nan_check=nan_check, seed=seed,
-                             schedule_reused=bool(schedule_reused))
+                             schedule_reused=bool(schedule_reused), accumulate=accumulate)
+        self.accumulate = accumulate
+        """Batches per optimizer step of every stage (``accumulate=``)."""
+        self._open = 0  # training batches fed since the stages last ended their data (stepped a partial group)
         self.seed = seed
         """Seed of the stages' training randomness (``None``: unseeded); recorded in checkpoints."""
         self._carry_raw = lowered.carries_input
@@ -138,8 +142,14 @@ class Trainer:
 
     @property
     def steps(self) -> dict[int, int]:
-        """Optimizer steps per stage run here."""
+        """Batches trained on per stage run here (the optimizer steps too with ``accumulate=1``; see :attr:`updates`)."""
         return {r.index: r.steps for r in self.runners}
+
+    @property
+    def updates(self) -> dict[int, int]:
+        """Optimizer steps per stage run here: one per ``accumulate`` batches, and one per partial group at an end of
+        the data."""
+        return {r.index: r.updates for r in self.runners}
 
     def stage_parameters(self, index: int) -> list[nn.Parameter]:
         """Parameters stage ``index`` trains (wherever it runs): its modules' and its head's."""
@@ -209,6 +219,7 @@ class Trainer:
                             carry_raw=self._carry_raw)
         if kind == TRAIN:
             self.batches += 1
+            self._open += 1
         return msg
 
     def step(self, inputs: Any = None, target: Any = None) -> Losses:
@@ -223,7 +234,9 @@ class Trainer:
         return self._runtime.step(msg)
 
     def finish(self) -> Losses:
-        """Wait until every batch fed in has gone through every stage; the losses not returned yet."""
+        """Wait until every batch fed in has gone through every stage; the losses not returned yet. With
+        ``accumulate > 1`` this is the end of the data: every stage steps on its partial accumulation group."""
+        self._open = 0
         return self._runtime.finish()
 
     def _messages(self, loader: Iterable[Any], kind: str) -> Iterable[Message] | None:
@@ -258,6 +271,7 @@ class Trainer:
             label = progress if isinstance(progress, str) else f"epoch {epoch + 1}/{epochs}"
             bar = progress_bar(total, label, bool(progress) and self.is_main)
             record = _epoch(self._runtime, self._messages(loader, TRAIN), self.plan.num_stages, bar)
+            self._open = 0  # every epoch ends the data: a partial accumulation group steps
             history.append({"epoch": epoch + 1} | record)
         return history
 
@@ -268,6 +282,7 @@ class Trainer:
         A pipebd plan gives instead every block's mean distillation loss (``block_loss``) and their sum (``loss``).
         """
         messages = self._messages(loader, EVAL)
+        self._open = 0
         return _scores(self._runtime.evaluate(messages if messages is not None else ()), self.plan.mode)
 
     def timeline(self) -> Timeline:
@@ -290,7 +305,16 @@ class Trainer:
         killed at any moment leaves the previous checkpoint loadable (see :mod:`.checkpoint`). ``keep``
         complete checkpoints stay (the newest first); leftovers of interrupted saves are removed. The
         manifest records the batch count and the trainer's ``seed``.
+
+        With ``accumulate=n`` a checkpoint holds no accumulated gradients: a save after a number of batches since the
+        last end of the data (``finish``, an epoch of ``fit``) that is not a multiple of ``n`` raises
+        :class:`~ppll_compile.PPLLError` and saves nothing; call :meth:`finish` first to step on the partial group.
         """
+        if self.accumulate > 1 and (held := max(self._runtime.gather(self._open)) % self.accumulate):
+            raise PPLLError(f"save() would lose the gradients every stage holds for {held} batch(es) of an "
+                            f"accumulation group (accumulate={self.accumulate}; {self.batches} batches fed); save "
+                            f"after a multiple of {self.accumulate} batches, or call trainer.finish() first to step "
+                            f"on the partial group")
         return self._checkpoints.save(path, keep, plan=self.plan, lowered=self.lowered,
                                       trainer={"batches": self.batches, "seed": self.seed})
 
@@ -305,6 +329,7 @@ class Trainer:
         another ``seed`` loads with a warning (training continues on other streams).
         """
         found, self.batches = self._checkpoints.load(path, plan=self.plan, lowered=self.lowered, seed=self.seed)
+        self._open = 0
         return found
 
     def close(self) -> None:
