@@ -110,16 +110,12 @@ class Runner:
         """One optimizer per independently trained part (a PPLL stage: one; a Pipe-BD stage: one per block)."""
         self.schedulers = [config.scheduler(o) for o in self.optimizers] if config.scheduler is not None else []
         self.steps = 0
-        """Batches trained on (a forward and a backward each, reused inputs included); with ``accumulate=1`` also
-        the optimizer steps taken."""
+        """Batches trained on (reused inputs included); with ``accumulate=1`` also the optimizer steps."""
         self.updates = 0
-        """Optimizer steps taken: one per ``accumulate`` batches trained on, and one for a partial group at the end
-        of the data (:meth:`flush`); a float16 step the gradient scaler skipped counts too."""
-        self.accumulate = config.accumulate
-        """Batches whose gradients add up before one optimizer step (``accumulate=``)."""
-        self.pending = 0
-        """Batches of the current accumulation group trained on so far (their gradients held, not yet stepped)."""
-        self._group_schedules = True
+        """Optimizer steps: one per ``accumulate`` batches, one per partial group at an end of the data (a float16
+        step the scaler skipped counts too)."""
+        self.accumulate, self.pending, self._group_schedules = config.accumulate, 0, True
+        """Batches per optimizer step (``accumulate=``); those of the current group trained on so far."""
         self.reused = 0
         """Inputs trained on again because no new one had arrived (``queue="reuse"``)."""
         self.dropped = 0
@@ -128,8 +124,7 @@ class Runner:
         self._autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype is not None \
             else contextlib.nullcontext
         self.scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
-        """This stage's gradient scaler under ``autocast=torch.float16`` (``None`` otherwise: bfloat16 keeps float32's
-        range and needs none)."""
+        """The stage's gradient scaler under float16 autocast (``None``: bfloat16 keeps float32's range)."""
         self._out_dtypes = tuple(dtype_of(t.dtype) for t in self.plan.boundary)
         self._net: nn.Module = trainable
         self._rng = StageRNG(device)
@@ -297,16 +292,13 @@ class Runner:
 
     def update(self, loss: Tensor, scale: float = 1.0, parts: Sequence[int] | None = None, *,
                batch: int = -1, schedule: bool = True) -> bool:
-        """Backward ``loss`` times ``scale``; once ``accumulate`` batches are in, clip and step the optimizers (and
-        schedulers) of ``parts``. Whether the optimizers stepped.
+        """Backward ``loss`` times ``scale / accumulate``; once ``accumulate`` batches are in, clip and step the
+        optimizers (and schedulers) of ``parts``; whether they stepped.
 
-        ``parts`` indexes :attr:`optimizers` (default: all of them); ``batch`` names the spans when tracing;
-        ``schedule=False`` leaves the schedulers where they are (decided by the batch that completes the group).
-        With ``accumulate=n`` the loss is scaled by ``1/n`` and the gradients add up over ``n`` calls, so that with
-        equal batch sizes the step is the one a mean loss over the ``n`` batches together would give. Under
-        ``autocast=torch.float16`` the loss is scaled by :attr:`scaler` before the backward and the gradients
-        unscaled before clipping; a step the scaler skips (infinite or NaN gradients) leaves the schedulers where
-        they are. :attr:`before_step` (when set) runs between the last backward and the optimizer steps.
+        ``parts`` indexes :attr:`optimizers` (default: all); ``batch`` names the spans when tracing; ``schedule=False``
+        (said by a group's last batch) leaves the schedulers. Under float16 the loss is scaled by :attr:`scaler` and
+        the gradients unscaled before clipping; a step it skips (inf/NaN gradients) leaves the schedulers too.
+        :attr:`before_step` (when set) runs between the last backward and the optimizer steps.
         """
         if self.config.nan_check and not _finite(loss):
             raise FloatingPointError(f"loss is {float(loss)} (nan_check=True); lower the learning rate, clip "
@@ -323,36 +315,20 @@ class Runner:
         self._group_schedules = schedule
         if self.pending < self.accumulate:
             return False
-        self._step(parts, batch)
+        _step_group(self, parts, batch)
         return True
 
     def flush(self) -> bool:
-        """At the end of the data (``finish``, the end of a ``fit`` epoch, and what finishes first: ``evaluate``,
-        ``save``, ``load``): step on a partial accumulation group, its gradients rescaled to the mean over the ``k``
-        batches it holds (one step on those ``k`` batches together). Whether the optimizers stepped."""
+        """The end of the data (``finish``, a ``fit`` epoch's end): step on a partial accumulation group of ``k``
+        batches, its gradients times ``accumulate / k`` (their mean); whether the optimizers stepped."""
         if self.pending == 0:
             return False
         factor = self.accumulate / self.pending
         for p in self.params:
             if p.grad is not None:
                 p.grad.mul_(factor)
-        self._step(range(len(self.optimizers)), -1)
+        _step_group(self, range(len(self.optimizers)), -1)
         return True
-
-    def _step(self, parts: Sequence[int], batch: int) -> None:
-        """Clip and step the optimizers (and schedulers) of ``parts`` on the gradients accumulated so far."""
-        if self.before_step is not None:
-            start = time.perf_counter()
-            self.before_step()
-            self._waited += time.perf_counter() - start
-        with span(self.recorder, "step", batch):
-            stepped = _clip_and_step([(self.optimizers[i], self._groups[i]) for i in parts], self.scaler,
-                                     self.config.clip_grad_norm)
-            if self.schedulers and self._group_schedules and stepped:
-                for i in parts:
-                    self.schedulers[i].step()
-        self.pending = 0
-        self.updates += 1
 
     def _state(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -381,3 +357,18 @@ class Runner:
         self.pending = 0
         if self.scaler is not None and "scaler" in state:  # a checkpoint without one: the scaler starts afresh
             self.scaler.load_state_dict(state["scaler"])
+
+
+def _step_group(r: Runner, parts: Sequence[int], batch: int) -> None:
+    """Runner ``r`` clips and steps the optimizers (and schedulers) of ``parts`` on the gradients accumulated so far."""
+    if r.before_step is not None:
+        start = time.perf_counter()
+        r.before_step()
+        r._waited += time.perf_counter() - start
+    with span(r.recorder, "step", batch):
+        stepped = _clip_and_step([(r.optimizers[i], r._groups[i]) for i in parts], r.scaler, r.config.clip_grad_norm)
+        if r.schedulers and r._group_schedules and stepped:
+            for i in parts:
+                r.schedulers[i].step()
+    r.pending = 0
+    r.updates += 1

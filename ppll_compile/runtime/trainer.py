@@ -65,6 +65,17 @@ class Trainer:
     :mod:`.rebalancer`. :attr:`plan` is then the new plan (the compiled pipeline's too); :attr:`rebalances` lists the
     moves. ``replanner`` (set by :meth:`~ppll_compile.pipeline.CompiledPipeline.trainer`) plans and splits the model.
 
+    ``autocast`` (a dtype, or one dtype-or-None per stage): every stage's forward and loss run under
+    ``torch.autocast`` in that dtype (parameters, gradients and optimizer state stay float32). ``torch.float16``
+    gives every stage its own ``torch.amp.GradScaler``: the loss is scaled before backward, the gradients unscaled
+    before ``clip_grad_norm``; a step it skips (inf/NaN gradients) does not step the scheduler; its state is saved
+    in checkpoints. ``torch.bfloat16`` needs no scaler. ``accumulate=n`` (default 1): every stage adds up the
+    gradients of ``n`` consecutive batches it trains on, each loss scaled by ``1/n``, and steps its optimizer and
+    scheduler once per ``n`` (with equal batches: one step on their concatenation), the same in every runtime.
+    The end of the data (:meth:`finish`, every ``fit`` epoch, and so ``evaluate``) steps a partial group on its
+    mean; :meth:`save` inside a group is refused; :attr:`steps` counts batches, :attr:`updates` optimizer steps.
+    Moving cuts and ``pipebd`` plans refuse ``accumulate > 1``.
+
     The optimizers the factory builds are compared with the plan's ``optimizer``: one that keeps another number of
     state tensors per parameter (SGD 0, with momentum 1, Adam 2) warns once, with every stage's optimizer-state memory
     against the plan's and the way out.
@@ -147,8 +158,7 @@ class Trainer:
 
     @property
     def updates(self) -> dict[int, int]:
-        """Optimizer steps per stage run here: one per ``accumulate`` batches, and one per partial group at an end of
-        the data."""
+        """Optimizer steps per stage run here (one per ``accumulate`` batches; see :attr:`.Runner.updates`)."""
         return {r.index: r.updates for r in self.runners}
 
     def stage_parameters(self, index: int) -> list[nn.Parameter]:
@@ -304,18 +314,10 @@ class Trainer:
         the newest by an atomic switch of ``path/latest`` once every process's files are complete, so a save
         killed at any moment leaves the previous checkpoint loadable (see :mod:`.checkpoint`). ``keep``
         complete checkpoints stay (the newest first); leftovers of interrupted saves are removed. The
-        manifest records the batch count and the trainer's ``seed``.
-
-        With ``accumulate=n`` a checkpoint holds no accumulated gradients: a save after a number of batches since the
-        last end of the data (``finish``, an epoch of ``fit``) that is not a multiple of ``n`` raises
-        :class:`~ppll_compile.PPLLError` and saves nothing; call :meth:`finish` first to step on the partial group.
+        manifest records the batch count and the trainer's ``seed``. A save inside an accumulation group
+        (``accumulate=``) raises :class:`~ppll_compile.PPLLError`, saving nothing: :meth:`finish` first.
         """
-        if self.accumulate > 1 and (held := max(self._runtime.gather(self._open)) % self.accumulate):
-            raise PPLLError(f"save() would lose the gradients every stage holds for {held} batch(es) of an "
-                            f"accumulation group (accumulate={self.accumulate}; {self.batches} batches fed); save "
-                            f"after a multiple of {self.accumulate} batches, or call trainer.finish() first to step "
-                            f"on the partial group")
-        return self._checkpoints.save(path, keep, plan=self.plan, lowered=self.lowered,
+        return self._checkpoints.save(path, keep, plan=self.plan, lowered=self.lowered, fed=self._open,
                                       trainer={"batches": self.batches, "seed": self.seed})
 
     def load(self, path: str | os.PathLike) -> Path:
