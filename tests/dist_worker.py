@@ -27,7 +27,7 @@ from models import Residual, conv_student, conv_teacher  # noqa: E402
 from tests.helpers import seeded_batches, sgd  # noqa: E402
 
 __all__ = ["Trap", "Chain", "SizedResidual", "fifo_pipeline", "fifo_program", "fifo_fit", "chain_pipeline",
-           "stage_states", "distill_pipeline", "distill_program", "replicated_chain", "gated_sgd", "main", "launch"]
+           "stage_states", "distill_pipeline", "distill_program", "replicated_chain", "gated_sgd", "main", "launch", "accumulate_pipeline", "accumulate_program"]
 
 warnings.simplefilter("ignore")  # the CPU fallback note of compile()
 
@@ -401,10 +401,39 @@ def main(argv: list[str]) -> None:
         _early(out)
     elif scenario == "momentum":
         _momentum(out)
+    elif scenario == "accumulate":
+        rank = int(os.environ["RANK"])
+        with accumulate_pipeline("distributed") as trainer:
+            record = accumulate_program(trainer)
+        torch.save(record, out / f"accumulate-{rank}.pt")
     elif scenario == "plans":
         _plans(out)
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
+
+
+# ---- gradient accumulation -----------------------------------------------------------------------------------
+
+ACCUMULATE_SIZES = [8, 8, 8, 8, 8, 8, 5]  # accumulate=3: two whole groups, then a partial one of one batch
+
+
+def accumulate_pipeline(runtime: str) -> Any:
+    """Residual in 2 stages (DGL heads) trained with ``accumulate=3``."""
+    torch.manual_seed(0)
+    compiled = ppll_compile.compile(Residual(), example_inputs=(torch.randn(8, 3, 8, 8),), split_points=["add"],
+                                    policy="dgl")
+    return compiled.trainer(optimizer=sgd, runtime=runtime, timeout=60, accumulate=3)
+
+
+def accumulate_program(trainer: Any) -> dict[str, Any]:
+    """7 batches stepped (a partial group at the end) and finished, then a 2-epoch fit; states and counters."""
+    for x, y in seeded_batches(5, ACCUMULATE_SIZES, (3, 8, 8), 5):
+        trainer.step(x, y)
+    trainer.finish()
+    after_steps = stage_states(trainer)
+    history = trainer.fit(seeded_batches(6, [8, 8, 6, 8], (3, 8, 8), 5), epochs=2, progress=False)
+    return {"after_steps": after_steps, "final": stage_states(trainer), "history": [h["loss"] for h in history],
+            "steps": trainer.steps, "updates": trainer.updates}
 
 
 def _child(rank: int, k: int, port: int, argv: list[str], body: Callable[[list[str]], None]) -> None:

@@ -355,8 +355,8 @@ def check_state(saved: dict[str, Any], ours: dict[str, Any]) -> list[str]:
     groups, the schedulers and counters. Empty when it loads."""
     out: list[str] = []
     stage = ours["stage"]
-    counters = ("steps", "reused", "dropped")
-    modules = [k for k in ours if k not in ("stage", "optimizers", "schedulers", *counters)]
+    counters = ("steps", "reused", "dropped", "updates")
+    modules = [k for k in ours if k not in ("stage", "optimizers", "schedulers", "scaler", *counters)]
     for key in modules:
         if key not in saved:
             out.append(f"stage {stage}: the checkpoint has no {key!r} state")
@@ -376,8 +376,11 @@ def check_state(saved: dict[str, Any], ours: dict[str, Any]) -> list[str]:
         out.append(f"stage {stage}: the checkpoint has {had} and this trainer has {have}; build the trainer with "
                    f"the scheduler= it was trained with")
     for key in counters:
-        if key == "dropped" and key not in saved:  # written before the counter existed
+        if key in ("dropped", "updates") and key not in saved:  # written before the counter existed
             continue
         if not isinstance(saved.get(key), int):
             out.append(f"stage {stage}: the checkpoint's {key!r} counter is {saved.get(key)!r}, not an integer")
+    scaler = saved.get("scaler")  # absent before float16 scalers were saved (or without one): a fresh scale
+    if scaler is not None and not (isinstance(scaler, dict) and isinstance(scaler.get("scale"), float)):
+        out.append(f"stage {stage}: the checkpoint's gradient scaler state is {scaler!r}, not a GradScaler's")
     return out

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError, StageError
+from ..errors import CheckpointError, PPLLError, StageError
 from ..lowered import Lowered
 from ..plan import Plan
 from . import checkpoint
@@ -28,12 +28,19 @@ class Checkpointer:
         self._runtime = runtime
 
     def save(self, path: str | os.PathLike, keep: int, *, plan: Plan, lowered: Lowered,
-             trainer: dict[str, Any]) -> Path:
+             trainer: dict[str, Any], fed: int = 0) -> Path:
         """Write this process's stages as the newest checkpoint under ``path`` (the manifest records ``trainer``:
-        the batch count and seed); the checkpoint's own directory. Pending batches are finished first."""
+        the batch count and seed); the checkpoint's own directory. Pending batches are finished first. ``fed``:
+        training batches fed since the data last ended; a save inside an accumulation group is refused."""
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be an integer >= 1 (how many complete checkpoints stay), got {keep!r}")
         rt = self._runtime
+        n = rt.runners[0].accumulate if rt.runners else 1
+        fed, batches = max(rt.gather((fed, trainer["batches"]))) if n > 1 else (0, 0)  # rank 0's: it feeds the data
+        if held := fed % n:
+            raise PPLLError(f"save() would lose the gradients every stage holds for {held} batch(es) of an "
+                            f"accumulation group (accumulate={n}; {batches} batches fed); save after a "
+                            f"multiple of {n} batches, or call trainer.finish() first to step on the partial group")
         rt.finish()
         temp = rt.gather(self.agree("start the save", lambda: checkpoint.begin(path), here=rt.is_main_writer))[0]
         work = Path(path) / temp

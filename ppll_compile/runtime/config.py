@@ -28,7 +28,10 @@ class TrainConfig:
     clip_grad_norm: float | None = None
     """Clip each stage's gradient norm (block and head together) to this value."""
     autocast: tuple[torch.dtype | None, ...] = ()
-    """Autocast dtype per stage (``None`` = full precision); empty = none anywhere."""
+    """Autocast dtype per stage (``None`` = full precision); empty = none anywhere. A float16 stage gets a gradient
+    scaler."""
+    accumulate: int = 1
+    """Batches whose gradients every stage adds up before one optimizer step (each loss scaled by ``1/accumulate``)."""
     nan_check: bool = False
     """Fail the pipeline when a stage's loss is not finite."""
     seed: int | None = 0

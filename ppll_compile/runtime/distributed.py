@@ -152,6 +152,7 @@ class DistributedRuntime(Runtime):
         item, reused = self._taking.take(reuse=self._queue == "reuse")
         if item is END:
             self._ended = True
+            self._flush()
             return self._losses([])
         return self._losses([self._train(self._taking.expect(item, TRAIN), reused)])
 
@@ -159,6 +160,7 @@ class DistributedRuntime(Runtime):
         """Rank 0: wait for its sends and send END. Other ranks: train until END arrives, forward it, wait."""
         self._raise_if_failed()
         if self.rank == 0:
+            self._flush()
             self._sending.end()
             return self._losses([])
         if self._ended:
@@ -285,11 +287,16 @@ class DistributedRuntime(Runtime):
         self.runner.reused += reused
         return float(loss)
 
+    def _flush(self) -> None:
+        """The end of the data: this rank's stage steps on a partial accumulation group (``accumulate > 1``)."""
+        self._faults.guard(None, self.runner.flush)
+
     def _until_end(self) -> Iterator[tuple[float, int]]:
         """Train on every batch until END (forwarded on); each loss with its batch size (0 when reused)."""
         while True:
             item, reused = self._taking.take(reuse=self._queue == "reuse")
             if item is END:
+                self._flush()
                 return
             loss = self._train(self._taking.expect(item, TRAIN), reused)
             yield loss, 0 if reused else item.whole or item.size

@@ -113,6 +113,7 @@ class DNARuntime(Runtime):
                     k += 1
         for r in self.runners:
             r.steps += 1
+            r.updates = r.steps  # counted per batch as under the pipelined runtimes (accumulate=1 for pipebd)
         return [[v] for v in losses]
 
     def finish(self) -> Losses:
@@ -210,6 +211,7 @@ class DNAPerBlockRuntime(DNARuntime):
                                      lambda acts, msg=msg: self._randomness(k, msg, acts))
             if i == len(r.student) - 1:  # the stage's last block: the stage is done with this batch
                 r.steps += 1
+                r.updates = r.steps  # per batch, as under the pipelined runtimes
             out.append((whole.size, loss))
             if bar is not None:
                 bar.update(1)

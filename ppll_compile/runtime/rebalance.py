@@ -257,4 +257,7 @@ def carry_state(snapshot: StateSnapshot, fresh: Sequence[Runner]) -> None:
         for s, before in zip(r.schedulers, old.schedulers):
             s.load_state_dict(before.state_dict())
         r.steps, r.reused, r.dropped, r.recorder = old.steps, old.reused, old.dropped, old.recorder
+        r.updates = old.updates
+        if r.scaler is not None and old.scaler is not None:
+            r.scaler.load_state_dict(old.scaler.state_dict())
 

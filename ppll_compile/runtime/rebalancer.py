@@ -113,6 +113,9 @@ class Rebalancer:
         kind = type(self._runtime)
         if plan.mode != "ppll":
             why = "a pipebd plan's stages are distillation blocks; re-plan it with blocks=... instead"
+        elif self._config.accumulate > 1:
+            why = (f"a moved cut would split an accumulation group (accumulate={self._config.accumulate}); train "
+                   f"with accumulate=1 to move cuts, or compile again with split_points=[...]")
         elif not kind.can_move_cuts:
             movers = " or ".join(map(repr, runtime_names("ppll", lambda c: c.can_move_cuts)))
             where = "every stage is another process" if kind.one_process_per_stage else "cuts stay where they are"

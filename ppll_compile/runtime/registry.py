@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from ..errors import PPLLError
 from ..plan import Plan
 from .base import Runtime
 from .distributed import DistributedRuntime
@@ -69,7 +70,7 @@ def _quoted(names: Sequence[str], joint: str) -> str:
 
 
 def check_options(plan: Plan, *, runtime: str, queue: str, optimizer: Any, queue_depth: Any, loss: Any,
-                  decoupled: bool, trace: Any, seed: Any) -> type[Runtime]:
+                  decoupled: bool, trace: Any, seed: Any, accumulate: Any = 1, rebalance: Any = False) -> type[Runtime]:
     """The trainer's options, each alone and together with the plan's kind and what the runtime declares; the
     runtime's class."""
     cls = runtime_class(runtime, plan)
@@ -96,7 +97,23 @@ def check_options(plan: Plan, *, runtime: str, queue: str, optimizer: Any, queue
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise TypeError(f"seed must be an int (the seed of every stage's dropout and other training randomness) "
                         f"or None (draw from torch's global generator, unseeded); got {seed!r}")
+    check_accumulate(accumulate, plan, rebalance=rebalance)
     return cls
+
+
+def check_accumulate(accumulate: Any, plan: Plan, *, rebalance: Any = False) -> None:
+    """``accumulate`` (batches per optimizer step): an integer >= 1; above 1 for ``ppll`` plans without
+    ``rebalance=True``."""
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise PPLLError(f"accumulate must be an integer >= 1 (the batches whose gradients every stage adds up before "
+                         f"one optimizer step; 1: a step per batch), got {accumulate!r}")
+    if accumulate > 1 and plan.mode == "pipebd":
+        raise PPLLError(f"accumulate={accumulate} applies to ppll plans; a pipebd plan's blocks step once per batch: "
+                         f"drop accumulate= and raise the batch size (or lower the learning rate) instead")
+    if accumulate > 1 and rebalance is True:
+        raise PPLLError(f"rebalance=True moves cuts between two batches, which would split an accumulation group "
+                         f"(accumulate={accumulate}); drop one of them (rebalance with accumulate=1, save the plan "
+                         f"with trainer.plan.save(...), and train it with accumulate=)")
 
 
 def autocast_per_stage(value: Any, n: int) -> tuple[torch.dtype | None, ...]:

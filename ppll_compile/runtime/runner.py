@@ -37,6 +37,26 @@ def _check_output(out: Any) -> None:
                                      f"gradients (clip_grad_norm=...) or check the data")
 
 
+def _clip_and_step(parts: Sequence[tuple[torch.optim.Optimizer, list[nn.Parameter]]], scaler: Any,
+                   clip: float | None) -> bool:
+    """Unscale (``scaler``: a GradScaler or ``None``), clip to ``clip`` and step every (optimizer, its parameters) of
+    ``parts``; ``False`` when the scaler skipped the step (infinite or NaN gradients)."""
+    for optimizer, params in parts:
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        if clip is not None:
+            nn.utils.clip_grad_norm_(params, clip)
+        if scaler is not None:
+            scaler.step(optimizer)
+        else:
+            optimizer.step()
+    if scaler is None:
+        return True
+    before = scaler.get_scale()
+    scaler.update()
+    return scaler.get_scale() >= before  # the scale backs off after a skipped step
+
+
 class Runner:
     """What every kind of stage shares: its device, optimizers, schedulers, autocast, messages and counters.
 
@@ -90,7 +110,12 @@ class Runner:
         """One optimizer per independently trained part (a PPLL stage: one; a Pipe-BD stage: one per block)."""
         self.schedulers = [config.scheduler(o) for o in self.optimizers] if config.scheduler is not None else []
         self.steps = 0
-        """Optimizer steps taken (batches trained on, reused inputs included)."""
+        """Batches trained on (reused inputs included); with ``accumulate=1`` also the optimizer steps."""
+        self.updates = 0
+        """Optimizer steps: one per ``accumulate`` batches, one per partial group at an end of the data (a float16
+        step the scaler skipped counts too)."""
+        self.accumulate, self.pending, self._group_schedules = config.accumulate, 0, True
+        """Batches per optimizer step (``accumulate=``); those of the current group trained on so far."""
         self.reused = 0
         """Inputs trained on again because no new one had arrived (``queue="reuse"``)."""
         self.dropped = 0
@@ -98,6 +123,8 @@ class Runner:
         dtype = config.autocast[self.index] if config.autocast else None
         self._autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype is not None \
             else contextlib.nullcontext
+        self.scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+        """The stage's gradient scaler under float16 autocast (``None``: bfloat16 keeps float32's range)."""
         self._out_dtypes = tuple(dtype_of(t.dtype) for t in self.plan.boundary)
         self._net: nn.Module = trainable
         self._rng = StageRNG(device)
@@ -232,10 +259,10 @@ class Runner:
         with span(self.recorder, "forward", msg.index), self.autocast():
             _, loss = self._forward(values, target, raw, rng, ready)
         # a replica's slice: scaled so that DDP's mean over replicas is the whole batch's gradient
-        self.update(loss, msg.size * self.plan.replicas / msg.whole if msg.whole else 1.0, batch=msg.index,
-                    schedule=not msg.reused or self.config.schedule_reused)
+        stepped = self.update(loss, msg.size * self.plan.replicas / msg.whole if msg.whole else 1.0,
+                              batch=msg.index, schedule=not msg.reused or self.config.schedule_reused)
         self.steps += 1
-        if self.publish_weights is not None and self.steps % self.publish_every == 0:
+        if stepped and self.publish_weights is not None and self.updates % self.publish_every == 0:
             self.publish_weights()
         if timed and self.step_times is not None:
             waited = self._waited if self.device.type != "cpu" else 0.0  # blocked threads take no CPU time
@@ -264,32 +291,44 @@ class Runner:
         raise NotImplementedError
 
     def update(self, loss: Tensor, scale: float = 1.0, parts: Sequence[int] | None = None, *,
-               batch: int = -1, schedule: bool = True) -> None:
-        """Backward ``loss`` times ``scale``, then clip and step the optimizers (and schedulers) of ``parts``.
+               batch: int = -1, schedule: bool = True) -> bool:
+        """Backward ``loss`` times ``scale / accumulate``; once ``accumulate`` batches are in, clip and step the
+        optimizers (and schedulers) of ``parts``; whether they stepped.
 
-        ``parts`` indexes :attr:`optimizers` (default: all of them); ``batch`` names the spans when tracing;
-        ``schedule=False`` leaves the schedulers where they are. :attr:`before_step` (when set) runs between
-        the backward and the optimizer steps.
+        ``parts`` indexes :attr:`optimizers` (default: all); ``batch`` names the spans when tracing; ``schedule=False``
+        (said by a group's last batch) leaves the schedulers. Under float16 the loss is scaled by :attr:`scaler` and
+        the gradients unscaled before clipping; a step it skips (inf/NaN gradients) leaves the schedulers too.
+        :attr:`before_step` (when set) runs between the last backward and the optimizer steps.
         """
         if self.config.nan_check and not _finite(loss):
             raise FloatingPointError(f"loss is {float(loss)} (nan_check=True); lower the learning rate, clip "
                                      f"gradients (clip_grad_norm=...) or check the data")
         parts = range(len(self.optimizers)) if parts is None else parts
-        for i in parts:
-            self.optimizers[i].zero_grad(set_to_none=True)
-        with span(self.recorder, "backward", batch):
-            (loss * scale if scale != 1.0 else loss).backward()
-        if self.before_step is not None:
-            start = time.perf_counter()
-            self.before_step()
-            self._waited += time.perf_counter() - start
-        with span(self.recorder, "step", batch):
+        if self.pending == 0:
             for i in parts:
-                if self.config.clip_grad_norm is not None:
-                    nn.utils.clip_grad_norm_(self._groups[i], self.config.clip_grad_norm)
-                self.optimizers[i].step()
-                if self.schedulers and schedule:
-                    self.schedulers[i].step()
+                self.optimizers[i].zero_grad(set_to_none=True)
+        scale = scale / self.accumulate
+        with span(self.recorder, "backward", batch):
+            scaled = loss * scale if scale != 1.0 else loss
+            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+        self.pending += 1
+        self._group_schedules = schedule
+        if self.pending < self.accumulate:
+            return False
+        _step_group(self, parts, batch)
+        return True
+
+    def flush(self) -> bool:
+        """The end of the data (``finish``, a ``fit`` epoch's end): step on a partial accumulation group of ``k``
+        batches, its gradients times ``accumulate / k`` (their mean); whether the optimizers stepped."""
+        if self.pending == 0:
+            return False
+        factor = self.accumulate / self.pending
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.mul_(factor)
+        _step_group(self, range(len(self.optimizers)), -1)
+        return True
 
     def _state(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -301,7 +340,8 @@ class Runner:
         """This stage's modules, optimizers, schedulers and counters, for a checkpoint."""
         return {"stage": self.index, **self._state(), "optimizers": [o.state_dict() for o in self.optimizers],
                 "schedulers": [s.state_dict() for s in self.schedulers], "steps": self.steps, "reused": self.reused,
-                "dropped": self.dropped}
+                "dropped": self.dropped, "updates": self.updates} \
+            | ({"scaler": self.scaler.state_dict()} if self.scaler is not None else {})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
@@ -313,3 +353,22 @@ class Runner:
         self.steps = int(state["steps"])
         self.reused = int(state["reused"])
         self.dropped = int(state.get("dropped", 0))  # checkpoints written before the counter existed
+        self.updates = int(state.get("updates", self.steps))  # written before accumulate: one step per batch
+        self.pending = 0
+        if self.scaler is not None and "scaler" in state:  # a checkpoint without one: the scaler starts afresh
+            self.scaler.load_state_dict(state["scaler"])
+
+
+def _step_group(r: Runner, parts: Sequence[int], batch: int) -> None:
+    """Runner ``r`` clips and steps the optimizers (and schedulers) of ``parts`` on the gradients accumulated so far."""
+    if r.before_step is not None:
+        start = time.perf_counter()
+        r.before_step()
+        r._waited += time.perf_counter() - start
+    with span(r.recorder, "step", batch):
+        stepped = _clip_and_step([(r.optimizers[i], r._groups[i]) for i in parts], r.scaler, r.config.clip_grad_norm)
+        if r.schedulers and r._group_schedules and stepped:
+            for i in parts:
+                r.schedulers[i].step()
+    r.pending = 0
+    r.updates += 1

@@ -51,7 +51,14 @@ class SequentialRuntime(Runtime):
             raise self.error
 
     def finish(self) -> Losses:
-        """Nothing is pending; raises the error of an earlier failed step again."""
+        """The end of the data: every stage steps on a partial accumulation group (``accumulate > 1``); raises the
+        error of an earlier failed step again."""
         if self.error is not None:
             raise self.error
+        for r in self.runners:
+            try:
+                r.flush()
+            except Exception as e:
+                self.error = StageError(r.index, None, f"{type(e).__name__}: {e}", traceback.format_exc())
+                raise self.error from e
         return [[] for _ in self.runners]

@@ -238,6 +238,7 @@ class ThreadsRuntime(Runtime):
                     if r.recorder is not None and isinstance(msg, Message) and not reused:
                         r.recorder.add("receive", msg.index, start, time.perf_counter())
                     if msg is _END:
+                        r.flush()  # the end of the data: a partial accumulation group steps
                         if out_box is not None:
                             self._put(out_box, _END)
                         return

@@ -68,6 +68,17 @@ class Trainer(ModelState):
     :mod:`.rebalancer`. :attr:`plan` is then the new plan (the compiled pipeline's too); :attr:`rebalances` lists the
     moves. ``replanner`` (set by :meth:`~ppll_compile.pipeline.CompiledPipeline.trainer`) plans and splits the model.
 
+    ``autocast`` (a dtype, or one dtype-or-None per stage): every stage's forward and loss run under
+    ``torch.autocast`` in that dtype (parameters, gradients and optimizer state stay float32). ``torch.float16``
+    gives every stage its own ``torch.amp.GradScaler``: the loss is scaled before backward, the gradients unscaled
+    before ``clip_grad_norm``; a step it skips (inf/NaN gradients) does not step the scheduler; its state is saved
+    in checkpoints. ``torch.bfloat16`` needs no scaler. ``accumulate=n`` (default 1): every stage adds up the
+    gradients of ``n`` consecutive batches it trains on, each loss scaled by ``1/n``, and steps its optimizer and
+    scheduler once per ``n`` (with equal batches: one step on their concatenation), the same in every runtime.
+    The end of the data (:meth:`finish`, every ``fit`` epoch, and so ``evaluate``) steps a partial group on its
+    mean; :meth:`save` inside a group is refused; :attr:`steps` counts batches, :attr:`updates` optimizer steps.
+    Moving cuts and ``pipebd`` plans refuse ``accumulate > 1``.
+
     The optimizers the factory builds are compared with the plan's ``optimizer``: one that keeps another number of
     state tensors per parameter (SGD 0, with momentum 1, Adam 2) warns once, with every stage's optimizer-state memory
     against the plan's and the way out.
@@ -82,9 +93,10 @@ class Trainer(ModelState):
                  timeout: float = 300.0, decoupled: bool = True, trace: bool = False, seed: int | None = 0,
                  schedule_reused: bool = False, rebalance: bool = False, rebalance_steps: int = REBALANCE_STEPS,
                  rebalance_threshold: float = REBALANCE_THRESHOLD, rebalance_policy: Any = None,
-                 replanner: Replanning | None = None) -> None:
+                 replanner: Replanning | None = None, accumulate: int = 1) -> None:
         kind = check_options(plan, runtime=runtime, queue=queue, optimizer=optimizer, queue_depth=queue_depth,
-                             loss=loss, decoupled=decoupled, trace=trace, seed=seed)
+                             loss=loss, decoupled=decoupled, trace=trace, seed=seed, accumulate=accumulate,
+                             rebalance=rebalance)
         settings = check_rebalance(rebalance, rebalance_steps, rebalance_threshold, rebalance_policy,
                                    runtime=runtime, kind=kind, plan=plan, replanner=replanner)
         self.plan = plan
@@ -93,7 +105,10 @@ class Trainer(ModelState):
         self.runtime_name = runtime
         config = TrainConfig(optimizer=optimizer, scheduler=scheduler, loss=loss, clip_grad_norm=clip_grad_norm,
                              autocast=autocast_per_stage(autocast, plan.num_stages), nan_check=nan_check, seed=seed,
-                             schedule_reused=bool(schedule_reused))
+                             schedule_reused=bool(schedule_reused), accumulate=accumulate)
+        self.accumulate = accumulate
+        """Batches per optimizer step of every stage (``accumulate=``)."""
+        self._open = 0  # training batches fed since the stages last ended their data (stepped a partial group)
         self.seed = seed
         """Seed of the stages' training randomness (``None``: unseeded); recorded in checkpoints."""
         self._carry_raw = lowered.carries_input
@@ -141,8 +156,13 @@ class Trainer(ModelState):
 
     @property
     def steps(self) -> dict[int, int]:
-        """Optimizer steps per stage run here."""
+        """Batches trained on per stage run here (the optimizer steps too with ``accumulate=1``; see :attr:`updates`)."""
         return {r.index: r.steps for r in self.runners}
+
+    @property
+    def updates(self) -> dict[int, int]:
+        """Optimizer steps per stage run here (one per ``accumulate`` batches; see :attr:`.Runner.updates`)."""
+        return {r.index: r.updates for r in self.runners}
 
     def stage_parameters(self, index: int) -> list[nn.Parameter]:
         """Parameters stage ``index`` trains (wherever it runs): its modules' and its head's."""
@@ -212,6 +232,7 @@ class Trainer(ModelState):
                             carry_raw=self._carry_raw)
         if kind == TRAIN:
             self.batches += 1
+            self._open += 1
         return msg
 
     def step(self, inputs: Any = None, target: Any = None) -> Losses:
@@ -226,7 +247,9 @@ class Trainer(ModelState):
         return self._runtime.step(msg)
 
     def finish(self) -> Losses:
-        """Wait until every batch fed in has gone through every stage; the losses not returned yet."""
+        """Wait until every batch fed in has gone through every stage; the losses not returned yet. With
+        ``accumulate > 1`` this is the end of the data: every stage steps on its partial accumulation group."""
+        self._open = 0
         return self._runtime.finish()
 
     def _messages(self, loader: Iterable[Any], kind: str) -> Iterable[Message] | None:
@@ -261,6 +284,7 @@ class Trainer(ModelState):
             label = progress if isinstance(progress, str) else f"epoch {epoch + 1}/{epochs}"
             bar = progress_bar(total, label, bool(progress) and self.is_main)
             record = _epoch(self._runtime, self._messages(loader, TRAIN), self.plan.num_stages, bar)
+            self._open = 0  # every epoch ends the data: a partial accumulation group steps
             history.append({"epoch": epoch + 1} | record)
         return history
 
@@ -271,6 +295,7 @@ class Trainer(ModelState):
         A pipebd plan gives instead every block's mean distillation loss (``block_loss``) and their sum (``loss``).
         """
         messages = self._messages(loader, EVAL)
+        self._open = 0
         return _scores(self._runtime.evaluate(messages if messages is not None else ()), self.plan.mode)
 
     def timeline(self) -> Timeline:
@@ -292,9 +317,10 @@ class Trainer(ModelState):
         the newest by an atomic switch of ``path/latest`` once every process's files are complete, so a save
         killed at any moment leaves the previous checkpoint loadable (see :mod:`.checkpoint`). ``keep``
         complete checkpoints stay (the newest first); leftovers of interrupted saves are removed. The
-        manifest records the batch count and the trainer's ``seed``.
+        manifest records the batch count and the trainer's ``seed``. A save inside an accumulation group
+        (``accumulate=``) raises :class:`~ppll_compile.PPLLError`, saving nothing: :meth:`finish` first.
         """
-        return self._checkpoints.save(path, keep, plan=self.plan, lowered=self.lowered,
+        return self._checkpoints.save(path, keep, plan=self.plan, lowered=self.lowered, fed=self._open,
                                       trainer={"batches": self.batches, "seed": self.seed})
 
     def load(self, path: str | os.PathLike) -> Path:
@@ -308,6 +334,7 @@ class Trainer(ModelState):
         another ``seed`` loads with a warning (training continues on other streams).
         """
         found, self.batches = self._checkpoints.load(path, plan=self.plan, lowered=self.lowered, seed=self.seed)
+        self._open = 0
         return found
 
     def close(self) -> None:
