@@ -1,4 +1,4 @@
-"""Every code block in README.md runs as written, the way the README says to run them.
+"""Every code block in README.md and in the pages of docs/ runs as written, the way the README says to run them.
 
 - A ```` ```python ```` block runs as ``python -`` with the block on stdin, in a folder that holds the repository's
   ``examples/`` and a copy of ``benchmarks/results/`` (what the blocks read), so it sees what a ``python`` started
@@ -9,6 +9,9 @@
   minutes), two-node torchrun lines (they need two machines) and the 4-process Pipe-BD torchrun line (tested
   elsewhere). Commands in :data:`SMALLER` run with the smaller settings named there appended (argparse keeps
   the last value), so that, with two blocks running at a time, the whole file takes about a minute on 2 cores.
+- The README's recipe, saved to a file in a folder outside the repository, runs there as ``python train.py``
+  (where only the package is importable, not ``examples``), and a second run resumes from its checkpoint.
+- Every relative link of the README and the pages leads to a file that exists (and to a heading, with ``#``).
 - Output blocks (```` ```text ````, or a bare fence) are not run. One that directly follows a python block is
   that block's output and must equal what the block prints, on a machine without CUDA devices (the output names
   the devices; the README shows it as printed there).
@@ -29,6 +32,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+"""The README and the pages of docs/ whose blocks run here."""
 TIMEOUT = 300
 
 SKIPPED = {
@@ -49,22 +54,24 @@ SMALLER = {
 
 @dataclass(frozen=True)
 class Block:
-    """A fenced code block of the README: its language, first line number and text, and the output shown after it."""
+    """A fenced code block of a page: its language, first line number and text, the output shown after it, and the
+    page (relative to the repository root)."""
 
     lang: str
     line: int
     text: str
     output: str | None = None
+    page: str = "README.md"
 
     @property
     def id(self) -> str:
-        return f"{self.lang}@README.md:{self.line}"
+        return f"{self.lang}@{self.page}:{self.line}"
 
 
 _FENCE = re.compile(r"^( *)```(\w*)[ \t]*$")
 
 
-def readme_blocks(text: str) -> list[Block]:
+def readme_blocks(text: str, page: str = "README.md") -> list[Block]:
     """The fenced blocks of ``text`` (indented ones too), in order; an output block (```` ```text ```` or a bare
     fence) directly after a python block, with only blank lines between, becomes that block's ``output``."""
     lines = text.splitlines()
@@ -89,7 +96,7 @@ def readme_blocks(text: str) -> list[Block]:
         if lang == "python" and after is not None and after[0] in ("", "text") and \
                 all(not s.strip() for s in lines[end + 1:after[1] - 1]):
             output = after[3]
-        blocks.append(Block(lang=lang, line=line, text=body, output=output))
+        blocks.append(Block(lang=lang, line=line, text=body, output=output, page=page))
     return blocks
 
 
@@ -108,7 +115,9 @@ def _smaller(command: str) -> str:
     return command if extra is None else shlex.join(shlex.split(command, comments=True) + extra)
 
 
-BLOCKS = readme_blocks(README.read_text())
+README_BLOCKS = readme_blocks(README.read_text())
+BLOCKS = [b for page in PAGES for b in readme_blocks(page.read_text(), page.relative_to(ROOT).as_posix())]
+"""Every block of the README, then of the docs pages in name order."""
 
 
 def _root_like(folder: Path) -> Path:
@@ -152,46 +161,103 @@ def _run_block(block: Block, folder: Path) -> Ran:
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory) -> dict[int, Future]:
     """The blocks of the selected tests, started two at a time (most of their time is a process starting and
-    tracing a model, on one core), each in its own folder that looks like the repository root; by first line."""
+    tracing a model, on one core), each in its own folder that looks like the repository root; by block id."""
     if shutil.which("ppll-plan") is None:
         pytest.skip("ppll-plan is not on PATH: install the project (pip install -e .)")
     selected = [item.callspec.params["block"] for item in request.session.items
                 if item.module is request.module and "block" in getattr(getattr(item, "callspec", None), "params", {})]
     pool = ThreadPoolExecutor(max_workers=2)
-    futures = {b.line: pool.submit(_run_block, b, _root_like(tmp_path_factory.mktemp(f"readme-{b.line}")))
+    futures = {b.id: pool.submit(_run_block, b, _root_like(tmp_path_factory.mktemp(re.sub(r"\W", "-", b.id))))
                for b in selected}
     yield futures
     pool.shutdown(cancel_futures=True)
 
 
+RECIPE_START = "import os\nimport torch, torchvision, ppll_compile\n"
+"""How the README's recipe (its first python block) begins."""
+
+
 def test_the_readme_has_the_blocks_this_file_runs():
     langs = [b.lang for b in BLOCKS]
-    assert langs.count("python") >= 5 and langs.count("bash") >= 5
-    assert [b for b in BLOCKS if b.output is not None][0].text.startswith("import torch, ppll_compile\n")
-    first = commands(BLOCKS[0].text)  # the set-up lines at the top, never run here
-    assert len(first) == 2 and all(_skip_reason(c) for c in first)
-    others = [c for b in BLOCKS[1:] if b.lang == "bash" for c in commands(b.text)]
+    assert langs.count("python") >= 10 and langs.count("bash") >= 5
+    assert {b.page for b in BLOCKS} >= {"README.md", "docs/models.md", "docs/training.md", "docs/pipebd.md"}
+    first = commands(README_BLOCKS[0].text)  # the set-up lines at the top, never run here
+    assert len(first) == 3 and all(_skip_reason(c) for c in first)
+    assert "--index-url https://download.pytorch.org/whl/cpu" in first[0] and "torch torchvision" in first[0]
+    others = [c for b in BLOCKS if b != README_BLOCKS[0] and b.lang == "bash" for c in commands(b.text)]
     assert not [c for c in others if "pip install" in c or "pytest" in c]
+    recipe = next(b for b in README_BLOCKS if b.lang == "python")
+    assert recipe.text.startswith(RECIPE_START) and "examples" not in recipe.text
+    assert [b for b in README_BLOCKS if b.output is not None][0].text.startswith("import torch, torchvision, ")
+
+
+def _slug(heading: str) -> str:
+    """The anchor GitHub gives a Markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(page: Path) -> set[str]:
+    text = re.sub(r"^ *```.*?^ *```", "", page.read_text(), flags=re.S | re.M)
+    return {_slug(m.group(1)) for m in re.finditer(r"^#+ (.+)$", text, flags=re.M)}
+
+
+def test_every_relative_link_leads_somewhere():
+    broken = []
+    for page in PAGES:
+        text = re.sub(r"^ *```.*?^ *```", "", page.read_text(), flags=re.S | re.M)  # links outside code blocks
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"\w+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists() or (anchor and file.suffix == ".md" and anchor not in _anchors(file)):
+                broken.append(f"{page.relative_to(ROOT)}: ({target})")
+    assert not broken, "links that lead nowhere:\n" + "\n".join(broken)
+    linked = set(re.findall(r"\]\((docs/[\w-]+\.md)", README.read_text()))
+    assert linked == {p.relative_to(ROOT).as_posix() for p in PAGES[1:]}, "every docs page is linked from the README"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.lang == "python"], ids=lambda b: b.id)
 def test_python_block_runs(block: Block, runs):
-    [(_, proc)] = runs[block.line].result()
-    assert proc.returncode == 0, _report(f"the python block at README.md:{block.line}", proc)
+    [(_, proc)] = runs[block.id].result()
+    assert proc.returncode == 0, _report(f"the python block at {block.page}:{block.line}", proc)
     if block.output is not None and torch.cuda.device_count() == 0:
-        assert proc.stdout == block.output, (f"the output shown after README.md:{block.line} is not what the block "
-                                             f"prints; it prints:\n{proc.stdout}")
+        assert proc.stdout == block.output, (f"the output shown after {block.page}:{block.line} is not what the "
+                                             f"block prints; it prints:\n{proc.stdout}")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.lang == "bash"], ids=lambda b: b.id)
 def test_bash_block_runs(block: Block, runs):
-    ran = runs[block.line].result()
+    ran = runs[block.id].result()
     for command, proc in ran:
-        assert proc.returncode == 0, _report(f"{command!r} (README.md:{block.line})", proc)
+        assert proc.returncode == 0, _report(f"{command!r} ({block.page}:{block.line})", proc)
     if not ran:
         pytest.skip("; ".join(f"{c!r}: {_skip_reason(c)}" for c in commands(block.text)))
+
+
+@pytest.mark.slow
+def test_the_recipe_runs_outside_the_repository_and_resumes(tmp_path):
+    """The recipe saved as ``train.py`` in a folder outside the clone, run there twice with only the package
+    importable (a link to it, not the repository root: ``examples`` cannot be imported); the second run loads the
+    first one's checkpoint, skips every batch it holds and evaluates the same parameters."""
+    recipe = next(b for b in README_BLOCKS if b.lang == "python")
+    assert ROOT not in tmp_path.resolve().parents
+    (tmp_path / "train.py").write_text(recipe.text)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "ppll_compile").symlink_to(ROOT / "ppll_compile", target_is_directory=True)
+    env = os.environ | {"PYTHONPATH": str(site)}
+    assert subprocess.run([sys.executable, "-c", "import examples"], cwd=tmp_path, env=env,
+                          capture_output=True).returncode != 0
+    first, again = (subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True,
+                                   text=True, timeout=TIMEOUT) for _ in range(2))
+    assert first.returncode == 0, _report("python train.py", first)
+    assert again.returncode == 0, _report("python train.py, run again", again)
+    assert re.fullmatch(r"accuracy \d\.\d{3}, per stage head \[.+\]\n", first.stdout), first.stdout
+    assert again.stdout == first.stdout
+    assert (tmp_path / "checkpoints" / "latest").is_file()
 
 
 def test_commands_split_skip_and_shrink_as_documented():
