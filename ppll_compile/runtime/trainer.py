@@ -21,15 +21,16 @@ from ..errors import PPLLError
 from ..lowered import Lowered
 from ..plan import Plan
 from ..timeline import Recorder, Timeline
-from .base import Counts, Losses, Runtime, RuntimeSetup, progress_bar
+from .base import Losses, Runtime, RuntimeSetup, progress_bar
 from .checkpointer import Checkpointer
 from .config import TrainConfig, optimizer_mismatch
 from .inputs import batch_message, loader_pair
 from .messages import EVAL, TRAIN, Message
 from .rebalance import REBALANCE_STEPS, REBALANCE_THRESHOLD, Move, Replanning, check_rebalance
 from .rebalancer import Rebalancer
-from .registry import autocast_per_stage, check_options
+from .registry import autocast_per_stage, aux_loss_per_head, check_options
 from .runner import Runner
+from .scores import check_metrics, scores
 
 _TRAINERS: weakref.WeakKeyDictionary[Lowered, weakref.ref[Trainer]] = weakref.WeakKeyDictionary()
 """The last trainer built on each compiled pipeline's modules (one may be open at a time)."""
@@ -73,6 +74,7 @@ class Trainer:
     def __init__(self, plan: Plan, lowered: Lowered, *,
                  optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
                  runtime: str = "sequential", loss: Callable[[Any, Tensor], Tensor] | None = None,
+                 aux_loss: Any = None,
                  scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
                  clip_grad_norm: float | None = None, autocast: Any = None, queue_depth: int = 2,
                  queue: str = "fifo", nan_check: bool = False, threads_per_stage: int | None = None,
@@ -88,7 +90,8 @@ class Trainer:
         self.lowered = lowered
         """The modules this trainer trains, shared with the compiled pipeline."""
         self.runtime_name = runtime
-        config = TrainConfig(optimizer=optimizer, scheduler=scheduler, loss=loss, clip_grad_norm=clip_grad_norm,
+        config = TrainConfig(optimizer=optimizer, scheduler=scheduler, loss=loss,
+                             aux_loss=aux_loss_per_head(aux_loss, plan), clip_grad_norm=clip_grad_norm,
                              autocast=autocast_per_stage(autocast, plan.num_stages), nan_check=nan_check, seed=seed,
                              schedule_reused=bool(schedule_reused))
         self.seed = seed
@@ -261,14 +264,33 @@ class Trainer:
             history.append({"epoch": epoch + 1} | record)
         return history
 
-    def evaluate(self, loader: Iterable[Any]) -> dict[str, Any]:
-        """Top-1 accuracy on ``loader`` of the final head (``accuracy``) and of every head (``stage_accuracy``).
+    def evaluate(self, loader: Iterable[Any], metrics: dict[str, Callable[[Any, Any], Any]] | None = None
+                 ) -> dict[str, Any]:
+        """Every stage in eval mode over ``loader`` (``(inputs, target)`` pairs); what it measured, as a dict:
 
-        A head whose output is not class scores for class labels gets ``None``. Finishes pending batches first.
-        A pipebd plan gives instead every block's mean distillation loss (``block_loss``) and their sum (``loss``).
+        - ``loss``: the mean loss of the model's output (the trainer's ``loss=``, else the task's:
+          :func:`~ppll_compile.heads.model_loss`); ``stage_loss``: every stage's mean local loss (each auxiliary
+          head's, as it trains, then ``loss``);
+        - ``accuracy`` / ``stage_accuracy``: top-1 accuracy of the output / of every stage's scores where the targets
+          are class labels (per example, or per token over the labels not ``-100``), else ``None``;
+        - ``perplexity``: ``exp(loss)`` where the targets are per-token class labels (a language model), else
+          ``None``;
+        - ``samples``: the examples seen;
+        - one entry per ``metrics={"name": fn}``: ``fn(output, target)`` (a float or a one-value tensor) on the model's
+          output, per batch, averaged over the batches weighted by their sizes (the metric of the whole data for a
+          metric that is a mean over a batch's examples; under ``distributed``, per replica's slice of a batch).
+
+        The means are exact: a batch's loss counts times its labels not ``-100`` (class labels) or its size (other
+        targets), so for a loss that is a mean (every default one) they equal the loss of the whole data as one batch.
+        Every runtime gives the same numbers; under ``distributed`` every rank returns them (every rank must call
+        ``evaluate``; rank 0 reads the data). Pending batches are finished first; train mode is restored after.
+        A pipebd plan gives instead every block's mean distillation loss (``block_loss``), their sum (``loss``) and
+        ``samples``; it takes no ``metrics``.
         """
+        named = check_metrics(metrics, self.plan.mode)
         messages = self._messages(loader, EVAL)
-        return _scores(self._runtime.evaluate(messages if messages is not None else ()), self.plan.mode)
+        counts = self._runtime.evaluate(messages if messages is not None else (), [fn for _, fn in named])
+        return scores(counts, self.plan.mode, [name for name, _ in named])
 
     def timeline(self) -> Timeline:
         """The spans every stage recorded so far (``trace=True``), from 0 at the earliest; ``.save(path)`` writes
@@ -368,17 +390,6 @@ def _warn_optimizer_mismatch(plan: Plan, runners: list[Runner]) -> None:
                                                    for r in runners if r.optimizers])
     if mismatch is not None:
         warnings.warn(mismatch, stacklevel=4)  # the caller of compiled.trainer(...)
-
-
-def _scores(counts: Counts, mode: str) -> dict[str, Any]:
-    """What :meth:`Trainer.evaluate` returns for every stage's tally: accuracies (``ppll``), block losses
-    (``pipebd``)."""
-    if mode == "pipebd":
-        n = counts[-1][1]
-        block = [total / n if n else None for tally, _ in counts for total in (tally or ())]
-        return {"block_loss": block, "loss": sum(block) if n else None, "samples": n}
-    acc = [None if not tally or not n else tally[0] / n for tally, n in counts]
-    return {"accuracy": acc[-1], "stage_accuracy": acc, "samples": counts[-1][1]}
 
 
 def _claim(lowered: Lowered, trainer: Trainer, given_up: Lowered | None = None) -> None:
