@@ -42,6 +42,8 @@ class Trainer:
 
     ``step(inputs, target)`` feeds one batch and returns, per stage, the losses of the batches that stage
     finished since the last call; ``finish()`` drains the pipeline. The model is trained in place.
+    ``loss=fn(output, target)``: the last stage's loss (default: the task's); ``aux_loss=fn(scores, target)`` (or one
+    per auxiliary head, ``None``: the task's): every head's. The task's rule: :func:`~ppll_compile.heads.task_loss`.
     Every stage sends its output on as soon as its forward made it, before its backward and step (early
     forwarding). ``queue``: ``"fifo"`` (every input in order: the same computation as ``sequential``),
     ``"latest"`` (a stage takes the newest waiting input and drops the older ones, counted in :attr:`dropped`;
@@ -266,26 +268,17 @@ class Trainer:
 
     def evaluate(self, loader: Iterable[Any], metrics: dict[str, Callable[[Any, Any], Any]] | None = None
                  ) -> dict[str, Any]:
-        """Every stage in eval mode over ``loader`` (``(inputs, target)`` pairs); what it measured, as a dict:
+        """Every stage in eval mode over ``loader`` (``(inputs, target)`` pairs); a dict of: ``loss`` (mean loss of the
+        output: ``loss=``, else the task's), ``stage_loss`` (every stage's mean local loss, the last is ``loss``),
+        ``accuracy``/``stage_accuracy`` (top-1 where the targets are class labels, per token over the labels not
+        -100; else ``None``), ``perplexity`` (``exp(loss)`` for per-token labels; else ``None``), ``samples``, and one
+        entry per ``metrics={"name": fn}``: ``fn(output, target)`` (a float or one-value tensor) on the model's output,
+        averaged over the batches weighted by their sizes (under ``distributed``, by each replica's slice).
 
-        - ``loss``: the mean loss of the model's output (the trainer's ``loss=``, else the task's:
-          :func:`~ppll_compile.heads.model_loss`); ``stage_loss``: every stage's mean local loss (each auxiliary
-          head's, as it trains, then ``loss``);
-        - ``accuracy`` / ``stage_accuracy``: top-1 accuracy of the output / of every stage's scores where the targets
-          are class labels (per example, or per token over the labels not ``-100``), else ``None``;
-        - ``perplexity``: ``exp(loss)`` where the targets are per-token class labels (a language model), else
-          ``None``;
-        - ``samples``: the examples seen;
-        - one entry per ``metrics={"name": fn}``: ``fn(output, target)`` (a float or a one-value tensor) on the model's
-          output, per batch, averaged over the batches weighted by their sizes (the metric of the whole data for a
-          metric that is a mean over a batch's examples; under ``distributed``, per replica's slice of a batch).
-
-        The means are exact: a batch's loss counts times its labels not ``-100`` (class labels) or its size (other
-        targets), so for a loss that is a mean (every default one) they equal the loss of the whole data as one batch.
-        Every runtime gives the same numbers; under ``distributed`` every rank returns them (every rank must call
-        ``evaluate``; rank 0 reads the data). Pending batches are finished first; train mode is restored after.
-        A pipebd plan gives instead every block's mean distillation loss (``block_loss``), their sum (``loss``) and
-        ``samples``; it takes no ``metrics``.
+        The means are exact: a batch's loss counts times its labels not -100 (class labels) or its size, so a mean
+        loss gives the loss of the whole data as one batch. Every runtime gives the same numbers (under
+        ``distributed`` on every rank, each of which must call it). Pending batches finish first. A pipebd plan
+        gives every block's mean distillation loss (``block_loss``), their sum (``loss``) and ``samples``.
         """
         named = check_metrics(metrics, self.plan.mode)
         messages = self._messages(loader, EVAL)
