@@ -20,6 +20,8 @@ from ppll_compile.policy import load_policy
 from tests.helpers import assert_same_parameters, compiled_residual, sgd
 from tests.models import conv_student, conv_teacher
 
+pytestmark = pytest.mark.usefixtures("one_thread_quietly")
+
 N = 16
 
 
@@ -72,9 +74,9 @@ def test_a_regression_heads_loss_is_the_users_mse_of_the_targets_shape_and_it_le
     losses: list[float] = []
     with compiled.trainer(optimizer=adam, loss=F.mse_loss) as trainer:
         assert trainer.step(x, y) == [[pytest.approx(first[0], rel=1e-6)], [pytest.approx(first[1], rel=1e-6)]]
-        for _ in range(60):
+        for _ in range(40):
             losses.append(trainer.step(x, y)[0][0])
-    assert first[0] > 0.5 and losses[-1] < 0.2 * first[0]  # stage 0 learns (cross-entropy over one output: 0.0)
+    assert first[0] > 0.5 and losses[-1] < 0.25 * first[0]  # stage 0 learns (cross-entropy over one output: 0.0)
 
 
 def test_a_target_of_one_value_per_example_reshapes_the_scores_and_defaults_to_mse():
@@ -130,6 +132,7 @@ def test_threads_equal_sequential_on_the_regression():
         results.append((compiled, losses))
     (seq, seq_losses), (thr, thr_losses) = results
     assert thr_losses == seq_losses and len(seq_losses[0]) == 5
+    assert seq_losses[0][-1] < seq_losses[0][0]  # stage 0 learns the regression
     assert_same_parameters(thr, seq)
 
 
