@@ -43,7 +43,8 @@ class AuxHead(nn.Module):
              regression: Loss | None = None, where: str = "the head") -> Tensor:
         """The weighted local loss of boundary tensor ``h`` for ``target``: ``loss(scores, target)`` when given
         (``aux_loss=``), else the task's loss (:func:`task_loss`, with ``regression`` for float targets), times
-        ``classification_weight``."""
+        ``classification_weight``. A head type may override it as ``loss(h, target, input=None)``: the runtime then
+        calls that (with ``loss=`` added only when the trainer has an ``aux_loss``)."""
         return self.scored_loss(h, target, input, loss=loss, regression=regression, where=where)[1]
 
     def scored_loss(self, h: Tensor, target: Tensor, input: Tensor | None = None, *, loss: Loss | None = None,
@@ -238,9 +239,12 @@ def head_loss(head: nn.Module, h: Tensor, target: Tensor, input: Tensor | None =
 def head_scored_loss(head: nn.Module, h: Tensor, target: Tensor, input: Tensor | None = None, *,
                      loss: Loss | None = None, regression: Loss | None = None,
                      where: str = "the head") -> tuple[Any, Tensor]:
-    """A head's scores for ``h`` and its local loss (see :func:`head_loss`)."""
+    """A head's scores for ``h`` and its local loss (see :func:`head_loss`); the scores are ``None`` for a head type
+    that defines its own :meth:`AuxHead.loss`, called as ``head.loss(h, target, input)`` (plus ``loss=`` when given)."""
     if isinstance(head, AuxHead):
-        return head.scored_loss(h, target, input, loss=loss, regression=regression, where=where)
+        if type(head).loss is AuxHead.loss:
+            return head.scored_loss(h, target, input, loss=loss, regression=regression, where=where)
+        return None, head.loss(h, target, input, **({"loss": loss} if loss is not None else {}))
     scores = head(h)
     return scores, loss(scores, target) if loss is not None else task_loss(scores, target, regression, where=where)
 

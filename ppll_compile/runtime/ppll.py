@@ -38,20 +38,21 @@ class _Trainable(nn.Module):
         self._regression = loss
         self._where = f"stage {i}'s auxiliary head"
 
-    def scored_loss(self, out: Any, target: Any, raw: Tensor | None) -> tuple[Any, Tensor]:
-        """The scores (the head's, or the model output's :func:`~ppll_compile.heads.logits_of`) and the local loss
-        of the stage's output ``out``."""
+    def scored_loss(self, out: Any, target: Any, raw: Tensor | None, scores: bool = True) -> tuple[Any, Tensor]:
+        """The scores (the head's, or the model output's :func:`~ppll_compile.heads.logits_of`; ``scores=False``:
+        maybe ``None``) and the local loss of the stage's output ``out``."""
         if self.head is None:
             return logits_of(out), self._loss(out, target)
-        return head_scored_loss(self.head, out[0], target, raw, loss=self._aux, regression=self._regression,
-                                where=self._where)
+        made, loss = head_scored_loss(self.head, out[0], target, raw, loss=self._aux, regression=self._regression,
+                                      where=self._where)
+        return (self.head(out[0]) if made is None and scores else made), loss
 
     def forward(self, values: tuple[Any, ...], target: Any, raw: Tensor | None,
                 ready: Callable[[Any], None] | None = None) -> tuple[Any, Tensor]:
         out = self.stage(*values)
         if ready is not None:  # early forwarding: the output goes on before the head's forward
             ready(out)
-        return out, self.scored_loss(out, target, raw)[1]
+        return out, self.scored_loss(out, target, raw, scores=False)[1]
 
 
 class StageRunner(Runner):
