@@ -4,17 +4,20 @@ next stage's blocks by EMA), and the local losses they take."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .errors import PolicyError
+from .errors import PolicyError, PPLLError
 
 IGNORE_INDEX = -100
 """Label of a position no loss is taken on (padding, a prompt, the last token of a causal LM), as in torch."""
+
+Loss = Callable[[Any, Any], Tensor]
+"""A loss ``fn(scores_or_output, target) -> scalar tensor``."""
 
 CIFAR_MEAN = (0.491373, 0.482353, 0.446667)
 """CIFAR's per-channel mean, as InfoPro's code has it (125.3, 123.0, 113.9 over 255): infopro's default ``mean``."""
@@ -36,10 +39,20 @@ class AuxHead(nn.Module):
     def forward(self, h: Tensor) -> Tensor:
         return self.net(h)
 
-    def loss(self, h: Tensor, target: Tensor, input: Tensor | None = None) -> Tensor:
-        """The weighted local loss of boundary tensor ``h`` for class labels ``target``: N labels, or N x L
-        per-token labels for a per-token head's N x L x C scores (:data:`IGNORE_INDEX` counts for nothing)."""
-        return self.classification_weight * cross_entropy(self(h), target)
+    def loss(self, h: Tensor, target: Tensor, input: Tensor | None = None, *, loss: Loss | None = None,
+             regression: Loss | None = None, where: str = "the head") -> Tensor:
+        """The weighted local loss of boundary tensor ``h`` for ``target``: ``loss(scores, target)`` when given
+        (``aux_loss=``), else the task's loss (:func:`task_loss`, with ``regression`` for float targets), times
+        ``classification_weight``. A head type may override it as ``loss(h, target, input=None)``: the runtime then
+        calls that (with ``loss=`` added only when the trainer has an ``aux_loss``)."""
+        return self.scored_loss(h, target, input, loss=loss, regression=regression, where=where)[1]
+
+    def scored_loss(self, h: Tensor, target: Tensor, input: Tensor | None = None, *, loss: Loss | None = None,
+                    regression: Loss | None = None, where: str = "the head") -> tuple[Tensor, Tensor]:
+        """The head's scores for ``h`` and the weighted local loss :meth:`loss` takes of them."""
+        scores = self(h)
+        term = loss(scores, target) if loss is not None else task_loss(scores, target, regression, where=where)
+        return scores, self.classification_weight * term
 
 
 class InfoProHead(AuxHead):
@@ -77,11 +90,15 @@ class InfoProHead(AuxHead):
             return F.mse_loss(out, input)
         return F.binary_cross_entropy_with_logits(out, self.target(input))
 
-    def loss(self, h: Tensor, target: Tensor, input: Tensor | None = None) -> Tensor:
+    def scored_loss(self, h: Tensor, target: Tensor, input: Tensor | None = None, *, loss: Loss | None = None,
+                    regression: Loss | None = None, where: str = "the head") -> tuple[Tensor, Tensor]:
+        """The scores and the local loss: the weighted reconstruction term plus the weighted task (or ``loss``)
+        term."""
         if input is None:
             raise PolicyError("the infopro head reconstructs the raw model input, but loss() got input=None; "
                               "pass the model's first input as input=")
-        return self.reconstruction_weight * self.reconstruction_loss(h, input) + super().loss(h, target)
+        scores, term = super().scored_loss(h, target, loss=loss, regression=regression, where=where)
+        return scores, self.reconstruction_weight * self.reconstruction_loss(h, input) + term
 
 
 class MomentumHead(AuxHead):
@@ -145,22 +162,91 @@ def logits_of(output: Any) -> Any:
 def cross_entropy(logits: Tensor, target: Tensor) -> Tensor:
     """Cross-entropy of N x C scores for N labels, or of N x L x C scores for N x L labels (per token);
     positions labelled :data:`IGNORE_INDEX` count for nothing."""
-    if logits.dim() == 3 and target.dim() == 2:
-        return F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=IGNORE_INDEX)
+    if logits.dim() > 2 and target.dim() == logits.dim() - 1:
+        return F.cross_entropy(logits.flatten(0, -2), target.flatten(), ignore_index=IGNORE_INDEX)
     return F.cross_entropy(logits, target, ignore_index=IGNORE_INDEX)
 
 
-def model_loss(output: Any, target: Tensor) -> Tensor:
-    """The default loss of the last stage: cross-entropy of the model's class scores (:func:`logits_of`),
-    per example or per token."""
-    return cross_entropy(logits_of(output), target)
+def task_of(scores: Any, target: Any) -> str | None:
+    """The task ``target`` sets for ``scores`` (see :func:`task_loss`): ``"classes"`` (N labels for N x C scores),
+    ``"tokens"`` (N x L labels for N x L x C scores), ``"multilabel"`` (bool or integer targets holding as many
+    values per example as the scores), ``"regression"`` (float targets likewise), or ``None`` (no head loss fits)."""
+    if not (isinstance(scores, Tensor) and isinstance(target, Tensor) and scores.is_floating_point()
+            and scores.dim() >= 1 and target.dim() >= 1) or target.is_complex():
+        return None
+    floating = target.is_floating_point()
+    if not floating and target.dtype != torch.bool and scores.dim() >= 2 and scores.shape[-1] > 1 \
+            and target.shape == scores.shape[:-1]:
+        return "classes" if target.dim() == 1 else "tokens"
+    if scores.shape[0] == target.shape[0] and scores.numel() == target.numel():
+        return "regression" if floating else "multilabel"
+    return None
 
 
-def head_loss(head: nn.Module, h: Tensor, target: Tensor, input: Tensor | None = None) -> Tensor:
-    """The local loss of any head: :meth:`AuxHead.loss`, or cross-entropy of the scores of a user's module."""
+def task_loss(scores: Any, target: Any, loss: Loss | None = None, *, where: str = "the head",
+              way_out: str | None = None) -> Tensor:
+    """The loss the task asks of ``scores`` for ``target``: the one rule of every auxiliary head, and of the last
+    stage when the trainer has no ``loss=``.
+
+    - integer class labels of the scores' shape without its last dimension (N labels for N x C scores, N x L for
+      N x L x C per token, C > 1): cross-entropy, labels :data:`IGNORE_INDEX` counting for nothing;
+    - a target holding as many values per example as the scores (the scores are reshaped to the target's shape,
+      e.g. N x 1 scores for N targets): bool or integer targets are multi-label (binary cross-entropy with logits
+      on the target as float), float targets regression: ``loss(scores, target)`` (the user's ``loss=``) when
+      given, else the mean squared error;
+    - anything else raises a :class:`~ppll_compile.PPLLError` naming ``where`` (the stage) and ``way_out``
+      (default: the trainer's ``aux_loss=``).
+    """
+    task = task_of(scores, target)
+    if task in ("classes", "tokens"):
+        return cross_entropy(scores, target)
+    if task is None:
+        raise PPLLError(_no_task_loss(scores, target, where, way_out))
+    scores = scores.reshape(target.shape)
+    if task == "multilabel":
+        return F.binary_cross_entropy_with_logits(scores, target.to(scores.dtype))
+    return loss(scores, target) if loss is not None else F.mse_loss(scores, target.to(scores.dtype))
+
+
+def _no_task_loss(scores: Any, target: Any, where: str, way_out: str | None) -> str:
+    what = f"scores of shape {tuple(scores.shape)}" if isinstance(scores, Tensor) else \
+        f"{type(scores).__name__} scores (not a tensor)"
+    got = f"a target of shape {tuple(target.shape)} and dtype {target.dtype}" if isinstance(target, Tensor) else \
+        f"a {type(target).__name__} target (not a tensor)"
+    way_out = way_out or ("give the heads a loss: compiled.trainer(..., aux_loss=fn) with fn(scores, target) -> "
+                          "scalar tensor (or aux_loss=[fn or None per auxiliary head])")
+    return (f"{where} gives {what}, and {got} fits no task loss (integer class labels of the scores' shape without "
+            f"its last dimension: cross-entropy; as many values per example as the scores: float targets "
+            f"regression (loss= or MSE), bool or integer targets multi-label BCE); {way_out}")
+
+
+def model_loss(output: Any, target: Tensor, *, where: str = "the last stage (the model's output)") -> Tensor:
+    """The default loss of the last stage: :func:`task_loss` of the model's scores (:func:`logits_of`): cross-entropy
+    for class labels (per example or per token), MSE for float targets of the output's shape, BCE for multi-label
+    targets. ``where`` names the stage in the error for a target that fits none."""
+    return task_loss(logits_of(output), target, where=where,
+                     way_out="pass the last stage's loss: compiled.trainer(..., loss=fn) with fn(output, target) -> "
+                             "scalar tensor")
+
+
+def head_loss(head: nn.Module, h: Tensor, target: Tensor, input: Tensor | None = None, *,
+              loss: Loss | None = None, regression: Loss | None = None, where: str = "the head") -> Tensor:
+    """The local loss of any head: :meth:`AuxHead.loss`, or, for a user's module, ``loss(scores, target)``
+    (``aux_loss=``) or :func:`task_loss` of its scores."""
+    return head_scored_loss(head, h, target, input, loss=loss, regression=regression, where=where)[1]
+
+
+def head_scored_loss(head: nn.Module, h: Tensor, target: Tensor, input: Tensor | None = None, *,
+                     loss: Loss | None = None, regression: Loss | None = None,
+                     where: str = "the head") -> tuple[Any, Tensor]:
+    """A head's scores for ``h`` and its local loss (see :func:`head_loss`); the scores are ``None`` for a head type
+    that defines its own :meth:`AuxHead.loss`, called as ``head.loss(h, target, input)`` (plus ``loss=`` when given)."""
     if isinstance(head, AuxHead):
-        return head.loss(h, target, input)
-    return cross_entropy(head(h), target)
+        if type(head).loss is AuxHead.loss:
+            return head.scored_loss(h, target, input, loss=loss, regression=regression, where=where)
+        return None, head.loss(h, target, input, **({"loss": loss} if loss is not None else {}))
+    scores = head(h)
+    return scores, loss(scores, target) if loss is not None else task_loss(scores, target, regression, where=where)
 
 
 def frozen_buffers(module: nn.Module, prefix: str = "") -> list[str]:

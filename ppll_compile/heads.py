@@ -25,7 +25,7 @@ from torch import nn
 
 from .errors import PolicyError
 from .head_modules import (IGNORE_INDEX, AuxHead, InfoProHead, MomentumHead, head_loss, logits_of, meta_copies,
-                           model_loss)
+                           model_loss, task_loss, task_of)
 from .head_types import HeadRequest, head_type, head_type_for
 from .output_head import ProjectionHead
 from .module_cost import ModuleCost, measure_module
@@ -35,7 +35,8 @@ from .plan import TensorSpec
 from .plan_specs import HeadSpec
 from .policy import Policy, check_head_config, tensor_kind
 
-__all__ = ["AuxHead", "InfoProHead", "MomentumHead", "model_loss", "head_loss", "logits_of", "IGNORE_INDEX"]
+__all__ = ["AuxHead", "InfoProHead", "MomentumHead", "model_loss", "head_loss", "task_loss", "task_of", "logits_of",
+           "IGNORE_INDEX"]
 
 
 def copied_blocks(config: Mapping[str, Any]) -> int:

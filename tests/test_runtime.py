@@ -70,8 +70,15 @@ def test_evaluate_matches_the_model():
         right = sum(int((model(x).argmax(1) == y).sum()) for x, y in test)
         h = [compiled.stages[0](x)[0] for x, _ in test]
         head_right = sum(int((compiled.heads[0].eval()(a).argmax(1) == y).sum()) for a, (_, y) in zip(h, test))
+        out, scores = torch.cat([model(x) for x, _ in test]), torch.cat([compiled.heads[0](a) for a in h])
     n = sum(len(y) for _, y in test)
-    assert result == {"accuracy": right / n, "stage_accuracy": [head_right / n, right / n], "samples": n}
+    y = torch.cat([y for _, y in test])
+    loss = float(F.cross_entropy(out, y))
+    assert result == {"loss": pytest.approx(loss, rel=1e-5),
+                      "stage_loss": [pytest.approx(float(F.cross_entropy(scores, y)), rel=1e-5),
+                                     pytest.approx(loss, rel=1e-5)],
+                      "accuracy": right / n, "stage_accuracy": [head_right / n, right / n], "perplexity": None,
+                      "samples": n}
     assert compiled.stages[0].training  # evaluate restores train mode
 
 

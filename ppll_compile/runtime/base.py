@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeAlias
 
@@ -24,8 +24,8 @@ __all__ = ["Runtime", "RuntimeSetup", "Losses", "Counts"]
 Losses = list[list[float]]
 """Per stage, the losses of the batches it finished since the last call, in order."""
 Counts = list[tuple[tuple[float, ...] | None, int]]
-"""Per stage, (its evaluation tally, examples seen); a PPLL stage tallies its head's right predictions, a
-Pipe-BD stage each block's summed loss; ``None`` when not countable."""
+"""Per stage, (its evaluation tally, examples seen); a PPLL stage tallies its local loss, right predictions and the
+user's metrics (see :mod:`.scores`), a Pipe-BD stage each block's summed loss; ``None`` when not countable."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,8 +136,9 @@ class Runtime:
         :meth:`~.trainer.Trainer.fit` gives, and the batch count after (batches numbered from ``first``)."""
         raise NotImplementedError(f"{type(self).__name__} trains batch by batch (epoch), not over the whole data")
 
-    def evaluate(self, messages: Iterable[Message]) -> Counts:
-        """Eval-mode forward of every batch through every stage, with each stage's tally (see ``Counts``)."""
+    def evaluate(self, messages: Iterable[Message], metrics: Sequence[Callable[[Any, Any], Any]] = ()) -> Counts:
+        """Eval-mode forward of every batch through every stage, with each stage's tally (see ``Counts``);
+        ``metrics``: functions ``fn(output, target)`` the last stage tallies on the model's output."""
         self.finish()
         counts: list[list[Any]] = [[(), 0] for _ in self.runners]
         for r in self.runners:
@@ -145,7 +146,7 @@ class Runtime:
         try:
             for msg in messages:
                 for r, c in zip(self.runners, counts):
-                    msg_out, tally = r.eval_step(msg)
+                    msg_out, tally = r.eval_step(msg, metrics)
                     c[0] = add_counts(c[0], tally)
                     c[1] += msg.size
                     msg = msg_out

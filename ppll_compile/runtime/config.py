@@ -24,7 +24,12 @@ class TrainConfig:
     schedule_reused: bool = False
     """Step the schedulers after steps on reused inputs too (``queue="reuse"``)."""
     loss: Callable[[Any, Tensor], Tensor] | None = None
-    """Loss of the last stage, ``fn(model_output, target)``; default :func:`~ppll_compile.heads.model_loss`."""
+    """Loss of the last stage, ``fn(model_output, target)``; default :func:`~ppll_compile.heads.model_loss`. It also
+    scores the auxiliary heads of a regression (float targets): ``fn(head_scores, target)``, the scores reshaped to
+    the target's shape."""
+    aux_loss: tuple[Callable[[Any, Tensor], Tensor] | None, ...] = ()
+    """Loss of every auxiliary head, ``fn(head_scores, target)``, one per stage but the last (``None``: the task's,
+    :func:`~ppll_compile.heads.task_loss`); empty: the task's everywhere."""
     clip_grad_norm: float | None = None
     """Clip each stage's gradient norm (block and head together) to this value."""
     autocast: tuple[torch.dtype | None, ...] = ()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -187,12 +187,13 @@ class DistributedRuntime(Runtime):
         first = [replicas[0] for replicas in self._by_stage(self.gather(mine))]
         on_step([[] if i == self.stage and self.replica == 0 else list(ls) for i, ls in enumerate(first)], 0)
 
-    def evaluate(self, messages: Iterable[Message]) -> Counts:
-        """Eval-mode forward pipelined through the ranks; every stage's (right, seen) counts on every rank."""
+    def evaluate(self, messages: Iterable[Message], metrics: Sequence[Callable[[Any, Any], Any]] = ()) -> Counts:
+        """Eval-mode forward pipelined through the ranks; every stage's tally and examples seen, on every rank
+        (the last stage's rank tallies ``metrics``)."""
         self.finish()
         self.runner.train_mode(False)
         try:
-            mine = self._evaluate_here(messages)
+            mine = self._evaluate_here(messages, metrics)
         finally:
             self.runner.train_mode(True)
         counts = []
@@ -203,7 +204,8 @@ class DistributedRuntime(Runtime):
             counts.append((total, sum(n for _, n in replicas)))
         return counts
 
-    def _evaluate_here(self, messages: Iterable[Message]) -> tuple[Any, int]:
+    def _evaluate_here(self, messages: Iterable[Message], metrics: Sequence[Callable[[Any, Any], Any]] = ()
+                       ) -> tuple[Any, int]:
         """This rank's stage on every eval batch (sent on as it goes): its tally and the examples it saw."""
         tally: Any = ()
         seen = 0
@@ -213,7 +215,7 @@ class DistributedRuntime(Runtime):
             self._ended = False
             batches = self._taking.batches(EVAL)
         for msg in batches:
-            out, count = self._faults.guard(msg.index, lambda m=msg: self.runner.eval_step(m))
+            out, count = self._faults.guard(msg.index, lambda m=msg: self.runner.eval_step(m, metrics))
             tally = add_counts(tally, count)
             seen += msg.size
             if out is not None:

@@ -11,7 +11,7 @@ import itertools
 import math
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -120,9 +120,9 @@ class DNARuntime(Runtime):
         """Nothing is pending."""
         return [[] for _ in self.runners]
 
-    def evaluate(self, messages: Iterable[Message]) -> Counts:
+    def evaluate(self, messages: Iterable[Message], metrics: Sequence[Any] = ()) -> Counts:
         """Every block's summed eval loss over this process's slices, summed over the processes."""
-        counts = super().evaluate(self._slice(m) for m in messages)
+        counts = super().evaluate((self._slice(m) for m in messages), metrics)
         if self.world == 1:
             return counts
         parts = self.gather(counts)

@@ -90,8 +90,9 @@ class DistillRunner(Runner):
             return acts[-1], self._net(acts).sum()
 
     @torch.no_grad()
-    def eval_step(self, msg: Message) -> tuple[Message | None, tuple[float, ...]]:
-        """Eval-mode losses of every block on one batch, each times the batch size (a sum over its examples)."""
+    def eval_step(self, msg: Message, metrics: Sequence[Any] = ()) -> tuple[Message | None, tuple[float, ...]]:
+        """Eval-mode losses of every block on one batch, each times the batch size (a sum over its examples);
+        ``metrics`` must be empty (a pipebd plan takes none)."""
         values, _, _ = self._receive(msg)
         with self.autocast():
             acts = teacher_pass(self.teacher, values)

@@ -3,45 +3,56 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from ..heads import head_loss, model_loss
+from ..heads import logits_of, model_loss
+from ..head_modules import head_scored_loss
 from ..lowered import Stage
 from ..plan import StagePlan
 from .config import TrainConfig
 from .messages import Message
 from .runner import Runner
+from .scores import eval_tally
 
 
 class _Trainable(nn.Module):
-    """The modules a stage trains, as one module that DDP can wrap: ``forward`` gives (output, loss)."""
+    """The modules a stage trains, as one module that DDP can wrap: ``forward`` gives (output, loss).
 
-    def __init__(self, stage: Stage, head: nn.Module | None, loss: Callable[[Any, Tensor], Tensor]) -> None:
+    The last stage's loss is ``loss(output, target)`` (the trainer's ``loss=``, else the task's,
+    :func:`~ppll_compile.heads.model_loss`); an auxiliary head's is ``aux_loss(scores, target)`` when given, else the
+    task's (:func:`~ppll_compile.heads.task_loss`, float targets scored by ``regression``: the trainer's ``loss=``)."""
+
+    def __init__(self, stage: Stage, head: nn.Module | None, loss: Callable[[Any, Tensor], Tensor] | None,
+                 aux_loss: Callable[[Any, Tensor], Tensor] | None = None) -> None:
         super().__init__()
         self.stage = stage
         self.head = head
-        self._loss = loss
+        i = stage.index
+        self._loss = loss or functools.partial(model_loss, where=f"stage {i}, the last (the model's output),")
+        self._aux = aux_loss
+        self._regression = loss
+        self._where = f"stage {i}'s auxiliary head"
+
+    def scored_loss(self, out: Any, target: Any, raw: Tensor | None, scores: bool = True) -> tuple[Any, Tensor]:
+        """The scores (the head's, or the model output's :func:`~ppll_compile.heads.logits_of`; ``scores=False``:
+        maybe ``None``) and the local loss of the stage's output ``out``."""
+        if self.head is None:
+            return logits_of(out), self._loss(out, target)
+        made, loss = head_scored_loss(self.head, out[0], target, raw, loss=self._aux, regression=self._regression,
+                                      where=self._where)
+        return (self.head(out[0]) if made is None and scores else made), loss
 
     def forward(self, values: tuple[Any, ...], target: Any, raw: Tensor | None,
                 ready: Callable[[Any], None] | None = None) -> tuple[Any, Tensor]:
         out = self.stage(*values)
         if ready is not None:  # early forwarding: the output goes on before the head's forward
             ready(out)
-        if self.head is None:
-            return out, self._loss(out, target)
-        return out, head_loss(self.head, out[0], target, raw)
-
-
-def _correct(logits: Any, target: Any) -> int | None:
-    """Right top-1 predictions of class ``logits`` (N x C) against labels; ``None`` when the output is not that."""
-    if not (isinstance(logits, Tensor) and isinstance(target, Tensor) and logits.dim() == 2
-            and target.dim() == 1 and logits.shape[0] == target.shape[0]):
-        return None
-    return int((logits.argmax(1) == target).sum())
+        return out, self.scored_loss(out, target, raw, scores=False)[1]
 
 
 class StageRunner(Runner):
@@ -55,8 +66,9 @@ class StageRunner(Runner):
         self.plan = plan
         self.carry_raw = carry_raw
         params = list(self.stage.parameters()) + (list(self.head.parameters()) if self.head else [])
-        self._setup(device=device, config=config, groups=[params], group=group,
-                    trainable=_Trainable(self.stage, self.head, config.loss or model_loss))
+        aux = config.aux_loss[self.index] if self.head is not None and config.aux_loss else None
+        self._trainable = _Trainable(self.stage, self.head, config.loss, aux)
+        self._setup(device=device, config=config, groups=[params], group=group, trainable=self._trainable)
 
     def modules(self) -> list[nn.Module]:
         """The block and, except on the last stage, its auxiliary head."""
@@ -69,17 +81,22 @@ class StageRunner(Runner):
             return self._net(values, target, raw, ready=ready)
 
     @torch.no_grad()
-    def eval_step(self, msg: Message) -> tuple[Message | None, tuple[int] | None]:
-        """Forward in eval mode; the message for the next stage and how many labels this stage's head predicts right.
+    def eval_step(self, msg: Message, metrics: Sequence[Callable[[Any, Any], Any]] = ()
+                  ) -> tuple[Message | None, tuple[float, ...] | None]:
+        """Forward in eval mode; the message for the next stage and this stage's tally of the batch (see
+        :func:`.scores.eval_tally`): its local loss (the head's, or the last stage's loss), right top-1 predictions
+        where the target is class labels, and (last stage) every user metric of the model's output.
 
-        The count is ``None`` when the head's output is not N x C class scores for N class labels.
-        """
-        values, target, _ = self._receive(msg)
+        The tally is ``None`` for a batch without a target."""
+        values, target, raw = self._receive(msg)
         with self.autocast():
             out = self.stage(*values)
-            logits = out if self.head is None else self.head(out[0])
-        correct = _correct(logits, target)
-        return (None if self.is_last else self._send(msg, out, None)), None if correct is None else (correct,)
+            tally = None
+            if target is not None:
+                scores, loss = self._trainable.scored_loss(out, target, raw)
+                tally = eval_tally(scores, target, loss, msg.size,
+                                   [fn(out, target) for fn in metrics] if self.is_last else ())
+        return (None if self.is_last else self._send(msg, out, None)), tally
 
     def pull(self, weights: list[Tensor]) -> None:
         """One EMA step of the momentum head towards the next stage's ``weights``."""

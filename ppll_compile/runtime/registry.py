@@ -116,6 +116,31 @@ def check_accumulate(accumulate: Any, plan: Plan, *, rebalance: Any = False) -> 
                          f"with trainer.plan.save(...), and train it with accumulate=)")
 
 
+def aux_loss_per_head(value: Any, plan: Plan) -> tuple[Callable[..., Any] | None, ...]:
+    """The ``aux_loss`` option as one loss-or-None per auxiliary head (stages but the last); empty: the task's loss
+    everywhere."""
+    if value is None:
+        return ()
+    if plan.mode == "pipebd":
+        raise PPLLError("aux_loss= sets the local loss of a ppll plan's auxiliary heads, but a pipebd plan trains on "
+                        "the distillation losses of its policy; drop aux_loss= (compile with policy=... to change "
+                        "them)")
+    n = plan.num_stages - 1
+    wanted = (f"aux_loss must be None (the task's loss), a callable fn(scores, target) -> scalar tensor for every "
+              f"auxiliary head, or a list of {n} entries (one per auxiliary head: stages 0 to {n - 1}), each None or "
+              f"such a callable")
+    if callable(value):
+        return (value,) * n
+    if not isinstance(value, (list, tuple)):
+        raise PPLLError(f"{wanted}; got {value!r}")
+    if len(value) != n:
+        raise PPLLError(f"{wanted}; got {len(value)} entries")
+    bad = [k for k, v in enumerate(value) if v is not None and not callable(v)]
+    if bad:
+        raise PPLLError(f"{wanted}; entry {bad[0]} is {value[bad[0]]!r}, not callable")
+    return tuple(value)
+
+
 def autocast_per_stage(value: Any, n: int) -> tuple[torch.dtype | None, ...]:
     """The ``autocast`` option as one dtype-or-None per stage of ``n`` (empty: none anywhere)."""
     if value is None:

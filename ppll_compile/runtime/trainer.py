@@ -21,7 +21,7 @@ from ..errors import PPLLError
 from ..lowered import Lowered
 from ..plan import Plan
 from ..timeline import Recorder, Timeline
-from .base import Counts, Losses, Runtime, RuntimeSetup, progress_bar
+from .base import Losses, Runtime, RuntimeSetup, progress_bar
 from .checkpointer import Checkpointer
 from .config import TrainConfig, optimizer_mismatch
 from .inputs import batch_message, loader_pair
@@ -29,8 +29,9 @@ from .messages import EVAL, TRAIN, Message
 from .model_state import ModelState
 from .rebalance import REBALANCE_STEPS, REBALANCE_THRESHOLD, Move, Replanning, check_rebalance
 from .rebalancer import Rebalancer
-from .registry import autocast_per_stage, check_options
+from .registry import autocast_per_stage, aux_loss_per_head, check_options
 from .runner import Runner
+from .scores import check_metrics, scores
 
 _TRAINERS: weakref.WeakKeyDictionary[Lowered, weakref.ref[Trainer]] = weakref.WeakKeyDictionary()
 """The last trainer built on each compiled pipeline's modules (one may be open at a time)."""
@@ -44,6 +45,8 @@ class Trainer(ModelState):
     finished since the last call; ``finish()`` drains the pipeline. The model is trained in place, except under
     ``distributed``: there each process's ``model`` is up to date for its own :attr:`stages` only, and
     :meth:`model_state_dict` (the whole trained model, on rank 0) and :meth:`save_model` gather every stage's.
+    ``loss=fn(output, target)``: the last stage's loss (default: the task's); ``aux_loss=fn(scores, target)`` (or one
+    per auxiliary head, ``None``: the task's): every head's. The task's rule: :func:`~ppll_compile.heads.task_loss`.
     Every stage sends its output on as soon as its forward made it, before its backward and step (early
     forwarding). ``queue``: ``"fifo"`` (every input in order: the same computation as ``sequential``),
     ``"latest"`` (a stage takes the newest waiting input and drops the older ones, counted in :attr:`dropped`;
@@ -87,6 +90,7 @@ class Trainer(ModelState):
     def __init__(self, plan: Plan, lowered: Lowered, *,
                  optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
                  runtime: str = "sequential", loss: Callable[[Any, Tensor], Tensor] | None = None,
+                 aux_loss: Any = None,
                  scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
                  clip_grad_norm: float | None = None, autocast: Any = None, queue_depth: int = 2,
                  queue: str = "fifo", nan_check: bool = False, threads_per_stage: int | None = None,
@@ -103,7 +107,8 @@ class Trainer(ModelState):
         self.lowered = lowered
         """The modules this trainer trains, shared with the compiled pipeline."""
         self.runtime_name = runtime
-        config = TrainConfig(optimizer=optimizer, scheduler=scheduler, loss=loss, clip_grad_norm=clip_grad_norm,
+        config = TrainConfig(optimizer=optimizer, scheduler=scheduler, loss=loss,
+                             aux_loss=aux_loss_per_head(aux_loss, plan), clip_grad_norm=clip_grad_norm,
                              autocast=autocast_per_stage(autocast, plan.num_stages), nan_check=nan_check, seed=seed,
                              schedule_reused=bool(schedule_reused), accumulate=accumulate)
         self.accumulate = accumulate
@@ -288,15 +293,25 @@ class Trainer(ModelState):
             history.append({"epoch": epoch + 1} | record)
         return history
 
-    def evaluate(self, loader: Iterable[Any]) -> dict[str, Any]:
-        """Top-1 accuracy on ``loader`` of the final head (``accuracy``) and of every head (``stage_accuracy``).
+    def evaluate(self, loader: Iterable[Any], metrics: dict[str, Callable[[Any, Any], Any]] | None = None
+                 ) -> dict[str, Any]:
+        """Every stage in eval mode over ``loader`` (``(inputs, target)`` pairs); a dict of: ``loss`` (mean loss of the
+        output: ``loss=``, else the task's), ``stage_loss`` (every stage's mean local loss, the last is ``loss``),
+        ``accuracy``/``stage_accuracy`` (top-1 where the targets are class labels, per token over the labels not
+        -100; else ``None``), ``perplexity`` (``exp(loss)`` for per-token labels; else ``None``), ``samples``, and one
+        entry per ``metrics={"name": fn}``: ``fn(output, target)`` (a float or one-value tensor) on the model's output,
+        averaged over the batches weighted by their sizes (under ``distributed``, by each replica's slice).
 
-        A head whose output is not class scores for class labels gets ``None``. Finishes pending batches first.
-        A pipebd plan gives instead every block's mean distillation loss (``block_loss``) and their sum (``loss``).
+        The means are exact: a batch's loss counts times its labels not -100 (class labels) or its size, so a mean
+        loss gives the loss of the whole data as one batch. Every runtime gives the same numbers (under
+        ``distributed`` on every rank, each of which must call it). Pending batches finish first. A pipebd plan
+        gives every block's mean distillation loss (``block_loss``), their sum (``loss``) and ``samples``.
         """
+        named = check_metrics(metrics, self.plan.mode)
         messages = self._messages(loader, EVAL)
         self._open = 0
-        return _scores(self._runtime.evaluate(messages if messages is not None else ()), self.plan.mode)
+        counts = self._runtime.evaluate(messages if messages is not None else (), [fn for _, fn in named])
+        return scores(counts, self.plan.mode, [name for name, _ in named])
 
     def timeline(self) -> Timeline:
         """The spans every stage recorded so far (``trace=True``), from 0 at the earliest; ``.save(path)`` writes
@@ -398,17 +413,6 @@ def _warn_optimizer_mismatch(plan: Plan, runners: list[Runner]) -> None:
                                                    for r in runners if r.optimizers])
     if mismatch is not None:
         warnings.warn(mismatch, stacklevel=4)  # the caller of compiled.trainer(...)
-
-
-def _scores(counts: Counts, mode: str) -> dict[str, Any]:
-    """What :meth:`Trainer.evaluate` returns for every stage's tally: accuracies (``ppll``), block losses
-    (``pipebd``)."""
-    if mode == "pipebd":
-        n = counts[-1][1]
-        block = [total / n if n else None for tally, _ in counts for total in (tally or ())]
-        return {"block_loss": block, "loss": sum(block) if n else None, "samples": n}
-    acc = [None if not tally or not n else tally[0] / n for tally, n in counts]
-    return {"accuracy": acc[-1], "stage_accuracy": acc, "samples": counts[-1][1]}
 
 
 def _claim(lowered: Lowered, trainer: Trainer, given_up: Lowered | None = None) -> None:
