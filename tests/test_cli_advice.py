@@ -150,12 +150,14 @@ def test_the_cpu_fallback_note_and_warning_name_the_devices_flag(gated, tmp_path
 
 # ---- the wording itself -------------------------------------------------------------------------
 
-def _only_gpus() -> argparse.ArgumentParser:
+def _few_flags() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tool")
     p.add_argument("--gpus", metavar="N")
     p.add_argument("--blocks", metavar="T:S,...")
     p.add_argument("--bake-train-mode", action="store_true")
     p.add_argument("--replicas", metavar="auto|none|N")
+    p.add_argument("--batch-size", metavar="B")
+    p.add_argument("--split-points", metavar="A,B")
     return p
 
 
@@ -173,11 +175,11 @@ def _only_gpus() -> argparse.ArgumentParser:
      "(ppll_compile.compile(model, ..., gpus=2)) and my_gpus=3, x.gpus=4"),
 ])
 def test_advice_follows_the_parsers_own_flags(message, worded):
-    assert cli_worded(message, _only_gpus()) == worded
+    assert cli_worded(message, _few_flags()) == worded
 
 
 def test_an_untouched_message_stays_as_it_is():
     message = ("devices[0]: 'banana' is not a device; the model's gpus, its policy and plans (gpus) stay as written, "
-               "and so do paths: /data/split_points/batch_size.py, C:\\split_points\\x.yaml, and a file's keys: "
+               "and so do paths: use /runs/gpus=2/batch_size.py, C:\\split_points\\x.yaml, and a file's keys: "
                "plan.yaml: batch_size must be a positive integer")
-    assert cli_worded(message, _only_gpus()) == message
+    assert cli_worded(message, _few_flags()) == message
