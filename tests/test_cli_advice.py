@@ -3,7 +3,6 @@
 import argparse
 import re
 import textwrap
-from pathlib import Path
 
 import pytest
 
