@@ -12,7 +12,8 @@ losses on held-out random images before and after::
     torchrun --nproc-per-node=<plan.world_size> examples/pipebd_mobilenet.py --runtime distributed
 
 ``plan.world_size`` (one process per replica of every stage) is printed in the plan's first line; see it
-without training with ``ppll-plan examples/pipebd_mobilenet.py --mode pipebd --gpus 2 --show``. Under
+without training with ``ppll-plan examples/pipebd_mobilenet.py --mode pipebd --gpus 2 --policy mse --optimizer adam``
+(the policy and optimizer this script trains with). Under
 torchrun the last stage's process prints, and its step lines show only its own stage's loss.
 """
 
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -107,7 +107,7 @@ def build_teacher(weights: str | Path | None = None) -> nn.Module:
         if not path.is_file():
             raise SystemExit(f"--teacher-weights: no file {str(path)!r}")
         try:
-            state = torch.load(path, map_location="cpu")
+            state = torch.load(path, map_location="cpu", weights_only=True)  # tensors only: runs no pickled code
         except Exception as e:  # not a file torch.save wrote, or one holding more than tensors
             raise SystemExit(f"--teacher-weights: torch.load cannot read {path}: {type(e).__name__}: {e}") from None
         try:
@@ -151,10 +151,10 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     teacher, student = build_teacher(args.teacher_weights), build_model()
     data = torch.Generator().manual_seed(args.seed + 1)
     held_out = [(torch.randn(4 * batch, 3, 32, 32, generator=data), None)]  # no labels: the teacher gives targets
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*CUDA device.*")  # the CPU fallback is expected here
-        compiled = ppll_compile.compile(student, teacher=teacher, gpus=args.gpus, policy=args.policy,
-                                        optimizer="adam", example_inputs=(torch.randn(batch, 3, 32, 32),))
+    # the CPU where this machine has fewer GPUs than --gpus (said, rather than left to a fallback that warns)
+    devices = None if torch.cuda.device_count() >= args.gpus else ["cpu"] * args.gpus
+    compiled = ppll_compile.compile(student, teacher=teacher, gpus=args.gpus, devices=devices, policy=args.policy,
+                                    optimizer="adam", example_inputs=(torch.randn(batch, 3, 32, 32),))
     optimizer = lambda params: torch.optim.Adam(params, lr=args.lr)  # noqa: E731 (the plan's optimizer="adam")
     with compiled.trainer(optimizer=optimizer, runtime=args.runtime) as trainer:
         say = print if trainer.is_main else (lambda *a, **k: None)  # under torchrun: the last stage's process

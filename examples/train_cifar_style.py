@@ -78,7 +78,8 @@ def load_data(args: argparse.Namespace) -> tuple[Dataset, Dataset]:
         n_train, n_test = steps * args.batch_size, max(args.batch_size, steps * args.batch_size // 5)
         data = synthetic_data(n_train + n_test)
         return Subset(data, range(n_train)), Subset(data, range(n_train, n_train + n_test))
-    train, test = (TensorDataset(*torch.load(args.data_dir / f"{name}.pt")) for name in ("train", "test"))
+    train, test = (TensorDataset(*torch.load(args.data_dir / f"{name}.pt", weights_only=True))  # tensors only
+                   for name in ("train", "test"))
     if args.steps_per_epoch is not None:
         train = Subset(train, range(min(len(train), args.steps_per_epoch * args.batch_size)))
     return train, test
@@ -114,8 +115,11 @@ def main(argv: list[str] | None = None) -> None:
 
     # compile: trace the model, cut it into args.gpus stages and give every stage but the last an aux head
     model = build_model(NUM_CLASSES)
-    compiled = ppll_compile.compile(model, args.gpus, example_inputs=(torch.randn(args.batch_size, 3, 32, 32),),
-                                    policy=args.policy, optimizer="momentum")  # the optimizer trained below
+    # devices: the CPU where this machine has fewer GPUs than --gpus (said, rather than left to a fallback that
+    # warns); optimizer: the one trained below (SGD with momentum), so that the plan counts its state
+    devices = None if torch.cuda.device_count() >= args.gpus else ["cpu"] * args.gpus
+    compiled = ppll_compile.compile(model, args.gpus, devices=devices, policy=args.policy, optimizer="momentum",
+                                    example_inputs=(torch.randn(args.batch_size, 3, 32, 32),))
     trainer = compiled.trainer(
         optimizer=lambda params: torch.optim.SGD(params, lr=args.lr, momentum=0.9, weight_decay=5e-4),
         runtime=args.runtime)

@@ -27,13 +27,17 @@ from typing import Any, TextIO
 
 from .api import compile, plan
 from .calibration import calibrate, summary
+from .cli_advice import cli_worded
 from .draw.graph import DETAILS, MAX_NODES
 from .errors import PlanError, PPLLError
+from .hardware import NAMES as HARDWARE_NAMES
 from .model_file import load_model
 from .optimizers import OPTIMIZERS
 from .options import PROFILES, TIED, TRACERS, PlanOptions, read_saved_plan
+from .partitioners import SOLVERS
 from .plan import Plan
 from .plan_specs import HeadSpec
+from .policies import distill_names, names
 from .profile import first_device
 from .roofline import FIGURES_ENV
 
@@ -149,6 +153,18 @@ def _pairs(text: str) -> tuple[tuple[str, str], ...]:
     return pairs  # type: ignore[return-value]
 
 
+_DEFAULTS = PlanOptions()
+
+
+def _default(name: str) -> str:
+    """``(default: X)`` for a plan option, ``X`` being :class:`PlanOptions`' own default."""
+    value = getattr(_DEFAULTS, name)
+    if isinstance(value, float):  # 25e9, as the flag takes it
+        mantissa, exponent = f"{value:e}".split("e")
+        value = f"{float(mantissa):g}e{int(exponent)}"
+    return f"(default: {value})"
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=_PROG, description="Compile a PyTorch model into a pipeline plan for local learning.",
@@ -161,12 +177,14 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--device-speeds", type=_speeds, metavar="S,...", help="relative speed per device, e.g. 1,1,0.5,0.5")
     g.add_argument("--memory-limit", type=_parse_size, metavar="SIZE", help="per-device memory cap, e.g. 16GiB")
     g.add_argument("--link-bandwidth", type=_positive_float, metavar="BYTES_PER_S",
-                   help="bytes per second between neighbouring stages")
-    g.add_argument("--flops-per-second", type=_positive_float, metavar="F", help="device throughput in FLOP/s")
+                   help=f"bytes per second between neighbouring stages {_default('link_bandwidth')}")
+    g.add_argument("--flops-per-second", type=_positive_float, metavar="F", help="device throughput in FLOP/s that "
+                   f"--profile flops divides by {_default('flops_per_second')}")
+    presets = ", ".join(n if n != "cpu" else "cpu (this machine)" for n in HARDWARE_NAMES)
     g.add_argument("--hardware", metavar="NAME|FILE", help="plan for these devices, priced from their figures and "
-                   "nothing timed here: h100, h200, a100-80gb, a100-40gb, l40s, mi300x, cpu (this machine), or a "
-                   "figures file (--calibrate --figures on the training machine writes one); its memory is the "
-                   "default --memory-limit, its intra-node link the default --link-bandwidth")
+                   f"nothing timed here: {presets}, or a figures file (--calibrate --figures on the training machine "
+                   "writes one); its memory is the default --memory-limit, its intra-node link the default "
+                   "--link-bandwidth")
     g.add_argument("--gpus-per-node", type=_positive_int, metavar="N",
                    help="devices per node: stage replicas take consecutive devices, device d on node d // N")
     g.add_argument("--intra-node-bandwidth", type=_positive_float, metavar="BYTES_PER_S",
@@ -181,25 +199,34 @@ def _parser() -> argparse.ArgumentParser:
                    "(blockwise distillation from MODEL.py's build_teacher())")
     g.add_argument("--blocks", type=_pairs, metavar="T:S,...", help="pipebd: name the aligned block ends, "
                    "teacher:student module pairs")
-    g.add_argument("--policy", metavar="NAME|FILE", help="aux-head policy: a shipped name (auto, dgl, infopro, lm, "
-                   "man, mlp, vit, vit_deep) or a YAML file; pipebd: the distillation losses (pipebd, mse, kl) or a "
-                   "YAML file")
-    g.add_argument("--batch-size", type=_positive_int, metavar="B", help="batch size to plan for")
-    g.add_argument("--partitioner", metavar="NAME", help="exact (default) or a baseline: uniform, greedy, params")
-    g.add_argument("--profile", choices=PROFILES, help="count FLOPs on fake tensors (default) or time on the device")
-    g.add_argument("--optimizer", choices=tuple(OPTIMIZERS), help="optimizer whose state memory counts")
+    g.add_argument("--policy", metavar="NAME|FILE", help=f"aux-head policy: a shipped name ({', '.join(names())}) "
+                   f"or a YAML file {_default('policy')}; pipebd: the distillation losses ({', '.join(distill_names())}"
+                   f") or a YAML file (default: pipebd)")
+    g.add_argument("--batch-size", type=_positive_int, metavar="B", help="batch size to plan for (default: the example "
+                   "inputs' first dimension)")
+    g.add_argument("--partitioner", metavar="NAME",
+                   help=f"exact or a baseline: {', '.join(sorted(set(SOLVERS) - {'exact'}))} {_default('partitioner')}")
+    g.add_argument("--profile", choices=PROFILES, help="how stage costs are priced: roofline (every operator's FLOPs "
+                   "and bytes, counted on fake tensors, over the device's calibrated figures or --hardware's), flops "
+                   f"(counted FLOPs over --flops-per-second) or time (measured on the device) {_default('profile')}")
+    g.add_argument("--optimizer", choices=tuple(OPTIMIZERS), help="optimizer whose state memory and step the costs "
+                   f"count: plan with the one you train with {_default('optimizer')}")
     g.add_argument("--split-points", type=_names, metavar="A,B", help="cut by hand after these modules or nodes")
-    g.add_argument("--tracer", choices=TRACERS, help="capture with torch.fx symbolic tracing, torch.export, or auto "
-                   "(fx, else export; default)")
-    g.add_argument("--tied", choices=TIED, help="a parameter used on both sides of a cut: error (drop such cuts, "
-                   "default) or untie (each stage its own copy)")
+    g.add_argument("--leaf-modules", type=_names, metavar="M,...", help="submodules (qualified names, e.g. layer1.0) "
+                   "that torch.fx symbolic tracing keeps opaque, one node each")
+    g.add_argument("--num-classes", type=_positive_int, metavar="C", help="classes the aux heads predict (default: "
+                   "the size of a 2-D model output)")
+    g.add_argument("--tracer", choices=TRACERS, help="capture with torch.fx symbolic tracing (fx), torch.export "
+                   f"(export), or auto: fx, else export {_default('tracer')}")
+    g.add_argument("--tied", choices=TIED, help="a parameter used on both sides of a cut: error (drop such cuts) or "
+                   f"untie (each stage its own copy) {_default('tied')}")
     g.add_argument("--bake-train-mode", action="store_true", default=None,
                    help="accept a forward that branches on self.training: keep the train branch in eval too")
     g.add_argument("--plan", metavar="PLAN.yaml", help="re-apply a saved (possibly hand-edited) plan to MODEL.py, "
                    "keeping its costs as saved unless it was edited, a planning flag is given or --remeasure; a "
                    "pipebd plan also loads MODEL.py's teacher")
     g.add_argument("--remeasure", action="store_true", help="with --plan: measure the saved plan's costs again on "
-                   "this machine (its profile: FLOPs, or times with profile time)")
+                   "this machine, in the profile it was made with")
     g = p.add_argument_group("output (default: --show)")
     g.add_argument("--show", action="store_true", help="print the stage table")
     g.add_argument("--json", metavar="PATH|-", help="write the plan as JSON to PATH, or to stdout with -")
@@ -237,7 +264,8 @@ def _parser() -> argparse.ArgumentParser:
 
 _OPTION_FLAGS = ("gpus", "devices", "device_speeds", "memory_limit", "link_bandwidth", "flops_per_second",
                  "hardware", "policy", "batch_size", "partitioner", "profile", "optimizer", "split_points", "replicas",
-                 "tracer", "tied", "bake_train_mode", "gpus_per_node", "intra_node_bandwidth", "inter_node_bandwidth")
+                 "tracer", "tied", "bake_train_mode", "gpus_per_node", "intra_node_bandwidth", "inter_node_bandwidth",
+                 "leaf_modules", "num_classes")
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
@@ -329,7 +357,7 @@ def _pictures(args: argparse.Namespace, result: Plan, gm: Any, out: TextIO, err:
         err.write(f"{_PROG}: wrote {args.gantt} (simulated timeline of {steps} batches)\n")
 
 
-def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
+def _run(args: argparse.Namespace, out: TextIO, err: TextIO, parser: argparse.ArgumentParser) -> None:
     to_stdout = [flag for flag in ("json", "yaml") if getattr(args, flag) == "-"]
     if len(to_stdout) > 1:
         raise _UsageError("--json - and --yaml - both ask for stdout; send one of them to a file")
@@ -360,12 +388,13 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
     show = args.show or (args.json is None and args.yaml is None)
     if to_stdout:
         out.write((result.to_json() + "\n") if to_stdout[0] == "json" else result.to_yaml())
-    if show:
-        (err if to_stdout else out).write(result.table() + "\n")
+    if show:  # its notes' advice worded as flags
+        table = (cli_worded(line, parser) if line.startswith("note: ") else line for line in result.table().split("\n"))
+        (err if to_stdout else out).write("\n".join(table) + "\n")
     shown = set(result.notes) if show else set()
     for message in dict.fromkeys(str(w.message) for w in caught):
         if message not in shown:
-            err.write(f"{_PROG}: warning: {message}\n")
+            err.write(f"{_PROG}: warning: {cli_worded(message, parser)}\n")
     if remark is not None:
         err.write(f"{_PROG}: {remark}\n")
     for flag, text in (("json", result.to_json), ("yaml", result.to_yaml)):
@@ -443,11 +472,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # --help, or a bad flag that argparse already reported
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     try:
-        _run(args, sys.stdout, sys.stderr)
+        _run(args, sys.stdout, sys.stderr, parser)
     except _USER_ERRORS as e:
         if args.debug:
             traceback.print_exc()
-        print(f"{_PROG}: error: {e}", file=sys.stderr)
+        print(f"{_PROG}: error: {cli_worded(str(e), parser)}", file=sys.stderr)
         return 2
     except Exception as e:
         if args.debug:

@@ -248,7 +248,7 @@ def test_memory_limit_too_small(tmp_path, capsys):
 
 
 def test_devices_and_gpus_disagree(tmp_path, capsys):
-    _expect_exit_2(capsys, [_file(tmp_path, TINY), "--gpus", "3", "--devices", "cpu,cpu"], "devices", "gpus=3")
+    _expect_exit_2(capsys, [_file(tmp_path, TINY), "--gpus", "3", "--devices", "cpu,cpu"], "devices", "--gpus 3")
 
 
 def test_both_outputs_to_stdout(tmp_path, capsys):
