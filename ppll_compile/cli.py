@@ -218,8 +218,9 @@ def _parser() -> argparse.ArgumentParser:
                    "the size of a 2-D model output)")
     g.add_argument("--tracer", choices=TRACERS, help="capture with torch.fx symbolic tracing (fx), torch.export "
                    f"(export), or auto: fx, else export {_default('tracer')}")
-    g.add_argument("--tied", choices=TIED, help="a parameter used on both sides of a cut: error (drop such cuts) or "
-                   f"untie (each stage its own copy) {_default('tied')}")
+    g.add_argument("--tied", choices=TIED, help="a parameter used on both sides of a cut (tied embeddings): auto (drop "
+                   "such cuts while enough others are left, else untie with a warning), error (drop such cuts; refuse "
+                   f"when too few are left) or untie (each later stage its own copy) {_default('tied')}")
     g.add_argument("--bake-train-mode", action="store_true", default=None,
                    help="accept a forward that branches on self.training: keep the train branch in eval too")
     g.add_argument("--plan", metavar="PLAN.yaml", help="re-apply a saved (possibly hand-edited) plan to MODEL.py, "

@@ -255,9 +255,14 @@ def test_the_recipe_runs_outside_the_repository_and_resumes(tmp_path):
                                    text=True, timeout=TIMEOUT) for _ in range(2))
     assert first.returncode == 0, _report("python train.py", first)
     assert again.returncode == 0, _report("python train.py, run again", again)
-    assert re.fullmatch(r"accuracy \d\.\d{3}, per stage head \[.+\]\n", first.stdout), first.stdout
+    assert re.fullmatch(r"loss \d+\.\d{3}, accuracy \d\.\d{3}, per stage \[.+\]\n", first.stdout), first.stdout
     assert again.stdout == first.stdout
     assert (tmp_path / "checkpoints" / "latest").is_file()
+    # the saved model is a plain state_dict of the model as built
+    import safetensors.torch
+    import torchvision
+    torchvision.models.resnet18(num_classes=10).load_state_dict(
+        safetensors.torch.load_file(tmp_path / "model.safetensors"), strict=True)
 
 
 def test_commands_split_skip_and_shrink_as_documented():
