@@ -118,7 +118,7 @@ def test_a_module_fx_cannot_trace_is_advised_as_leaf_modules_flag_that_works(gat
      "--leaf-modules keeps modules opaque to torch.fx symbolic tracing; torch.export captures every module. Drop "
      "--leaf-modules, or use --tracer fx"),
     (["--gpus", "9", "--leaf-modules", "2"],
-     "model has 4 legal cut points, so at most 5 stages; got --gpus 9 (pass --split-points A,B or fewer gpus)"),
+     "plan at most 5 stages (--gpus 5 or fewer): the model has 4 legal cut point(s); got --gpus 9"),
     (["--gpus", "3", "--gpus-per-node", "2"],
      "--gpus 3 is not a multiple of --gpus-per-node 2: the devices must fill whole nodes; plan for 2 or 4 devices, "
      "or set --gpus-per-node to the devices each node gives the pipeline"),

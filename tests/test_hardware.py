@@ -267,12 +267,12 @@ def test_the_command_plans_for_a_preset(tmp_path, capsys, nothing_timed):
                                  f"presets: {KNOWN}, or the path of a JSON figures file "
                                  f"(ppll_compile.calibrate(out=...) writes one)\n")
     assert main([str(model), "--gpus", "2", "--hardware", "h100", "--profile", "time"]) == 2
-    assert capsys.readouterr().err.startswith("ppll-plan: error: profile='time' times the stages on this machine")
+    assert capsys.readouterr().err.startswith("ppll-plan: error: --profile time times the stages on this machine, but --hardware h100 plans for other devices")
     assert main([str(model), "--gpus", "2", "--hardware", "h100", "--memory-limit", "1K"]) == 2
-    assert re.fullmatch(r"ppll-plan: error: the stages cannot fit memory_limit=1.0 KiB per device \(hardware='h100'\) "
+    assert re.fullmatch(r"ppll-plan: error: the stages cannot fit --memory-limit 1.0KiB per device \(--hardware h100\) "
                         r"on 2 device\(s\): no number of devices fits it \(a single segment needs more\), so only a "
                         r"larger cap works; on 2 device\(s\) the smallest memory_limit that works is \d+\.\d KiB "
-                        r"\(pass memory_limit= to plan for devices with more memory\)\n", capsys.readouterr().err)
+                        r"\(pass --memory-limit to plan for devices with more memory\)\n", capsys.readouterr().err)
 
 
 def test_a_distillation_plan_for_a_preset_times_nothing(nothing_timed):

@@ -185,7 +185,7 @@ def test_ppll_plan_flags(tmp_path, capsys) -> None:
     assert [s.crosses_nodes for s in plan.stages] == [False, True, False, False]
     capsys.readouterr()
     assert main([*argv[:2], "3", *argv[3:9], "--json", str(out)]) == 2
-    assert "gpus=3 is not a multiple of gpus_per_node=2" in capsys.readouterr().err
+    assert "--gpus 3 is not a multiple of --gpus-per-node 2: the devices must fill whole nodes" in capsys.readouterr().err
 
 
 def test_distillation_replicas_stay_inside_a_node_when_the_link_across_is_slow() -> None:
