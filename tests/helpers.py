@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -23,7 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = ["BATCH", "CONV_X", "IMG", "sgd", "free_port", "quiet", "image_batches", "compiled_residual",
            "seeded_batches", "stage_state", "train_residual", "on_first_stage", "assert_same_parameters", "heads_policy",
-           "compile_quietly", "momentum_pipeline", "recording_sgd", "synthetic_plan", "lane"]
+           "compile_quietly", "momentum_pipeline", "recording_sgd", "synthetic_plan", "lane", "run_gloo_workers"]
 
 BATCH = 8
 """Batch size of :func:`image_batches` and of the example input of :func:`compiled_residual`."""
@@ -198,3 +205,24 @@ def lane(sim: Simulation, stage: int, replica: int = 0) -> list[tuple]:
 def no_workers_left() -> bool:
     """Whether every ``threads`` runtime's stage worker has ended."""
     return not [t for t in threading.enumerate() if t.name.startswith("ppll-stage-")]
+
+
+def run_gloo_workers(script: Path, processes: int, tmp_path: Path, timeout: float) -> str:
+    """Run ``script processes PORT SECONDS tmp_path`` (a test module or worker script that starts ``processes`` gloo
+    workers itself, each left ``timeout - 15`` seconds) from the repository root; its output, once every worker
+    reported exit code 0. A run still going after ``timeout`` seconds is killed, with its process group, and fails."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.Popen([sys.executable, str(script), str(processes), str(free_port()), str(timeout - 15),
+                             str(tmp_path)], cwd=Path(__file__).resolve().parents[1], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        text = proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"the {processes}-process run was still going after {timeout} s (killed):\n"
+                    f"{proc.communicate()[0][-3000:]}")
+    codes = [json.loads(line)["codes"] for line in text.splitlines() if line.startswith('{"codes"')]
+    assert codes == [[0] * processes], text[-3000:]
+    return text

@@ -8,11 +8,8 @@ keeps the teacher in eval mode."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import signal
-import subprocess
 import sys
 import warnings
 from datetime import timedelta
@@ -31,7 +28,7 @@ if __name__ == "__main__":
 import ppll_compile  # noqa: E402
 from ppll_compile.errors import PPLLError  # noqa: E402
 from ppll_compile.pipebd.policy import distill_loss, load_distill_policy  # noqa: E402
-from tests.helpers import free_port, sgd  # noqa: E402
+from tests.helpers import run_gloo_workers, sgd  # noqa: E402
 from tests.models import conv_student, conv_teacher  # noqa: E402
 
 X = torch.randn(8, 3, 16, 16)
@@ -262,20 +259,7 @@ def _rank_main(out: Path) -> None:
 
 @pytest.mark.slow
 def test_dna_per_block_and_distributed_on_two_processes_equal_the_hand_loop_teacher_in_eval(tmp_path):
-    timeout = 90
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "2", str(free_port()), str(timeout - 15),
-                             str(tmp_path)], cwd=HERE.parent, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        text = proc.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"the 2-process run was still going after {timeout} s (killed):\n{proc.communicate()[0][-3000:]}")
-    codes = [json.loads(line)["codes"] for line in text.splitlines() if line.startswith('{"codes"')]
-    assert codes == [[0, 0]], text[-3000:]
+    run_gloo_workers(Path(__file__).resolve(), 2, tmp_path, timeout=90)
     c = _compiled(bn_teacher(), conv_student())
     student = conv_student()
     student.load_state_dict(c.model.state_dict())

@@ -4,12 +4,8 @@ batch) and the same numbers under every runtime."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,7 +20,7 @@ import eval_worker as w  # noqa: E402
 
 import ppll_compile  # noqa: E402
 from ppll_compile.errors import PPLLError  # noqa: E402
-from tests.helpers import compiled_residual, free_port, image_batches, sgd  # noqa: E402
+from tests.helpers import compiled_residual, image_batches, run_gloo_workers, sgd  # noqa: E402
 from tests.models import conv_student, conv_teacher  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread_quietly")
@@ -149,20 +145,7 @@ def test_metrics_that_do_not_fit_are_refused():
 
 @pytest.mark.slow
 def test_distributed_gives_every_rank_the_sequential_numbers(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    timeout = 120
-    proc = subprocess.Popen([sys.executable, str(HERE / "eval_worker.py"), "2", str(free_port()), str(timeout - 15),
-                             str(tmp_path)], cwd=HERE.parent, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        text = proc.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"the workers still ran after {timeout} s (killed):\n{proc.communicate()[0][-3000:]}")
-    codes = [json.loads(line)["codes"] for line in text.splitlines() if line.startswith('{"codes"')]
-    assert codes == [[0, 0]], text[-3000:]
+    run_gloo_workers(HERE / "eval_worker.py", 2, tmp_path, timeout=120)
     with w.lm_pipeline("sequential") as trainer:
         ref = w.lm_program(trainer)
     for rank in range(2):

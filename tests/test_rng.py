@@ -8,8 +8,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -28,7 +26,7 @@ import ppll_compile  # noqa: E402
 from ppll_compile.runtime.queues import Recent  # noqa: E402
 from ppll_compile.runtime.messages import Message  # noqa: E402
 from ppll_compile.runtime.rng import RNG_LOCK, stream_seed  # noqa: E402
-from tests.helpers import free_port  # noqa: E402
+from tests.helpers import run_gloo_workers  # noqa: E402
 
 X = torch.randn(8, 16)
 SPLITS = ["2", "3"]  # stage 0: linear, relu, dropout; stage 1: a residual block with drop-path; stage 2: the rest
@@ -272,19 +270,7 @@ def test_pipebd_threads_and_dna_equal_sequential_with_dropout_in_every_block():
 @pytest.mark.slow
 def test_distributed_equals_sequential_with_dropout_in_every_stage(tmp_path):
     timeout = 90
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "3", str(free_port()),
-                             str(timeout - 15), str(tmp_path)], cwd=HERE.parent, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        text = proc.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"the distributed run was still going after {timeout} s (killed):\n{proc.communicate()[0][-3000:]}")
-    codes = [json.loads(line)["codes"] for line in text.splitlines() if line.startswith('{"codes"')]
-    assert codes == [[0, 0, 0]], text[-3000:]
+    run_gloo_workers(Path(__file__).resolve(), 3, tmp_path, timeout=timeout)
     ref_compiled = _compile(_model())
     with ref_compiled.trainer(optimizer=_sgd, runtime="sequential") as trainer:
         for x, y in _data():
