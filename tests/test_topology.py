@@ -10,7 +10,6 @@ import warnings
 
 import pytest
 import torch
-import yaml
 from torch import nn
 
 import ppll_compile
