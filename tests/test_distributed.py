@@ -77,7 +77,7 @@ def _assert_states(ours: dict[int, dict[str, torch.Tensor]], ref: dict[int, dict
 
 
 def _check_fifo(k: int, tmp_path: Path, ref: dict[str, Any]) -> list[dict[str, Any]]:
-    records = [torch.load(tmp_path / f"fifo-{k}" / f"rank-{r}.pt") for r in range(k)]
+    records = [torch.load(tmp_path / f"fifo-{k}" / f"rank-{r}.pt", weights_only=True) for r in range(k)]
     for r, rec in enumerate(records):
         _assert_states(rec["after_steps"], ref["after_steps"], r)
         _assert_states(rec["final"], ref["final"], r)
@@ -180,7 +180,7 @@ def test_latest_takes_the_newest_input_and_the_sender_never_waits(tmp_path):
     drops 1 .. 6. Its parameters equal a hand-run reference: stage 0 on every batch, stage 1 on batches 0 and 7."""
     codes, text = _launch(2, "newest", tmp_path)
     assert codes == [0, 0], text[-3000:]
-    first, last = (torch.load(tmp_path / f"newest-{r}.pt") for r in range(2))
+    first, last = (torch.load(tmp_path / f"newest-{r}.pt", weights_only=True) for r in range(2))
     assert first["trained"] == list(range(8)) and first["steps"] == {0: 8} and first["dropped"] == {0: 0}
     assert last["trained"] == [0, 7] and last["steps"] == {1: 2} and last["dropped"] == {1: 6}
     with w.chain_pipeline(2, "sequential", None, 0) as ref:
@@ -211,8 +211,8 @@ def test_a_momentum_head_pulls_whole_copies_sent_back_by_the_next_stage(tmp_path
     after its last copy of that epoch: so the trunk is that copy (the 6th) or a later one."""
     codes, text = _launch(2, "momentum", tmp_path)
     assert codes == [0, 0], text[-3000:]
-    trunk = torch.load(tmp_path / "momentum-0.pt")["trunk"]
-    snapshots = torch.load(tmp_path / "momentum-1.pt")["snapshots"]
+    trunk = torch.load(tmp_path / "momentum-0.pt", weights_only=True)["trunk"]
+    snapshots = torch.load(tmp_path / "momentum-1.pt", weights_only=True)["snapshots"]
     assert len(snapshots) == 12
     same = [k for k, snap in enumerate(snapshots) if all(torch.equal(a, b) for a, b in zip(trunk, snap))]
     assert same and same[0] >= 5
@@ -286,7 +286,7 @@ def test_example_with_torchrun_on_one_node():
 
 def _check_distill(tmp_path: Path, layout: str, world: int, stage_of_rank: list[int], ref: dict[str, Any]) -> None:
     for r in range(world):
-        rec = torch.load(tmp_path / layout / f"rank-{r}.pt")
+        rec = torch.load(tmp_path / layout / f"rank-{r}.pt", weights_only=True)
         for key in ("after_steps", "final"):
             for stage in rec[key]:
                 _assert_states(rec[key], ref[key], stage)
@@ -334,15 +334,15 @@ def test_a_replicated_ppll_stage_equals_sequential(tmp_path):
     assert codes == [0, 0, 0], text[-3000:]
     ref = w.replicated_program(w.replicated_chain("sequential"))
     for r, stage in enumerate([0, 1, 1]):
-        rec = torch.load(tmp_path / f"replicated-{r}.pt")
+        rec = torch.load(tmp_path / f"replicated-{r}.pt", weights_only=True)
         _assert_states(rec["final"], ref["final"], stage)
         ours, theirs = rec["accuracy"], ref["accuracy"]
         assert {k: v for k, v in ours.items() if "loss" not in k} == {k: v for k, v in theirs.items() if "loss" not in k}
         # the replicas' slices of a batch each take their own mean loss: the same sum, in another order
         assert [ours["loss"], *ours["stage_loss"]] == pytest.approx([theirs["loss"], *theirs["stage_loss"]], rel=1e-6)
-    assert torch.load(tmp_path / "replicated-1.pt")["samples"] == ref["samples"] == [14]
+    assert torch.load(tmp_path / "replicated-1.pt", weights_only=True)["samples"] == ref["samples"] == [14]
     # every process gathers the same timeline: a lane per replica, each batch once, sends before receives
-    timelines = [torch.load(tmp_path / f"replicated-{r}.pt")["timeline"] for r in range(3)]
+    timelines = [torch.load(tmp_path / f"replicated-{r}.pt", weights_only=True)["timeline"] for r in range(3)]
     assert timelines[0] == timelines[1] == timelines[2]
     spans: dict[tuple[int, int, str], list[tuple[int, float, float]]] = {}
     for stage, replica, batch, kind, start, end in timelines[0]:

@@ -268,7 +268,7 @@ def test_dna_per_block_and_distributed_on_two_processes_equal_the_hand_loop_teac
     stage_of = lambda name: int(int(name.split(".")[0]) > 5)  # noqa: E731 - stage 0 ends at student layer 5
     teacher = _teacher_state(bn_teacher())
     for rank in range(2):
-        record = torch.load(tmp_path / f"rank-{rank}.pt")
+        record = torch.load(tmp_path / f"rank-{rank}.pt", weights_only=True)
         for runtime, stages in (("dna-per-block", [0, 1]), ("distributed", [rank])):
             rec = record[runtime]
             assert rec["stages"] == stages and not rec["teacher_training"]

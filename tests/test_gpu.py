@@ -352,7 +352,7 @@ def _nccl_rank(out: Path) -> None:
     batches = _batches(n, batch, size)
     with _exact_math():
         compiled = _compile(_resnet18(), batches[0][0], plan=str(out / "plan.json"))
-        start = torch.load(out / "start.pt")
+        start = torch.load(out / "start.pt", weights_only=True)
         for i, (stage, head) in enumerate(zip(compiled.stages, compiled.heads)):
             stage.load_state_dict(start[i]["block"])
             if head is not None:
@@ -390,7 +390,7 @@ def test_distributed_runtime_on_nccl_trains_what_the_sequential_runtime_trains(t
     log = "\n".join(f"--- rank {r} (exit {code}):\n{text[-3000:]}" for r, (code, text) in enumerate(results))
     assert [code for code, _ in results] == [0, 0], log
     for rank in range(2):
-        record = torch.load(tmp_path / f"rank-{rank}.pt")
+        record = torch.load(tmp_path / f"rank-{rank}.pt", weights_only=True)
         assert record["backend"] == NCCL_BACKEND, f"rank {rank} trained over {record['backend']}, not {NCCL_BACKEND}"
         assert list(record["states"]) == [rank], log
         _assert_same_training(record["states"], expected, start, f"NCCL rank {rank} vs sequential")

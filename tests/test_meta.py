@@ -243,7 +243,7 @@ def test_each_rank_materialises_its_stage_only_and_trains_as_sequential(tmp_path
     reference = w.train_program(w.residual_pipeline(meta=False), "sequential")
     full = {i: sorted(reference[i]) for i in reference}
     for rank in (0, 1):
-        record = torch.load(tmp_path / f"rank-{rank}.pt")
+        record = torch.load(tmp_path / f"rank-{rank}.pt", weights_only=True)
         other = 1 - rank
         assert record["meta"][rank] == []
         assert sorted(record["meta"][other]) == full[other]

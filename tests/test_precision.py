@@ -279,7 +279,7 @@ def test_distributed_accumulates_like_sequential(tmp_path):
     with w.accumulate_pipeline("sequential") as trainer:
         ref = w.accumulate_program(trainer)
     for rank in range(2):
-        record = torch.load(tmp_path / f"accumulate-{rank}.pt")
+        record = torch.load(tmp_path / f"accumulate-{rank}.pt", weights_only=True)
         for key in ("after_steps", "final"):
             for name, value in record[key][rank].items():
                 torch.testing.assert_close(value, ref[key][rank][name], rtol=0, atol=0)
