@@ -162,3 +162,20 @@ def test_failed_trainers_are_freed(runtime):
     gc.collect()
     assert [r for r in refs if r() is not None] == []
     assert messages == {"stage 1 failed at batch 0: RuntimeError: boom at call 0"}
+
+
+def test_a_closed_threads_trainer_refuses_to_step_and_still_evaluates():
+    torch.manual_seed(0)
+    compiled = ppll_compile.compile(Chain(3), example_inputs=(torch.randn(4, 8),), policy="dgl",
+                                    split_points=["blocks.0", "blocks.1"])
+    trainer = compiled.trainer(optimizer=sgd, runtime="threads")
+    trainer.step(X, Y)
+    trainer.close()
+    steps = dict(trainer.steps)
+    with pytest.raises(PPLLError) as e:
+        trainer.step(X, Y)
+    assert str(e.value) == ("this trainer was closed (close(), or the end of its with block): its stages no longer "
+                            "train; build a new trainer (and load a checkpoint) to go on training")
+    assert trainer.steps == steps == {0: 1, 1: 1, 2: 1}
+    trainer.close()  # again: nothing left to release
+    assert trainer.evaluate([(X, Y)])["samples"] == 4

@@ -64,6 +64,7 @@ class ThreadsRuntime(Runtime):
         self._stop = threading.Event()
         self._barrier = None if decoupled else threading.Barrier(len(runners))
         self._interrupted = False
+        self._closed = False
         self._lock = threading.Lock()
         self._losses: list[list[Any]] = [[] for _ in runners]
         self._decoupled = decoupled
@@ -102,6 +103,9 @@ class ThreadsRuntime(Runtime):
         """Put ``msg`` into stage 0's queue (waiting while it is full); the losses the stages finished since."""
         assert msg is not None
         self._raise_if_failed()
+        if self._closed:
+            raise PPLLError("this trainer was closed (close(), or the end of its with block): its stages no longer "
+                            "train; build a new trainer (and load a checkpoint) to go on training")
         if not self._workers:
             self._start()
         if any(isinstance(v, torch.Tensor) and v.is_cuda for v in (*msg.values, msg.target)):
@@ -181,6 +185,7 @@ class ThreadsRuntime(Runtime):
         """Cancel every stage, stop the workers and wait for them up to half a second. A worker inside a stage's own
         code (a forward, which cannot be interrupted) ends when that code returns, before its backward and step:
         a cancelled stage never changes its parameters again (:attr:`.Runner.cancelled`)."""
+        self._closed = True
         self._cancel()
         self._halt()
         self._join(_RELEASE)
