@@ -300,9 +300,10 @@ class Trainer(DataLoops, ModelState):
         return found
 
     def close(self) -> None:
-        """Finish pending batches, then release worker threads or the process group; the compiled pipeline
-        may then get another trainer. After a :class:`StageError` (already raised) or a KeyboardInterrupt it only
-        releases."""
+        """Finish pending batches, then release worker threads or the process group; the compiled pipeline may then
+        get another trainer. After a :class:`StageError` (already raised) or a KeyboardInterrupt it only releases: a
+        worker still inside a stage's forward is cancelled (it never steps), and a new trainer waits up to its
+        ``timeout=`` seconds for it to end, else refuses."""
         try:
             if not self._runtime.stopped:
                 self.finish()
