@@ -3,6 +3,7 @@ and one open trainer per compiled pipeline."""
 
 import gc
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -16,6 +17,9 @@ import torch
 import ppll_compile
 from ppll_compile import StageError
 from ppll_compile.errors import PPLLError
+from ppll_compile.runtime.base import RuntimeSetup
+from ppll_compile.runtime.config import TrainConfig
+from ppll_compile.runtime.threads import ThreadsRuntime
 from tests import ckpt_worker as w
 from tests.helpers import sgd
 from tests.dist_worker import Chain, Trap
@@ -90,6 +94,56 @@ def test_a_second_open_trainer_is_refused_until_the_first_is_closed_or_gone():
     with compiled.trainer(optimizer=sgd) as third:
         third.step(*w.batch(0))
     compiled.trainer(optimizer=sgd)
+
+
+# ---- option bounds ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", [-1, 0, 2**70, (os.cpu_count() or 1) + 1, True, 1.5])
+def test_threads_per_stage_must_be_a_count_of_this_machines_cores(bad):
+    compiled = w.pipeline()
+    cores = os.cpu_count() or 1
+    with pytest.raises(PPLLError) as e:
+        compiled.trainer(optimizer=sgd, runtime="threads", threads_per_stage=bad)
+    assert str(e.value) == (f"threads_per_stage must be None (this machine's {cores} cores shared out over the "
+                            f"stages) or an integer from 1 to {cores} (the torch threads each stage's worker uses; "
+                            f"more than the machine's cores only compete for them), got {bad!r}")
+    with compiled.trainer(optimizer=sgd, runtime="threads", threads_per_stage=cores) as trainer:
+        trainer.step(*w.batch(0))
+    assert trainer.steps == {0: 1, 1: 1}
+
+
+def test_a_worker_that_fails_before_its_loop_stops_the_pipeline_instead_of_hanging():
+    """A worker whose own setup raises (here torch refusing its thread count) reports a StageError; the caller's
+    next step raises it instead of waiting for ever on a full queue."""
+    compiled = w.pipeline()
+    with compiled.trainer(optimizer=sgd) as trainer:
+        messages = [trainer.message(*w.batch(i)) for i in range(2)]
+    runtime = ThreadsRuntime.build(RuntimeSetup(plan=compiled.plan, lowered=compiled.lowered,
+                                                config=TrainConfig(optimizer=sgd), threads_per_stage=-1))
+    try:
+        assert runtime.step(messages[0]) == [[], []]
+        assert runtime.wait_stopped(5) == []
+        with pytest.raises(StageError, match=r"^stage [01] failed: RuntimeError: set_num_threads expects a positive "
+                                             r"integer\n--- traceback of stage [01] ---"):
+            runtime.step(messages[1])
+    finally:
+        runtime.close()
+
+
+@pytest.mark.parametrize("bad", [-1, 0, -0.5, float("nan"), float("inf"), True, "1.0"])
+def test_clip_grad_norm_must_be_a_positive_finite_number(bad):
+    with pytest.raises(PPLLError) as e:
+        w.pipeline().trainer(optimizer=sgd, clip_grad_norm=bad)
+    assert str(e.value) == (f"clip_grad_norm must be None (no clipping) or a positive finite number (the largest "
+                            f"gradient norm each stage keeps, e.g. 1.0), got {bad!r}; a negative bound would reverse "
+                            f"the gradients and zero would erase them")
+
+
+@pytest.mark.parametrize("bad", [0, -5, float("nan"), 10**9, None])
+def test_timeout_must_be_a_positive_number_of_seconds_up_to_a_week(bad):
+    with pytest.raises(PPLLError) as e:
+        w.pipeline().trainer(optimizer=sgd, timeout=bad)
+    assert str(e.value) == (f"timeout must be a positive number of seconds up to 604800 (a week; how long a process "
+                            f"waits for the others, and a new trainer for a previous one's worker threads), got {bad!r}")
 
 
 # ---- Ctrl-C ------------------------------------------------------------------------------------------------

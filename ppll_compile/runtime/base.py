@@ -187,6 +187,11 @@ class Runtime:
     def abandon(self) -> None:
         """Its trainer is gone without :meth:`close`: let worker threads end on their own, without waiting."""
 
+    def wait_stopped(self, timeout: float) -> list[int]:
+        """Wait up to ``timeout`` seconds for the worker threads a closed or dropped trainer left running (inside a
+        stage's own code) to end; the stages whose workers still run (none in a runtime without worker threads)."""
+        return []
+
 
 def progress_bar(total: int | None, desc: str, enabled: bool) -> Any:
     """A tqdm bar of ``total`` batches labelled ``desc`` (``None`` when not ``enabled``)."""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -70,7 +73,8 @@ def _quoted(names: Sequence[str], joint: str) -> str:
 
 
 def check_options(plan: Plan, *, runtime: str, queue: str, optimizer: Any, queue_depth: Any, loss: Any,
-                  decoupled: bool, trace: Any, seed: Any, accumulate: Any = 1, rebalance: Any = False) -> type[Runtime]:
+                  decoupled: bool, trace: Any, seed: Any, accumulate: Any = 1, rebalance: Any = False,
+                  threads_per_stage: Any = None, clip_grad_norm: Any = None, timeout: Any = 300.0) -> type[Runtime]:
     """The trainer's options, each alone and together with the plan's kind and what the runtime declares; the
     runtime's class."""
     cls = runtime_class(runtime, plan)
@@ -98,7 +102,40 @@ def check_options(plan: Plan, *, runtime: str, queue: str, optimizer: Any, queue
         raise TypeError(f"seed must be an int (the seed of every stage's dropout and other training randomness) "
                         f"or None (draw from torch's global generator, unseeded); got {seed!r}")
     check_accumulate(accumulate, plan, rebalance=rebalance)
+    check_bounds(threads_per_stage=threads_per_stage, clip_grad_norm=clip_grad_norm, timeout=timeout)
     return cls
+
+
+MAX_TIMEOUT = 7 * 24 * 3600
+"""The longest ``timeout=`` a trainer takes, in seconds (a week): beyond it a wait is a hang."""
+
+
+def _positive(value: Any) -> bool:
+    """A real number (not a bool), finite and above 0."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    return value > 0 and (isinstance(value, numbers.Integral) or math.isfinite(value))
+
+
+def check_bounds(*, threads_per_stage: Any = None, clip_grad_norm: Any = None, timeout: Any = 300.0) -> None:
+    """The trainer's numeric options within their bounds: ``threads_per_stage`` ``None`` or an integer from 1 to the
+    machine's cores (more torch threads than cores only compete for them), ``clip_grad_norm`` ``None`` or a positive
+    finite number (a negative bound reverses the gradients, zero erases them), ``timeout`` a positive number of
+    seconds up to :data:`MAX_TIMEOUT`."""
+    cores = os.cpu_count() or 1
+    if threads_per_stage is not None and not (isinstance(threads_per_stage, numbers.Integral) and _positive(
+            threads_per_stage) and threads_per_stage <= cores):
+        raise PPLLError(f"threads_per_stage must be None (this machine's {cores} cores shared out over the stages) or "
+                        f"an integer from 1 to {cores} (the torch threads each stage's worker uses; more than the "
+                        f"machine's cores only compete for them), got {threads_per_stage!r}")
+    if clip_grad_norm is not None and not _positive(clip_grad_norm):
+        raise PPLLError(f"clip_grad_norm must be None (no clipping) or a positive finite number (the largest gradient "
+                        f"norm each stage keeps, e.g. 1.0), got {clip_grad_norm!r}; a negative bound would reverse the "
+                        f"gradients and zero would erase them")
+    if not (_positive(timeout) and timeout <= MAX_TIMEOUT):
+        raise PPLLError(f"timeout must be a positive number of seconds up to {MAX_TIMEOUT} (a week; how long a process "
+                        f"waits for the others, and a new trainer for a previous one's worker threads), got "
+                        f"{timeout!r}")
 
 
 def check_accumulate(accumulate: Any, plan: Plan, *, rebalance: Any = False) -> None:

@@ -37,11 +37,18 @@ def _check_output(out: Any) -> None:
                                      f"gradients (clip_grad_norm=...) or check the data")
 
 
+class StageCancelled(PPLLError):
+    """Raised by a stage whose trainer was closed, interrupted or dropped (:attr:`Runner.cancelled`) when it would
+    touch its parameters again: a worker thread still inside that stage's forward ends there, without a step."""
+
+
 def _clip_and_step(parts: Sequence[tuple[torch.optim.Optimizer, list[nn.Parameter]]], scaler: Any,
-                   clip: float | None) -> bool:
+                   clip: float | None, live: Callable[[], None] = lambda: None) -> bool:
     """Unscale (``scaler``: a GradScaler or ``None``), clip to ``clip`` and step every (optimizer, its parameters) of
-    ``parts``; ``False`` when the scaler skipped the step (infinite or NaN gradients)."""
+    ``parts``; ``False`` when the scaler skipped the step (infinite or NaN gradients). ``live()`` is called right
+    before each optimizer's gradients and parameters change (it raises once the stage is cancelled)."""
     for optimizer, params in parts:
+        live()
         if scaler is not None:
             scaler.unscale_(optimizer)
         if clip is not None:
@@ -95,7 +102,19 @@ class Runner:
     seconds are the stage thread's CPU time (``time.thread_time``: under ``threads``, a stage waiting for the
     interpreter lock or for a core is not working); on a CUDA device they are wall-clock seconds between two
     synchronisations of the stage's stream, less the waits; elsewhere wall-clock seconds less the waits."""
+    cancelled: bool = False
+    """Set when the stage's trainer is closed, interrupted (Ctrl-C) or dropped: from then on the stage never changes
+    its parameters, gradients, optimizers or schedulers again (a worker thread still inside its forward raises
+    :class:`StageCancelled` before its backward or step), so a late step cannot overwrite what a new trainer
+    trains or loads."""
     _waited: float = 0.0
+
+    def check_live(self) -> None:
+        """Raise :class:`StageCancelled` once the stage is :attr:`cancelled`; called right before every gradient
+        accumulation (backward), optimizer step, scheduler step and momentum pull."""
+        if self.cancelled:
+            raise StageCancelled(f"stage {self.index} belongs to a trainer that was closed, interrupted or dropped: it "
+                                 f"no longer trains; build a new trainer (and load a checkpoint) to go on training")
 
     def _setup(self, *, device: torch.device, config: TrainConfig, groups: list[list[nn.Parameter]],
                trainable: nn.Module, group: Any) -> None:
@@ -240,6 +259,7 @@ class Runner:
         forward output exists, before the loss's backward and the optimizer step. It holds the same tensors
         it would hold afterwards, so FIFO runs stay the same computation as sequential ones.
         """
+        self.check_live()
         if self.take_weights is not None and (weights := self.take_weights()) is not None:
             self.pull(weights)
         values, target, raw = self._receive(msg)
@@ -304,6 +324,7 @@ class Runner:
             raise FloatingPointError(f"loss is {float(loss)} (nan_check=True); lower the learning rate, clip "
                                      f"gradients (clip_grad_norm=...) or check the data")
         parts = range(len(self.optimizers)) if parts is None else parts
+        self.check_live()
         if self.pending == 0:
             for i in parts:
                 self.optimizers[i].zero_grad(set_to_none=True)
@@ -323,6 +344,7 @@ class Runner:
         batches, its gradients times ``accumulate / k`` (their mean); whether the optimizers stepped."""
         if self.pending == 0:
             return False
+        self.check_live()
         factor = self.accumulate / self.pending
         for p in self.params:
             if p.grad is not None:
@@ -366,9 +388,11 @@ def _step_group(r: Runner, parts: Sequence[int], batch: int) -> None:
         r.before_step()
         r._waited += time.perf_counter() - start
     with span(r.recorder, "step", batch):
-        stepped = _clip_and_step([(r.optimizers[i], r._groups[i]) for i in parts], r.scaler, r.config.clip_grad_norm)
+        stepped = _clip_and_step([(r.optimizers[i], r._groups[i]) for i in parts], r.scaler, r.config.clip_grad_norm,
+                                 r.check_live)
         if r.schedulers and r._group_schedules and stepped:
             for i in parts:
+                r.check_live()
                 r.schedulers[i].step()
     r.pending = 0
     r.updates += 1

@@ -17,7 +17,7 @@ from ..timeline import span
 from .base import Losses, Runtime
 from .messages import Message
 from .queues import Mailbox, Recent
-from .runner import Runner
+from .runner import Runner, StageCancelled
 from .schedule import StageRule, next_input, rules
 
 _END = object()
@@ -59,10 +59,12 @@ class ThreadsRuntime(Runtime):
         self._queue = queue
         self._threads_per_stage = threads_per_stage
         self._workers: list[threading.Thread] = []
+        self._left: list[threading.Thread] = []  # workers a bounded join left running (inside a stage's own code)
         self._boxes: list[Mailbox] = []
         self._stop = threading.Event()
         self._barrier = None if decoupled else threading.Barrier(len(runners))
         self._interrupted = False
+        self._closed = False
         self._lock = threading.Lock()
         self._losses: list[list[Any]] = [[] for _ in runners]
         self._decoupled = decoupled
@@ -92,7 +94,7 @@ class ThreadsRuntime(Runtime):
     def _raise_if_failed(self) -> None:
         if self.error is not None:
             self._join(_RELEASE)
-            raise self.error
+            raise self.error.with_traceback(None)  # the frames of earlier raises (and their trainer) are not kept
         if self._interrupted:
             raise PPLLError("this trainer was interrupted (KeyboardInterrupt) and its queued batches dropped; "
                             "build a new trainer (and load a checkpoint) to go on training")
@@ -101,6 +103,9 @@ class ThreadsRuntime(Runtime):
         """Put ``msg`` into stage 0's queue (waiting while it is full); the losses the stages finished since."""
         assert msg is not None
         self._raise_if_failed()
+        if self._closed:
+            raise PPLLError("this trainer was closed (close(), or the end of its with block): its stages no longer "
+                            "train; build a new trainer (and load a checkpoint) to go on training")
         if not self._workers:
             self._start()
         if any(isinstance(v, torch.Tensor) and v.is_cuda for v in (*msg.values, msg.target)):
@@ -154,7 +159,16 @@ class ThreadsRuntime(Runtime):
                     self._halt()
         if self._workers:
             torch.set_num_threads(self._caller_threads)
+        self._left += [w for w in self._workers if w.is_alive()]
         self._workers = []
+
+    def wait_stopped(self, timeout: float) -> list[int]:
+        """Wait up to ``timeout`` seconds for every worker thread to end; the stages whose workers still run."""
+        end = time.monotonic() + timeout
+        for w in (*self._workers, *self._left):
+            w.join(max(0.0, end - time.monotonic()))
+        self._left = [w for w in self._left if w.is_alive()]
+        return sorted(int(w.name.rsplit("-", 1)[1]) for w in (*self._workers, *self._left) if w.is_alive())
 
     def _collect(self) -> Losses:
         with self._lock:
@@ -168,8 +182,11 @@ class ThreadsRuntime(Runtime):
         return out
 
     def close(self) -> None:
-        """Stop the workers and wait for them up to half a second. A worker in the middle of a step (which cannot
-        be interrupted) ends as soon as it finishes that step, without sending its result on."""
+        """Cancel every stage, stop the workers and wait for them up to half a second. A worker inside a stage's own
+        code (a forward, which cannot be interrupted) ends when that code returns, before its backward and step:
+        a cancelled stage never changes its parameters again (:attr:`.Runner.cancelled`)."""
+        self._closed = True
+        self._cancel()
         self._halt()
         self._join(_RELEASE)
 
@@ -179,8 +196,14 @@ class ThreadsRuntime(Runtime):
         return self.error is not None or self._interrupted
 
     def abandon(self) -> None:
-        """Its trainer is gone: every worker ends at its next look at the queues (within ``_POLL``)."""
+        """Its trainer is gone: every stage is cancelled and every worker ends at its next look at the queues
+        (within ``_POLL``), or, inside a stage's forward, before its backward and step."""
+        self._cancel()
         self._halt()
+
+    def _cancel(self) -> None:
+        for r in self.runners:
+            r.cancelled = True
 
     def _halt(self) -> None:
         """Tell every worker to stop: at its next look at a queue, or now if it waits at the barrier."""
@@ -220,16 +243,16 @@ class ThreadsRuntime(Runtime):
         return next_input(rule, poll=poll, wait=lambda: self._get(box), memory=recent)
 
     def _work(self, i: int) -> None:
-        torch.set_num_threads(self._threads_per_stage)
         r, rule = self.runners[i], self._rules[i]
-        if r.device.type == "cuda":
-            torch.cuda.set_device(r.device)
         out_box = self._boxes[i + 1] if i + 1 < self.num_stages else None
-        stream = torch.cuda.stream(torch.cuda.Stream(r.device)) if r.device.type == "cuda" \
-            else contextlib.nullcontext()
         recent = Recent()
         msg = None
-        try:
+        try:  # the worker's own setup too: a failure there stops the pipeline like one in a step
+            torch.set_num_threads(self._threads_per_stage)
+            if r.device.type == "cuda":
+                torch.cuda.set_device(r.device)
+            stream = torch.cuda.stream(torch.cuda.Stream(r.device)) if r.device.type == "cuda" \
+                else contextlib.nullcontext()
             with stream:
                 while True:
                     start = time.perf_counter()
@@ -263,7 +286,7 @@ class ThreadsRuntime(Runtime):
                     for out in waiting:
                         with span(r.recorder, "send", out.index):
                             self._put(out_box, out)  # type: ignore[arg-type]
-        except _Stopped:
+        except (_Stopped, StageCancelled):
             return
         except BaseException as e:  # noqa: BLE001 - every failure must stop the pipeline and reach the caller
             batch = msg.index if isinstance(msg, Message) else None

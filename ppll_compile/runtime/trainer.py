@@ -31,8 +31,12 @@ from .rebalancer import Rebalancer
 from .registry import autocast_per_stage, aux_loss_per_head, check_options
 from .runner import Runner
 
-_TRAINERS: weakref.WeakKeyDictionary[Lowered, weakref.ref[Trainer]] = weakref.WeakKeyDictionary()
-"""The last trainer built on each compiled pipeline's modules (one may be open at a time)."""
+_TRAINERS: weakref.WeakKeyDictionary[Lowered, tuple[weakref.ref[Trainer], weakref.ref[Runtime]]] = \
+    weakref.WeakKeyDictionary()
+"""The last trainer built on each compiled pipeline's modules (one may be open at a time), and its runtime (alive
+while a worker thread of it runs, even once the trainer is gone)."""
+_WARN_AFTER = 1.0
+"""Seconds a new trainer waits for a previous one's worker threads before it warns that it is waiting."""
 
 
 class Trainer(DataLoops, ModelState):
@@ -98,7 +102,8 @@ class Trainer(DataLoops, ModelState):
                  replanner: Replanning | None = None, accumulate: int = 1) -> None:
         kind = check_options(plan, runtime=runtime, queue=queue, optimizer=optimizer, queue_depth=queue_depth,
                              loss=loss, decoupled=decoupled, trace=trace, seed=seed, accumulate=accumulate,
-                             rebalance=rebalance)
+                             rebalance=rebalance, threads_per_stage=threads_per_stage, clip_grad_norm=clip_grad_norm,
+                             timeout=timeout)
         settings = check_rebalance(rebalance, rebalance_steps, rebalance_threshold, rebalance_policy,
                                    runtime=runtime, kind=kind, plan=plan, replanner=replanner)
         self.plan = plan
@@ -115,13 +120,13 @@ class Trainer(DataLoops, ModelState):
         self.seed = seed
         """Seed of the stages' training randomness (``None``: unseeded); recorded in checkpoints."""
         self._carry_raw = lowered.carries_input
-        _check_unclaimed(lowered)
+        _check_unclaimed(lowered, timeout)
         lowered.train()
         self._runtime: Runtime = kind.build(RuntimeSetup(
             plan=plan, lowered=lowered, config=config, depth=queue_depth, queue=queue,
             threads_per_stage=threads_per_stage, timeout=timeout, decoupled=decoupled))
         _claim(lowered, self)
-        weakref.finalize(self, self._runtime.abandon)  # dropped without close(): the workers end too
+        weakref.finalize(self, _abandon, weakref.ref(self._runtime))  # dropped without close(): the workers end too
         self._training = False  # the allocator is set before the first training step (see ppll_compile.allocator)
         self.closed = False
         """Whether :meth:`close` was called (or a ``with`` block ended)."""
@@ -295,9 +300,10 @@ class Trainer(DataLoops, ModelState):
         return found
 
     def close(self) -> None:
-        """Finish pending batches, then release worker threads or the process group; the compiled pipeline
-        may then get another trainer. After a :class:`StageError` (already raised) or a KeyboardInterrupt it only
-        releases."""
+        """Finish pending batches, then release worker threads or the process group; the compiled pipeline may then
+        get another trainer. After a :class:`StageError` (already raised) or a KeyboardInterrupt it only releases: a
+        worker still inside a stage's forward is cancelled (it never steps), and a new trainer waits up to its
+        ``timeout=`` seconds for it to end, else refuses."""
         try:
             if not self._runtime.stopped:
                 self.finish()
@@ -330,20 +336,51 @@ def _warn_optimizer_mismatch(plan: Plan, runners: list[Runner]) -> None:
         warnings.warn(mismatch, stacklevel=4)  # the caller of compiled.trainer(...)
 
 
+def _abandon(runtime: weakref.ref[Runtime]) -> None:
+    """A trainer was dropped without ``close()``: its runtime, if a worker thread still holds it, stops and cancels
+    its stages. Only a weak reference is kept, so that a runtime holding its trainer (a stored error's traceback)
+    does not keep both alive for ever."""
+    alive = runtime()
+    if alive is not None:
+        alive.abandon()
+
+
 def _claim(lowered: Lowered, trainer: Trainer, given_up: Lowered | None = None) -> None:
     """Make ``trainer`` the one trainer of ``lowered`` (and of ``given_up`` no more: a moved cut's old modules)."""
     if given_up is not None:
         _TRAINERS.pop(given_up, None)
-    _TRAINERS[lowered] = weakref.ref(trainer)
+    _TRAINERS[lowered] = (weakref.ref(trainer), weakref.ref(trainer._runtime))
 
 
-def _check_unclaimed(lowered: Lowered) -> None:
+def _check_unclaimed(lowered: Lowered, timeout: float) -> None:
     """Refuse a second trainer of the same modules while the first is open: both would train the same
-    parameters at once."""
-    ref = _TRAINERS.get(lowered)
-    other = ref() if ref is not None else None
+    parameters at once. Once it is closed or dropped, wait up to ``timeout`` seconds for the worker threads it left
+    inside a stage's own code (a forward that waits or hangs) to end, and refuse if one still runs."""
+    claim = _TRAINERS.get(lowered)
+    if claim is None:
+        return
+    other, runtime = claim[0](), claim[1]()
     if other is not None and not other.closed:
         raise PPLLError(f"this compiled pipeline already has an open trainer ({other!r}); two would train the same "
                         f"parameters at once. Close it first (trainer.close(), or use it in a with block), or "
                         f"compile the model again for an independent pipeline")
+    running = runtime.wait_stopped(min(timeout, _WARN_AFTER)) if runtime is not None else []
+    if running and timeout > _WARN_AFTER:
+        warnings.warn(f"{_still_running(running)}; waiting up to {timeout:g} s (timeout=) for it to end before "
+                      f"building the new trainer", stacklevel=4)
+        running = runtime.wait_stopped(timeout - _WARN_AFTER)  # type: ignore[union-attr]
+    if running:
+        raise PPLLError(f"{_still_running(running)} after {timeout:g} s: it is inside the stage's own code (a forward that waits or hangs), which "
+                        f"cannot be interrupted. Closing that trainer cancelled it, so it will never step again, but it "
+                        f"would still run the stage's modules beside the new trainer's. Make that code return, or "
+                        f"build the trainer with a longer timeout= (the seconds it waits), or restart the process "
+                        f"(and load the last checkpoint there)")
+
+
+def _still_running(stages: list[int]) -> str:
+    """Which worker threads of the previous trainer still run (``stages``: their stage indices)."""
+    if len(stages) == 1:
+        return f"stage {stages[0]}'s worker thread of this compiled pipeline's previous trainer is still running"
+    names = f"{', '.join(map(str, stages[:-1]))} and {stages[-1]}"
+    return f"the worker threads of stages {names} of this compiled pipeline's previous trainer are still running"
 
