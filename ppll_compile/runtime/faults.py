@@ -284,32 +284,17 @@ class Faults:
         self.announce(report)
 
     def collective(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn``, a collective over the ranks; if it fails after a failure was reported, raise that StageError,
-        else the StageError of a rank that never joined it or went silent in it (see :meth:`lost`)."""
+        """Run ``fn``, a collective over the ranks; if it fails after a failure was reported, raise that StageError.
+
+        Meanwhile this rank's heartbeat says it waits on every rank (:data:`COLLECTIVE`): the waits of a rank that
+        lost it end here."""
         self.waiting_on = COLLECTIVE
         try:
             return fn()
-        except Exception as e:
+        except Exception:
             report = self.read_report()
             if report is None:
-                peer = self._absent()
-                if peer is None:
-                    raise
-                self.lost(e, peer, "waiting in a collective operation for")
+                raise
             self.remote(report)
         finally:
             self.waiting_on = None
-
-    def _absent(self) -> int | None:
-        """After a failed collective: the first other rank that is not in it (by its heartbeat), else the first
-        whose heartbeat stands still; ``None`` if every rank that beats is in it and beats on."""
-        beats = {r: self._heartbeat(r) for r in range(dist.get_world_size()) if r != self.rank}
-        beats = {r: b for r, b in beats.items() if b is not None}
-        others = list(beats)
-        outside = [r for r in others if (beats[r] or {}).get("on") != COLLECTIVE]
-        if outside:
-            return outside[0]
-        if others:
-            time.sleep(_ALIVE)
-        still = [r for r in others if self._heartbeat(r) == beats[r]]
-        return still[0] if still else None
