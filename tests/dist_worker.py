@@ -408,6 +408,10 @@ def main(argv: list[str]) -> None:
         torch.save(record, out / f"accumulate-{rank}.pt")
     elif scenario == "plans":
         _plans(out)
+    elif scenario == "latest-steps":
+        _latest_steps(out, int(argv[2]))
+    elif scenario == "frozen":
+        _frozen(out, argv[2])
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
 
@@ -481,6 +485,78 @@ def launch(k: int, port: int, argv: list[str], timeout: float, body: Callable[[l
             os.kill(pid, 9)
             os.waitpid(pid, 0)
     print(json.dumps({"codes": [codes.get(r) for r in range(k)]}), flush=True)
+
+
+
+# ---- queue="latest" under the step loop; a frozen last stage ------------------------------------------------
+
+LATEST_TIMEOUT = 30.0
+"""The process group's timeout of the ``latest-steps`` scenario: a deadlock would wait this long."""
+
+
+def _latest_steps(out: Path, epochs: int) -> None:
+    """``queue="latest"`` fed by the README's loop (``for x, y in loader: trainer.step(x, y)``, then ``finish()``)
+    for ``epochs`` epochs of 30 batches; the last stage sleeps 20 ms per batch, so it drops inputs.
+
+    Each rank writes the losses step() and finish() returned for its stage, its counters and its seconds."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    trainer = chain_pipeline(world, "distributed", Trap("sleep", 0.02), world - 1, queue="latest", queue_depth=1,
+                             timeout=LATEST_TIMEOUT)
+    stage = trainer.stages[0]
+    returned: list[list[float]] = []
+    start = time.monotonic()
+    with trainer:
+        for _ in range(epochs):
+            losses: list[float] = []
+            for x, y in seeded_batches(11, [8] * 30, (8,), 4):
+                losses += trainer.step(x if rank == 0 else None, y if rank == 0 else None)[stage]
+            losses += trainer.finish()[stage]
+            returned.append(losses)
+    record = {"stage": stage, "losses": returned, "steps": trainer.steps[stage], "dropped": trainer.dropped[stage],
+              "seconds": time.monotonic() - start}
+    (out / f"latest-{rank}.json").write_text(json.dumps(record))
+
+
+FROZEN_TIMEOUT = 4.0
+"""The process group's timeout of the ``frozen`` scenario (seconds)."""
+
+
+def _frozen(out: Path, how: str) -> None:
+    """3 stages under FIFO; the last rank freezes before its forward on batch 3: ``stop`` sends itself SIGSTOP,
+    ``sleep`` sleeps far past the process group's timeout. Ranks 0 and 1 write the error they raised; rank 0 then
+    kills the frozen rank (its pid in ``frozen.pid``)."""
+    import signal
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    trainer = chain_pipeline(world, "distributed", None, 0, timeout=FROZEN_TIMEOUT)
+    if rank == world - 1:
+        calls = iter(range(10**6))
+
+        def freeze(*_: Any) -> None:
+            if next(calls) == 3:
+                (out / "frozen.pid").write_text(str(os.getpid()))
+                if how == "stop":
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                else:
+                    time.sleep(120)
+
+        trainer.lowered.modules[world - 1].register_forward_pre_hook(freeze)
+    text, kind, raised = "no error", None, None
+    try:
+        with trainer:
+            try:
+                trainer.fit(seeded_batches(4, [8] * 40, (8,), 4), epochs=1, progress=False)
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                text, kind, raised = str(e), type(e).__name__, time.time()
+                raise
+    except Exception:  # noqa: BLE001
+        pass
+    frozen_at = float((out / "frozen.pid").stat().st_mtime) if (out / "frozen.pid").exists() else None
+    (out / f"frozen-{rank}.json").write_text(json.dumps({"text": text, "type": kind, "raised": raised,
+                                                         "frozen_at": frozen_at, "closed": time.time()}))
+    if rank == 0:
+        _wait_for(out / "frozen-1.json", "rank 1 never wrote its error")
+        os.kill(int((out / "frozen.pid").read_text()), signal.SIGKILL)
 
 
 if __name__ == "__main__":

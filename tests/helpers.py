@@ -226,3 +226,26 @@ def run_gloo_workers(script: Path, processes: int, tmp_path: Path, timeout: floa
     codes = [json.loads(line)["codes"] for line in text.splitlines() if line.startswith('{"codes"')]
     assert codes == [[0] * processes], text[-3000:]
     return text
+
+
+def run_dist_scenario(scenario: str, processes: int, out: Path, limit: float, *args: str
+                      ) -> tuple[list[int | None], str]:
+    """Fork ``processes`` ranks of ``scenario`` of tests/dist_worker.py (writing into ``out``); their exit codes
+    (``None``: still running after ``limit`` seconds, killed) and the output. A launcher still going ``limit + 30``
+    seconds later is killed with its process group and fails the test."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    worker = Path(__file__).resolve().parent / "dist_worker.py"
+    cmd = [sys.executable, str(worker), str(processes), str(free_port()), str(limit), scenario, str(out), *args]
+    proc = subprocess.Popen(cmd, cwd=worker.parents[1], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        text = proc.communicate(timeout=limit + 30)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"the {processes}-process run of {scenario!r} was still going after {limit + 30} s (killed):\n"
+                    f"{proc.communicate()[0][-3000:]}")
+    lines = [line for line in text.splitlines() if line.startswith('{"codes"')]
+    assert lines, f"the launcher printed no exit codes:\n{text[-3000:]}"
+    return json.loads(lines[-1])["codes"], text

@@ -144,11 +144,18 @@ class DistributedRuntime(Runtime):
         return [[per_rank[r] for r in ranks] for ranks in self._place.ranks]
 
     def step(self, msg: Message | None) -> Losses:
-        """Rank 0: train stage 0 on ``msg`` and send it on. Other ranks: receive one batch, train, send on."""
+        """Rank 0: train stage 0 on ``msg`` and send it on. Other ranks: take one input, train, send it on.
+
+        Under ``queue="latest"`` a later stage drops inputs, so it takes fewer than were fed: once the end of the
+        epoch (rank 0's :meth:`finish`) has reached it, its remaining ``step`` calls of the epoch return no
+        losses without waiting, and its :meth:`finish` returns at once.
+        """
         self._raise_if_failed()
         if self.rank == 0:
             assert msg is not None, "rank 0 reads the data: step() needs a batch there"
             return self._losses([self._train(self._sending.scatter(msg, TRAIN), False)])
+        if self._ended:  # this epoch's inputs are all taken (or dropped): nothing left to train on until finish()
+            return self._losses([])
         item, reused = self._taking.take(reuse=self._queue == "reuse")
         if item is END:
             self._ended = True

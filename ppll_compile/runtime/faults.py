@@ -9,12 +9,21 @@ Every rank also watches the store from a thread: when another rank's report appe
 process groups (:func:`.group.abort`), so that a send, receive or collective (a replica's all-reduce) that
 waits on the failed rank fails at once, and the rank raises the report's StageError within a poll or two,
 even while the failed process stays alive.
+
+The same thread beats: every quarter second it writes under :data:`BEAT_KEY` + rank a count and the rank this
+one waits on (sending to it or receiving from it), if any. A rank whose send or receive fails without a report
+(a peer killed, or the process group's timeout) names the *silent* stage: it follows the waits from the peer
+it lost (a peer that waits on another rank, and still beats, is not the cause) to the first rank that is not
+waiting on a further one (busy in its own work, frozen, or gone). A frozen or hung stage deep in the pipeline
+is thus named by every rank, not the neighbour whose own connections closed first. The first report stored
+wins: every rank raises that one.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -29,9 +38,16 @@ from .wire import Wire
 ERROR_KEY = "ppll/error"
 """Store key under which the first failing stage publishes its report (JSON)."""
 
+BEAT_KEY = "ppll/beat/"
+"""Store key (+ rank) of a rank's heartbeat: ``{"n": count, "on": the rank it waits on, COLLECTIVE, or null}``."""
+
+COLLECTIVE = -1
+"""``waiting_on`` of a rank inside a collective (a barrier, a gather): it waits on every rank."""
+
 _TAKEN = "ppll/taken/"  # + rank: that rank has raised the StageError of the report (or is known to be gone)
 _LINGER = 5.0  # seconds a failing rank waits for its STOP to be taken, and rank 0 for every rank to take a report
 _WATCH = 0.25  # seconds between looks at the store by the watching thread
+_ALIVE = 1.5  # seconds a rank's heartbeat may stand still before it counts as silent (6 beats)
 
 
 def wait_quietly(works: list[Any]) -> None:
@@ -67,6 +83,9 @@ class Faults:
         self._seen: dict[str, Any] | None = None  # the report the watching thread found
         self._unwatched = threading.Event()
         self._watcher: threading.Thread | None = None
+        self._beats = 0
+        self.waiting_on: int | None = None
+        """The rank this rank's main thread waits on now (sending to it, or receiving from it); set by the links."""
 
     def watch(self, groups: list[Any]) -> None:
         """Start the thread that aborts ``groups`` on this rank once another rank has published a report."""
@@ -80,12 +99,55 @@ class Faults:
             self._watcher.join(4 * _WATCH)
 
     def _watch(self, groups: list[Any]) -> None:
+        self.beat()
         while not self._unwatched.wait(_WATCH):
+            self.beat()
             report = self._stored_report()
             if report is not None and report.get("rank") != self.rank:
                 self._seen = report
                 abort(groups)
                 return
+
+    def beat(self) -> None:
+        """Write this rank's heartbeat: one more beat, and the rank it waits on now (best effort)."""
+        self._beats += 1
+        try:
+            _store().set(f"{BEAT_KEY}{self.rank}", json.dumps({"n": self._beats, "on": self.waiting_on}))
+        except Exception:  # noqa: BLE001 - the store's host may be gone
+            pass
+
+    def _heartbeat(self, rank: int) -> dict[str, Any] | None:
+        """``rank``'s last heartbeat, or ``None`` (none written, or the store cannot be reached)."""
+        try:
+            store = _store()
+            key = f"{BEAT_KEY}{rank}"
+            return json.loads(store.get(key)) if store.check([key]) else None
+        except Exception:  # noqa: BLE001
+            return None
+
+    def _beating(self, rank: int, first: dict[str, Any]) -> bool:
+        """Whether ``rank`` still beats after ``first`` (waits up to :data:`_ALIVE` seconds, less once a report
+        appears: the rank that found the cause was quicker)."""
+        deadline = time.monotonic() + _ALIVE
+        while time.monotonic() < deadline:
+            time.sleep(_WATCH / 2)
+            later = self._heartbeat(rank)
+            if later is not None and later.get("n") != first.get("n"):
+                return True
+            if self.read_report() is not None:
+                return True
+        return False
+
+    def silent(self, peer: int) -> list[int]:
+        """The waits from this rank through ``peer`` to the silent rank (the last one): each rank after ``peer``
+        is the one the rank before it waits on, and still beats, and the last waits on no further rank."""
+        chain = [self.rank, peer]
+        while True:
+            beat = self._heartbeat(chain[-1])
+            on = beat.get("on") if beat is not None else None
+            if not isinstance(on, int) or on < 0 or on in chain or not self._beating(chain[-1], beat or {}):
+                return chain
+            chain.append(on)
 
     def publish(self, report: dict[str, Any]) -> None:
         """Put ``report`` under ERROR_KEY unless an earlier failure is there already (best effort)."""
@@ -167,16 +229,28 @@ class Faults:
         if isinstance(error, StageError):
             raise error
         report = self.read_report()
+        chain = self.silent(peer) if report is None else []
+        report = self.read_report() if report is None else report  # one found meanwhile by a rank nearer the cause
         if report is None:
             first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            stage = self._stage_of(peer)
+            silent = chain[-1]
+            stage = self._stage_of(silent)
+            if silent == peer:
+                message = (f"lost contact with the process of stage {stage} (rank {peer}) while {doing} it: it "
+                           f"stopped without reporting an error (killed, out of memory, crashed, or no message "
+                           f"within the process group's timeout); see its own output. {type(error).__name__}: "
+                           f"{first}")
+            else:
+                waits = " -> ".join(f"rank {r} (stage {self._stage_of(r)})" for r in chain)
+                message = (f"lost contact with the process of stage {stage} (rank {silent}): it went silent without "
+                           f"reporting an error (killed, frozen, or hung in its own work past the process group's "
+                           f"timeout); this rank was {doing} rank {peer}, which waits on it ({waits}); see its "
+                           f"own output. {type(error).__name__}: {first}")
             report = {"stage": stage, "batch": None, "by": self.stage, "rank": self.rank, "traceback": "",
-                      "message": f"lost contact with the process of stage {stage} (rank {peer}) while {doing} it: "
-                                 f"it stopped without reporting an error (killed, out of memory, crashed, or no "
-                                 f"message within the process group's timeout); see its own output. "
-                                 f"{type(error).__name__}: {first}"}
+                      "message": message}
             self.publish(report)
-            self._mark_taken(peer)
+            self._mark_taken(silent)
+            report = self.read_report() or report  # the first report stored wins, on every rank
         self.remote(report)
 
     def guard(self, batch: int | None, fn: Callable[[], Any]) -> Any:
@@ -210,7 +284,11 @@ class Faults:
         self.announce(report)
 
     def collective(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn``, a collective over the ranks; if it fails after a failure was reported, raise that StageError."""
+        """Run ``fn``, a collective over the ranks; if it fails after a failure was reported, raise that StageError.
+
+        Meanwhile this rank's heartbeat says it waits on every rank (:data:`COLLECTIVE`): the waits of a rank that
+        lost it end here."""
+        self.waiting_on = COLLECTIVE
         try:
             return fn()
         except Exception:
@@ -218,3 +296,5 @@ class Faults:
             if report is None:
                 raise
             self.remote(report)
+        finally:
+            self.waiting_on = None

@@ -231,7 +231,12 @@ class BatchTaker:
         if self._inbox is None:
             self._inbox = Inbox(self._receive, self._depth, self._device, latest=self._rule().takes_newest)
         inbox = self._inbox
-        item = inbox.get(block=block, alarm=self._alarm, idle=self._faults.check_store)
+        if block:  # the fault protocol knows whom this rank waits on (a silent stage is found along such waits)
+            self._faults.waiting_on = self._wire.receiving_from
+        try:
+            item = inbox.get(block=block, alarm=self._alarm, idle=self._faults.check_store)
+        finally:
+            self._faults.waiting_on = None
         self._runner.dropped += inbox.queue.dropped()
         if item is None:
             return None

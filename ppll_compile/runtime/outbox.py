@@ -22,15 +22,16 @@ class Outbox:
         self._rank = rank
         self._depth = depth
         self._faults = faults
-        self._sends: deque[tuple[list[Any], list[Tensor]]] = deque()
+        self._sends: deque[tuple[int, list[Any], list[Tensor]]] = deque()  # (receiver, works, tensors)
 
     def post(self, parts: list[tuple[int, list[Tensor]]]) -> None:
         """``isend`` one batch's tensors, ``(rank, tensors)`` per receiver; wait on batches beyond ``depth``."""
         peer = parts[0][0] if parts else self._rank
         try:
             for peer, tensors in parts:
-                self._sends.append(([dist.isend(t, peer) for t in tensors], tensors))
+                self._sends.append((peer, [dist.isend(t, peer) for t in tensors], tensors))
             while len(self._sends) > self._depth * max(1, len(parts)):
+                peer = self._sends[0][0]
                 self._wait_oldest()
         except Exception as e:  # noqa: BLE001 - a send fails when the peer is gone
             self._faults.lost(e, peer, "sending to")
@@ -45,9 +46,14 @@ class Outbox:
 
     def settle(self) -> None:
         """Wait for the sends still posted, ignoring failures (before the process group is destroyed)."""
-        wait_quietly([w for works, _ in self._sends for w in works])
+        wait_quietly([w for _, works, _ in self._sends for w in works])
 
     def _wait_oldest(self) -> None:
-        works, _ = self._sends.popleft()
-        for w in works:
-            w.wait()
+        """Wait for the oldest send; meanwhile the fault protocol knows this rank waits on its receiver."""
+        peer, works, _ = self._sends.popleft()
+        self._faults.waiting_on = peer
+        try:
+            for w in works:
+                w.wait()
+        finally:
+            self._faults.waiting_on = None
