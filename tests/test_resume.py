@@ -82,7 +82,7 @@ def test_every_epochs_order_is_the_documented_one_and_saving_does_not_change_the
 def test_a_distributed_run_whose_rank_0_is_killed_resumes_to_the_parameters_of_one_that_never_stopped(tmp_path):
     """tests/resume_worker.py: an uninterrupted 2-process run, one whose rank 0 SIGKILLs itself as its loader draws
     batch 9 (the other rank then fails), and the same call again, which resumes from the checkpoint at batch 8."""
-    text = run_gloo_workers(HERE / "resume_worker.py", 2, tmp_path, timeout=240)
+    text = run_gloo_workers(HERE / "resume_worker.py", 2, tmp_path, timeout=300)
     killed = [json.loads(line)["killed"] for line in text.splitlines() if line.startswith('{"killed"')]
     assert killed[0][0] == -9 and killed[0][1] != 0, text[-3000:]
     for rank in range(2):
