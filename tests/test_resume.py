@@ -185,3 +185,40 @@ def test_bad_arguments_are_refused_before_training(tmp_path, options, expected):
         assert trainer.batches == 0
     assert str(info.value) == expected
     assert not (tmp_path / "ckpt").exists()
+
+
+# ---- samplers ------------------------------------------------------------------------------------------------
+
+def test_a_distributed_sampler_is_given_each_epoch(tmp_path):
+    from torch.utils.data import DataLoader, DistributedSampler
+    data = resume_loader().dataset
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=5)
+    fitted, _ = _fit("sequential", tmp_path / "ckpt", DataLoader(data, batch_size=BATCH, sampler=sampler))
+    assert sampler.epoch == 1
+    x, y = data.tensors
+    compiled = compiled_residual()
+    with compiled.trainer(optimizer=sgd) as trainer:
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            for batch in torch.tensor(list(sampler)).split(BATCH):
+                trainer.step(x[batch], y[batch])
+            trainer.finish()
+    for p, q in zip(stage_state(compiled), stage_state(fitted), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_resuming_with_a_generator_of_the_loaders_own_warns(tmp_path):
+    from torch.utils.data import DataLoader
+    data = resume_loader().dataset
+    _fit("sequential", tmp_path / "ckpt", DataLoader(data, batch_size=BATCH, shuffle=True,
+                                                     generator=torch.Generator().manual_seed(1)))
+    loader = DataLoader(data, batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(1))
+    compiled = compiled_residual()
+    with compiled.trainer(optimizer=sgd) as trainer:
+        with pytest.warns(UserWarning) as warned:
+            assert trainer.fit(loader, epochs=3, checkpoint=tmp_path / "ckpt", progress=False)[0]["epoch"] == 3
+    assert [str(w.message) for w in warned] == [
+        f"this DataLoader shuffles with a generator of its own: after resuming from "
+        f"{str(tmp_path / 'ckpt' / 'ckpt-000005')!r}, its epochs are drawn from that generator's present state, not "
+        f"in the order of a run that never stopped; build the DataLoader without generator= (fit then seeds every "
+        f"epoch's order from the trainer's seed) to resume exactly"]

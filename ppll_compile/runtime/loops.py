@@ -146,6 +146,12 @@ class DataLoops:
         found = latest(saves.root)
         if self._runtime.gather(found is not None)[0]:  # rank 0's view decides on every rank
             saves.last, saves.last_batches = self.load(saves.root), self.batches
+            if self.reads_data and any(s.generator is not None for s in _samplers(loader, RandomSampler)):
+                warnings.warn("this DataLoader shuffles with a generator of its own: after resuming from "
+                              f"{str(saves.last)!r}, its epochs are drawn from that generator's present state, "
+                              "not in the order of a run that never stopped; build the DataLoader without "
+                              "generator= (fit then seeds every epoch's order from the trainer's seed) to resume "
+                              "exactly", stacklevel=3)  # the caller of fit(...)
         batches, size = self._runtime.gather((self.batches, len(loader) if isinstance(loader, Sized) else None))[0]
         if size is None:
             raise PPLLError(f"fit(checkpoint=...) needs a loader with len(): the point to resume from is a "
@@ -259,17 +265,24 @@ def reseed(loader: Any, seed: int | None, epoch: int, shuffled: list[RandomSampl
     without a generator (or one in ``shuffled``: given one by an earlier epoch) a generator seeded with
     ``stream_seed(seed or 0, -1, epoch)``, a ``DistributedSampler`` ``set_epoch(epoch)``; the random samplers
     given a generator (to be given ``None`` back)."""
-    if not isinstance(loader, DataLoader):
-        return shuffled
-    samplers = {id(s): s for s in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)) if s is not None}
     out = list(shuffled)
-    for s in samplers.values():
+    for s in _samplers(loader, (RandomSampler, DistributedSampler)):
         if isinstance(s, RandomSampler) and (s.generator is None or any(s is t for t in shuffled)):
             s.generator = torch.Generator().manual_seed(stream_seed(seed or 0, -1, epoch))
             out += [] if any(s is t for t in out) else [s]
         elif isinstance(s, DistributedSampler):
             s.set_epoch(epoch)
     return out
+
+
+def _samplers(loader: Any, kinds: type | tuple[type, ...]) -> list[Any]:
+    """The samplers of ``kinds`` that order the DataLoader ``loader`` (its ``sampler``, its ``batch_sampler``'s
+    ``sampler``); none for any other loader."""
+    if not isinstance(loader, DataLoader):
+        return []
+    found = {id(s): s for s in (loader.sampler, getattr(loader.batch_sampler, "sampler", None))
+             if isinstance(s, kinds)}
+    return list(found.values())
 
 
 def _skipped(loader: Iterable[Any], count: int) -> Iterator[Any]:
