@@ -8,10 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
+import ppll_compile
 from ppll_compile import CheckpointError, PPLLError
 from ppll_compile.runtime.rng import stream_seed
-from tests.helpers import (BATCH, RESUME_EPOCH, compiled_residual, image_batches, resume_loader, run_gloo_workers,
-                           sgd, stage_state)
+from tests.helpers import (BATCH, CONV_X, RESUME_EPOCH, compiled_residual, image_batches, resume_loader,
+                           run_gloo_workers, sgd, stage_state)
+from tests.models import conv_student, conv_teacher
 
 HERE = Path(__file__).parent
 pytestmark = pytest.mark.usefixtures("one_thread_quietly")
@@ -21,11 +23,12 @@ STOP_AT = RESUME_EPOCH + 3  # in the second epoch, one batch after the checkpoin
 
 
 def _fit(runtime: str, root: Path, loader=None, **options):
-    """A fresh pipeline trained by ``fit(loader, epochs=2, checkpoint=root, every=EVERY)``; it and the history."""
+    """A fresh pipeline trained by ``fit(loader, epochs=2, checkpoint=root, every=EVERY)`` (trainer ``options``);
+    it and the history."""
     compiled = compiled_residual()
-    with compiled.trainer(optimizer=sgd, runtime=runtime) as trainer:
+    with compiled.trainer(optimizer=sgd, runtime=runtime, **options) as trainer:
         history = trainer.fit(loader if loader is not None else resume_loader(), epochs=2, checkpoint=root,
-                              every=EVERY, progress=False, **options)
+                              every=EVERY, progress=False)
     return compiled, history
 
 
@@ -39,20 +42,21 @@ def _saved_at(root: Path) -> int:
     return json.loads((root / name / "manifest.json").read_text())["trainer"]["batches"]
 
 
-@pytest.mark.parametrize("runtime", ["sequential", pytest.param("threads", marks=pytest.mark.slow)])
-def test_a_run_stopped_mid_epoch_resumes_to_the_parameters_of_one_that_never_stopped(tmp_path, runtime):
-    ref, _ = _fit(runtime, tmp_path / "ref")
+@pytest.mark.parametrize("runtime, options", [("sequential", {}), pytest.param("threads", {}, marks=pytest.mark.slow),
+                                              ("sequential", {"accumulate": 2})])
+def test_a_run_stopped_mid_epoch_resumes_to_the_parameters_of_one_that_never_stopped(tmp_path, runtime, options):
+    ref, _ = _fit(runtime, tmp_path / "ref", **options)
     with pytest.raises(KeyboardInterrupt):  # Ctrl-C while the loader draws batch 9 (the 4th of epoch 2)
-        _fit(runtime, tmp_path / "run", resume_loader(STOP_AT, _stop))
+        _fit(runtime, tmp_path / "run", resume_loader(STOP_AT, _stop), **options)
     assert _saved_at(tmp_path / "run") == 8
-    resumed, history = _fit(runtime, tmp_path / "run")  # the same call again
+    resumed, history = _fit(runtime, tmp_path / "run", **options)  # the same call again
     # only what was left: batches 2..5 of epoch 2 (8 + 8 + 8 + 4 examples)
     assert [(h["epoch"], h["samples"]) for h in history] == [(2, 3 * BATCH + 4)]
     for p, q in zip(stage_state(ref), stage_state(resumed), strict=True):
         assert torch.equal(p, q)
     assert _saved_at(tmp_path / "run") == 2 * RESUME_EPOCH
     # a finished fit started again loads its last checkpoint and trains nothing
-    again, history = _fit(runtime, tmp_path / "run")
+    again, history = _fit(runtime, tmp_path / "run", **options)
     assert history == []
     for p, q in zip(stage_state(ref), stage_state(again), strict=True):
         assert torch.equal(p, q)
@@ -222,3 +226,16 @@ def test_resuming_with_a_generator_of_the_loaders_own_warns(tmp_path):
         f"{str(tmp_path / 'ckpt' / 'ckpt-000005')!r}, its epochs are drawn from that generator's present state, not "
         f"in the order of a run that never stopped; build the DataLoader without generator= (fit then seeds every "
         f"epoch's order from the trainer's seed) to resume exactly"]
+
+
+def test_a_runtime_that_trains_every_epoch_at_once_is_refused(tmp_path):
+    torch.manual_seed(0)
+    compiled = ppll_compile.compile(conv_student(), teacher=conv_teacher(), example_inputs=(CONV_X,),
+                                    split_points=["5"], replicas=(1, 1))
+    with compiled.trainer(optimizer=sgd, runtime="dna-per-block") as trainer:
+        with pytest.raises(PPLLError) as info:
+            trainer.fit([(CONV_X, None)], checkpoint=tmp_path / "ckpt", progress=False)
+    assert str(info.value) == (
+        "fit(checkpoint=...) saves between batches, but runtime='dna-per-block' trains over every epoch at once "
+        "(block after block); leave checkpoint= out and call trainer.save(DIR) after fit, or train batch by batch "
+        "(runtime=\"dna\" gives the same parameters)")

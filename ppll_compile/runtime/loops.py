@@ -49,6 +49,7 @@ class DataLoops:
     batches: int
     accumulate: int
     seed: int | None
+    runtime_name: str
     save: Callable[..., Path]
     load: Callable[..., Path]
     reads_data: bool
@@ -112,16 +113,17 @@ class DataLoops:
         stopped (FIFO queues; ``sequential``, ``threads`` and ``distributed``, where every rank makes the call and
         rank 0's loader and batch count decide). ``checkpoint=`` needs a loader with ``len()``, ``every`` a
         positive number of batches that is a multiple of ``accumulate``, and a runtime that trains batch by batch
-        (not ``dna``); ``keep``: complete checkpoints kept in ``dir``.
+        (not ``dna-per-block``); ``keep``: complete checkpoints kept in ``dir``.
         """
         saves = Saves(checkpoint, every, keep, self.accumulate) if checkpoint is not None else None
         if saves is None and every is not None:
             raise PPLLError(f"fit(every={every!r}) saves every {every!r} batches, but no checkpoint directory was "
                             f"given; pass checkpoint=\"DIR\" too, or leave every= out")
         if saves is not None and self._runtime.whole_fit:
-            raise PPLLError(f"fit(checkpoint=...) saves between batches, but the {type(self._runtime).__name__} "
-                            f"trains block after block over every epoch at once; leave checkpoint= out and call "
-                            f"trainer.save(DIR) after fit")
+            raise PPLLError(f"fit(checkpoint=...) saves between batches, but runtime={self.runtime_name!r} trains "
+                            f"over every epoch at once (block after block); leave checkpoint= out and call "
+                            f"trainer.save(DIR) after fit, or train batch by batch (runtime=\"dna\" gives the same "
+                            f"parameters)")
         self._start_training()
         if self._runtime.whole_fit:  # e.g. block after block, each over every epoch
             history, self.batches = self._runtime.fit(loader, epochs, first=self.batches, progress=progress)
