@@ -43,7 +43,7 @@ def _saved_at(root: Path) -> int:
 
 
 @pytest.mark.parametrize("runtime, options", [("sequential", {}), pytest.param("threads", {}, marks=pytest.mark.slow),
-                                              ("sequential", {"accumulate": 2})])
+                                              pytest.param("sequential", {"accumulate": 2}, marks=pytest.mark.slow)])
 def test_a_run_stopped_mid_epoch_resumes_to_the_parameters_of_one_that_never_stopped(tmp_path, runtime, options):
     ref, _ = _fit(runtime, tmp_path / "ref", **options)
     with pytest.raises(KeyboardInterrupt):  # Ctrl-C while the loader draws batch 9 (the 4th of epoch 2)
