@@ -139,6 +139,7 @@ def test_failed_saves_warn_and_three_in_a_row_stop_the_fit(tmp_path):
         f"checkpoint save into {str(root)!r} at batch 5 failed (CheckpointError: the process of rank 1 could not "
         f"write its stages: OSError: read-only file system); training goes on, the last complete checkpoint is "
         f"{str(last)!r} (batch 3) (2 failed save(s) in a row; fit stops at 3)"]
+    assert {w.filename for w in warned} == {__file__}  # the line that called fit
     assert _saved_at(root) == 3
 
 
@@ -221,6 +222,7 @@ def test_resuming_with_a_generator_of_the_loaders_own_warns(tmp_path):
     with compiled.trainer(optimizer=sgd) as trainer:
         with pytest.warns(UserWarning) as warned:
             assert trainer.fit(loader, epochs=3, checkpoint=tmp_path / "ckpt", progress=False)[0]["epoch"] == 3
+    assert warned[0].filename == __file__
     assert [str(w.message) for w in warned] == [
         f"this DataLoader shuffles with a generator of its own: after resuming from "
         f"{str(tmp_path / 'ckpt' / 'ckpt-000005')!r}, its epochs are drawn from that generator's present state, not "

@@ -252,7 +252,7 @@ class Saves:
                                 f"it resumes from the last complete checkpoint") from e
             warnings.warn(f"checkpoint save into {str(self.root)!r} at batch {batches} failed ({cause}); training "
                           f"goes on, {self._protected()} ({self.failed} failed save(s) in a row; fit stops at "
-                          f"{FAILED_SAVES})", stacklevel=4)  # the caller of fit(...)
+                          f"{FAILED_SAVES})", stacklevel=6)  # the caller of fit(...)
         else:
             self.failed, self.last_batches = 0, batches
 
