@@ -49,7 +49,9 @@ def test_a_run_stopped_mid_epoch_resumes_to_the_parameters_of_one_that_never_sto
     with pytest.raises(KeyboardInterrupt):  # Ctrl-C while the loader draws batch 9 (the 4th of epoch 2)
         _fit(runtime, tmp_path / "run", resume_loader(STOP_AT, _stop), **options)
     assert _saved_at(tmp_path / "run") == 8
-    resumed, history = _fit(runtime, tmp_path / "run", **options)  # the same call again
+    loader = resume_loader()
+    resumed, history = _fit(runtime, tmp_path / "run", loader, **options)  # the same call again
+    assert loader.collate_fn.drawn == [4]  # the 2 batches skipped were never loaded
     # only what was left: batches 2..5 of epoch 2 (8 + 8 + 8 + 4 examples)
     assert [(h["epoch"], h["samples"]) for h in history] == [(2, 3 * BATCH + 4)]
     for p, q in zip(stage_state(ref), stage_state(resumed), strict=True):
@@ -59,6 +61,37 @@ def test_a_run_stopped_mid_epoch_resumes_to_the_parameters_of_one_that_never_sto
     again, history = _fit(runtime, tmp_path / "run", **options)
     assert history == []
     for p, q in zip(stage_state(ref), stage_state(again), strict=True):
+        assert torch.equal(p, q)
+
+
+class Batches:
+    """A list of batches with a length, not a DataLoader; drawing batch ``stop`` (counted over every pass) raises
+    KeyboardInterrupt."""
+
+    def __init__(self, batches: list, stop: int | None = None) -> None:
+        self.batches, self.stop, self.drawn = batches, stop, 0
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self):
+        for b in self.batches:
+            if self.drawn == self.stop:
+                raise KeyboardInterrupt
+            self.drawn += 1
+            yield b
+
+
+def test_any_loader_with_a_length_resumes_its_batches_drawn_and_dropped(tmp_path):
+    data = image_batches(5, last=3)
+    ref, _ = _fit("sequential", tmp_path / "ref", Batches(data))
+    with pytest.raises(KeyboardInterrupt):
+        _fit("sequential", tmp_path / "run", Batches(data, stop=8))
+    assert _saved_at(tmp_path / "run") == 7  # the end of epoch 1 (5), then batch 2 of epoch 2
+    again = Batches(data)
+    resumed, history = _fit("sequential", tmp_path / "run", again)
+    assert again.drawn == 5 and [(h["epoch"], h["samples"]) for h in history] == [(2, 2 * BATCH + 3)]
+    for p, q in zip(stage_state(ref), stage_state(resumed), strict=True):
         assert torch.equal(p, q)
 
 

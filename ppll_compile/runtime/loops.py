@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
 
 from ..errors import CheckpointError, PPLLError
 from ..lowered import Lowered
@@ -90,7 +90,9 @@ class DataLoops:
         - At the start, when ``dir`` holds a complete checkpoint, it is loaded (:meth:`~.trainer.Trainer.load`).
           The data position is then the trainer's batch count :attr:`batches` (the checkpoint's): with ``L =
           len(loader)``, training goes on in epoch ``batches // L`` (counted from 0), whose first ``batches % L``
-          batches are drawn from the loader and dropped without being trained; epochs already done are not
+          batches are skipped, not trained (from a plain ``DataLoader`` over a map-style dataset only their indices
+          are drawn, none of their data is loaded; any other loader gives them and they are dropped); epochs already
+          done are not
           repeated, so ``fit(epochs=E)`` trains only what is left of ``E`` epochs (nothing, returning ``[]``, when
           the checkpoint is at or past their end). The records cover the epochs trained in this call (an epoch
           resumed in the middle: the batches trained in this call), ``epoch`` numbered from the first epoch.
@@ -288,10 +290,29 @@ def _samplers(loader: Any, kinds: type | tuple[type, ...]) -> list[Any]:
 
 
 def _skipped(loader: Iterable[Any], count: int) -> Iterator[Any]:
-    """An iterator over ``loader`` past its first ``count`` items (drawn and dropped)."""
+    """An iterator over ``loader`` past its first ``count`` batches: for a plain ``DataLoader`` over a map-style
+    dataset only the indices of those batches are drawn (its batch sampler's, so the order is the same) and the rest
+    are loaded by a DataLoader with the same settings; from any other loader they are drawn and dropped."""
+    if count and _plain_loader(loader):
+        assert isinstance(loader, DataLoader)
+        rest = itertools.islice(iter(loader.batch_sampler), count, None)
+        same = {"in_order": loader.in_order} if hasattr(loader, "in_order") else {}  # torch >= 2.6
+        return iter(DataLoader(loader.dataset, batch_sampler=rest, num_workers=loader.num_workers,
+                               collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, timeout=loader.timeout,
+                               worker_init_fn=loader.worker_init_fn,
+                               multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
+                               prefetch_factor=loader.prefetch_factor, persistent_workers=loader.persistent_workers,
+                               pin_memory_device=loader.pin_memory_device, **same))
     items = iter(loader)
     next(itertools.islice(items, count, count), None)
     return items
+
+
+def _plain_loader(loader: Any) -> bool:
+    """Whether ``loader`` is a ``torch.utils.data.DataLoader`` itself (not a subclass) that draws batches of indices
+    from a batch sampler over a map-style dataset."""
+    return type(loader) is DataLoader and loader.batch_sampler is not None \
+        and not isinstance(loader.dataset, IterableDataset)
 
 
 def _epoch(runtime: Runtime, parts: Iterable[Iterable[Message] | None], stages: int, bar: Any,
