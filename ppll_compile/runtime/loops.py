@@ -115,7 +115,10 @@ class DataLoops:
         stopped (FIFO queues; ``sequential``, ``threads`` and ``distributed``, where every rank makes the call and
         rank 0's loader and batch count decide). ``checkpoint=`` needs a loader with ``len()``, ``every`` a
         positive number of batches that is a multiple of ``accumulate``, and a runtime that trains batch by batch
-        (not ``dna-per-block``); ``keep``: complete checkpoints kept in ``dir``.
+        (not ``dna-per-block``); ``keep``: complete checkpoints kept in ``dir``. The loader must give the same
+        batches (length, contents, unshuffled order) on every run; randomness inside the dataset (augmentations) is
+        not replayed. With ``rebalance=True`` a checkpoint saved after a cut moved holds the new cuts: resume it in a
+        pipeline compiled with that plan (``trainer.plan``; ``compile(model, plan=...)``).
         """
         saves = Saves(checkpoint, every, keep, self.accumulate) if checkpoint is not None else None
         if saves is None and every is not None:
