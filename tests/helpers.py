@@ -249,3 +249,28 @@ def run_dist_scenario(scenario: str, processes: int, out: Path, limit: float, *a
     lines = [line for line in text.splitlines() if line.startswith('{"codes"')]
     assert lines, f"the launcher printed no exit codes:\n{text[-3000:]}"
     return json.loads(lines[-1])["codes"], text
+
+
+# ---- resumable fit: a shuffling DataLoader that can fail at a given batch -------------------------------------
+
+RESUME_EPOCH = 6
+"""Batches per epoch of :func:`resume_loader` (44 examples in batches of 8, the last of 4)."""
+
+
+def resume_loader(trap: int | None = None, action: Callable[[], None] | None = None) -> Any:
+    """A ``DataLoader(shuffle=True)`` over 44 seeded 3x8x8 images with labels in [0, 5), in :data:`RESUME_EPOCH`
+    batches of 8 (the last of 4); with ``trap``, ``action()`` runs when batch ``trap`` is drawn (counted from 0
+    over every epoch of this loader) instead of giving it. ``loader.collate_fn.drawn``: ``[batches collated]``."""
+    from torch.utils.data import DataLoader, TensorDataset, default_collate
+    g = torch.Generator().manual_seed(3)
+    data = TensorDataset(torch.randn(44, 3, 8, 8, generator=g), torch.randint(0, 5, (44,), generator=g))
+    drawn = [0]
+
+    def collate(items: list) -> Any:
+        if drawn[0] == trap and action is not None:
+            action()
+        drawn[0] += 1
+        return default_collate(items)
+
+    collate.drawn = drawn  # type: ignore[attr-defined]
+    return DataLoader(data, batch_size=BATCH, shuffle=True, collate_fn=collate)

@@ -3,36 +3,55 @@ and :meth:`DataLoops.evaluate` (every stage in eval mode, with exact mean losses
 
 Both turn the loader's ``(inputs, target)`` pairs into the messages stage 0 receives, numbered as the trainer's batches
 are, and hand them to the runtime; with ``rebalance=True`` the training loop runs the rebalancing check between two
-batches, as :meth:`~.trainer.Trainer.step` does.
+batches, as :meth:`~.trainer.Trainer.step` does. ``fit(..., checkpoint=dir)`` resumes from and saves into ``dir``
+(:class:`Resume`: where the data stands, the shuffling order of every epoch, the saves and their failures).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import os
 import time
-from collections.abc import Callable, Iterable, Sized
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sized
+from pathlib import Path
 from typing import Any
 
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
+
+from ..errors import CheckpointError, PPLLError
 from ..lowered import Lowered
 from ..plan import Plan
 from .base import Losses, Runtime, progress_bar
+from .checkpoint import latest
 from .inputs import loader_pair
 from .messages import EVAL, TRAIN, Message
 from .rebalancer import Rebalancer
+from .rng import stream_seed
 from .scores import check_metrics, scores
+
+FAILED_SAVES = 3
+"""Consecutive failed saves after which ``fit(..., checkpoint=...)`` stops (training would go on unprotected)."""
 
 
 class DataLoops:
     """The loader loops of a trainer: :meth:`fit` and :meth:`evaluate`.
 
     A mixin of :class:`~.trainer.Trainer`, which holds the state they use (declared below) and builds every message
-    (``_message``), adopts a moved cut (``_adopt``) and sets the allocator before the first training step
-    (``_start_training``).
+    (``_message``), adopts a moved cut (``_adopt``), sets the allocator before the first training step
+    (``_start_training``) and saves and loads checkpoints (``save``, ``load``).
     """
 
     plan: Plan
     lowered: Lowered
     batches: int
+    accumulate: int
+    seed: int | None
+    runtime_name: str
+    save: Callable[..., Path]
+    load: Callable[..., Path]
     reads_data: bool
     is_main: bool
     _open: int
@@ -55,7 +74,9 @@ class DataLoops:
             self._adopt(self._rebalancer.between_batches(self.plan, self.lowered, self.batches))
             yield self._message(*loader_pair(item), TRAIN)
 
-    def fit(self, loader: Iterable[Any], epochs: int = 1, progress: bool | str = True) -> list[dict[str, Any]]:
+    def fit(self, loader: Iterable[Any], epochs: int = 1, progress: bool | str = True, *,
+            checkpoint: str | os.PathLike | None = None, every: int | None = None,
+            keep: int = 1) -> list[dict[str, Any]]:
         """Train ``epochs`` passes over ``loader`` (``(inputs, target)`` pairs); per epoch, losses and throughput.
 
         ``progress``: a tqdm bar per epoch, labelled ``epoch k/epochs``; a string labels the bars instead (a loop
@@ -63,19 +84,115 @@ class DataLoops:
 
         Each epoch's record holds ``epoch``, ``samples``, ``seconds``, ``samples_per_s`` and ``loss`` (every
         stage's mean loss; under ``distributed`` gathered from all ranks at the end of the epoch).
+
+        ``checkpoint="dir"`` makes the run resumable (:meth:`~.trainer.Trainer.save` and ``load`` underneath):
+
+        - At the start, when ``dir`` holds a complete checkpoint, it is loaded (:meth:`~.trainer.Trainer.load`).
+          The data position is then the trainer's batch count :attr:`batches` (the checkpoint's): with ``L =
+          len(loader)``, training goes on in epoch ``batches // L`` (counted from 0), whose first ``batches % L``
+          batches are skipped, not trained (from a plain ``DataLoader`` over a map-style dataset only their indices
+          are drawn, none of their data is loaded; any other loader gives them and they are dropped); epochs already
+          done are not
+          repeated, so ``fit(epochs=E)`` trains only what is left of ``E`` epochs (nothing, returning ``[]``, when
+          the checkpoint is at or past their end). The records cover the epochs trained in this call (an epoch
+          resumed in the middle: the batches trained in this call), ``epoch`` numbered from the first epoch.
+          Without a checkpoint in ``dir`` the position is the trainer's :attr:`batches` too (0 for a new trainer).
+        - It saves (``trainer.save(dir, keep)``) after every ``every`` batches of an epoch (counted from the
+          epoch's first batch: batches ``every``, ``2 * every``, ... of it) and at the end of every epoch;
+          ``every=None`` (default): at the end of every epoch only. Each save first finishes the batches in flight
+          (under ``distributed`` every rank takes part), which does not change the computation with FIFO queues.
+        - Shuffling is made repeatable: for a ``torch.utils.data.DataLoader`` whose ``sampler`` (or
+          ``batch_sampler.sampler``) is a ``RandomSampler`` without a generator, every epoch ``e`` draws its order
+          from a new ``torch.Generator`` seeded with :func:`.rng.stream_seed` ``(seed or 0, -1, e)`` (``seed``: the
+          trainer's); the sampler gets its generator ``None`` back when ``fit`` returns. A ``DistributedSampler``
+          gets ``set_epoch(e)``. Any other loader must give the same batches in the same order on every pass.
+        - A save that fails with an ``OSError`` or :class:`~ppll_compile.CheckpointError` warns, naming the error
+          and the last complete checkpoint, and training goes on; after 3 failed saves in a row ``fit`` raises
+          :class:`~ppll_compile.PPLLError` (training is no longer protected), naming the last complete checkpoint
+          and the cause.
+
+        So a run that is killed and started again with the same call ends with the parameters of a run that never
+        stopped (FIFO queues; ``sequential``, ``threads`` and ``distributed``, where every rank makes the call and
+        rank 0's loader and batch count decide). ``checkpoint=`` needs a loader with ``len()``, ``every`` a
+        positive number of batches that is a multiple of ``accumulate``, and a runtime that trains batch by batch
+        (not ``dna-per-block``); ``keep``: complete checkpoints kept in ``dir``. The loader must give the same
+        batches (length, contents, unshuffled order) on every run; randomness inside the dataset (augmentations) is
+        not replayed. With ``rebalance=True`` a checkpoint saved after a cut moved holds the new cuts: resume it in a
+        pipeline compiled with that plan (``trainer.plan``; ``compile(model, plan=...)``).
         """
+        saves = Saves(checkpoint, every, keep, self.accumulate) if checkpoint is not None else None
+        if saves is None and every is not None:
+            raise PPLLError(f"fit(every={every!r}) saves every {every!r} batches, but no checkpoint directory was "
+                            f"given; pass checkpoint=\"DIR\" too, or leave every= out")
+        if saves is not None and self._runtime.whole_fit:
+            raise PPLLError(f"fit(checkpoint=...) saves between batches, but runtime={self.runtime_name!r} trains "
+                            f"over every epoch at once (block after block); leave checkpoint= out and call "
+                            f"trainer.save(DIR) after fit, or train batch by batch (runtime=\"dna\" gives the same "
+                            f"parameters)")
         self._start_training()
         if self._runtime.whole_fit:  # e.g. block after block, each over every epoch
             history, self.batches = self._runtime.fit(loader, epochs, first=self.batches, progress=progress)
             return history
+        if saves is not None:
+            return self._fit_saving(loader, epochs, progress, saves)
         total = len(loader) if isinstance(loader, Sized) else None
         history = []
         for epoch in range(epochs):
             label = progress if isinstance(progress, str) else f"epoch {epoch + 1}/{epochs}"
             bar = progress_bar(total, label, bool(progress) and self.is_main)
-            record = _epoch(self._runtime, self._messages(loader, TRAIN), self.plan.num_stages, bar)
+            record = _epoch(self._runtime, [self._messages(loader, TRAIN)], self.plan.num_stages, bar,
+                            lambda: None)
             self._open = 0  # every epoch ends the data: a partial accumulation group steps
             history.append({"epoch": epoch + 1} | record)
+        return history
+
+    def _fit_saving(self, loader: Iterable[Any], epochs: int, progress: bool | str,
+                    saves: Saves) -> list[dict[str, Any]]:
+        """``fit(..., checkpoint=...)``: resume from the newest complete checkpoint, then train what is left of
+        ``epochs``, saving as :meth:`fit` says."""
+        found = latest(saves.root)
+        if self._runtime.gather(found is not None)[0]:  # rank 0's view decides on every rank
+            saves.last, saves.last_batches = self.load(saves.root), self.batches
+            if self.reads_data and any(s.generator is not None for s in _samplers(loader, RandomSampler)):
+                warnings.warn("this DataLoader shuffles with a generator of its own: after resuming from "
+                              f"{str(saves.last)!r}, its epochs are drawn from that generator's present state, "
+                              "not in the order of a run that never stopped; build the DataLoader without "
+                              "generator= (fit then seeds every epoch's order from the trainer's seed) to resume "
+                              "exactly", stacklevel=3)  # the caller of fit(...)
+        batches, size = self._runtime.gather((self.batches, len(loader) if isinstance(loader, Sized) else None))[0]
+        if size is None:
+            raise PPLLError(f"fit(checkpoint=...) needs a loader with len(): the point to resume from is a "
+                            f"position in an epoch, and {type(loader).__name__} has no length. Give a list of "
+                            f"batches or a DataLoader over a map-style dataset, or leave checkpoint= out and call "
+                            f"trainer.save(DIR) yourself")
+        if size == 0:
+            raise PPLLError("fit(checkpoint=...) was given an empty loader (len() is 0): there is no batch to "
+                            "train or to resume at; give a loader with at least one batch")
+        history = []
+        shuffled: list[RandomSampler] = []
+        try:
+            for epoch in range(batches // size, epochs):
+                done = max(batches - epoch * size, 0)
+                shuffled = reseed(loader, self.seed, epoch, shuffled)
+                label = progress if isinstance(progress, str) else f"epoch {epoch + 1}/{epochs}"
+                bar = progress_bar(size, label, bool(progress) and self.is_main)
+                if bar is not None and done:
+                    bar.update(done)
+                ends = [m for m in range(saves.every or size, size, saves.every or size) if m > done] + [size]
+                data = _skipped(loader, done) if self.reads_data else None
+                parts = (self._messages(itertools.islice(data, end - start), TRAIN) if data is not None else None
+                         for start, end in zip([done] + ends, ends))
+                position = iter(ends)
+
+                def after_part(epoch: int = epoch, position: Iterator[int] = position) -> None:
+                    self._open = 0  # each part ended the data: a partial accumulation group stepped
+                    saves.save(self.save, epoch * size + next(position))
+
+                record = _epoch(self._runtime, parts, self.plan.num_stages, bar, after_part)
+                history.append({"epoch": epoch + 1} | record)
+        finally:
+            for sampler in shuffled:
+                sampler.generator = None
         return history
 
     def evaluate(self, loader: Iterable[Any], metrics: dict[str, Callable[[Any, Any], Any]] | None = None
@@ -99,9 +216,113 @@ class DataLoops:
         return scores(counts, self.plan.mode, [name for name, _ in named])
 
 
-def _epoch(runtime: Runtime, messages: Iterable[Message] | None, stages: int, bar: Any) -> dict[str, Any]:
-    """One epoch of ``runtime`` over ``messages``, shown on the tqdm ``bar`` (if any) as losses come; its samples,
-    seconds, throughput and every stage's mean loss."""
+class Saves:
+    """The checkpoints of one ``fit(..., checkpoint=root, every=..., keep=...)``: the arguments checked, the last
+    complete checkpoint, and the failed saves in a row (warned about; :data:`FAILED_SAVES` of them stop the fit)."""
+
+    def __init__(self, root: str | os.PathLike, every: int | None, keep: int, accumulate: int) -> None:
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise PPLLError(f"every must be a positive whole number of batches between two checkpoints, got "
+                            f"{every!r}; pass e.g. every=100, or leave it out to save at the end of every epoch")
+        if every is not None and every % accumulate:
+            raise PPLLError(f"every={every} is not a multiple of accumulate={accumulate}: a checkpoint inside an "
+                            f"accumulation group would lose the gradients its stages hold; pass every="
+                            f"{-(-every // accumulate) * accumulate} or another multiple of {accumulate}")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise PPLLError(f"keep must be a whole number >= 1 (how many complete checkpoints stay in the "
+                            f"directory), got {keep!r}; pass keep=1 to keep only the newest")
+        self.root = root
+        self.every = every
+        self.keep = keep
+        self.last: Path | None = None
+        """The last complete checkpoint of this fit (loaded or saved)."""
+        self.last_batches = 0
+        """The batch count it was saved at."""
+        self.failed = 0
+        """Failed saves in a row."""
+
+    def save(self, save: Callable[[str | os.PathLike, int], Path], batches: int) -> None:
+        """``save(root, keep)`` at the data position ``batches``; an ``OSError`` or ``CheckpointError`` warns, the
+        :data:`FAILED_SAVES`-th in a row raises :class:`PPLLError`."""
+        try:
+            self.last = save(self.root, self.keep)
+        except (OSError, CheckpointError) as e:
+            self.failed += 1
+            cause = f"{type(e).__name__}: {e}"
+            if self.failed >= FAILED_SAVES:
+                raise PPLLError(f"fit stopped: the last {self.failed} checkpoint saves into {str(self.root)!r} "
+                                f"failed, so training is no longer protected; {self._protected()}; the last save "
+                                f"(at batch {batches}) failed with {cause}. Fix the cause (disk space, "
+                                f"permissions, the directory), then run the same fit(..., checkpoint=...) again: "
+                                f"it resumes from the last complete checkpoint") from e
+            warnings.warn(f"checkpoint save into {str(self.root)!r} at batch {batches} failed ({cause}); training "
+                          f"goes on, {self._protected()} ({self.failed} failed save(s) in a row; fit stops at "
+                          f"{FAILED_SAVES})", stacklevel=6)  # the caller of fit(...)
+        else:
+            self.failed, self.last_batches = 0, batches
+
+    def _protected(self) -> str:
+        if self.last is None:
+            return f"and there is no complete checkpoint in {str(self.root)!r} yet"
+        return f"the last complete checkpoint is {str(self.last)!r} (batch {self.last_batches})"
+
+
+def reseed(loader: Any, seed: int | None, epoch: int, shuffled: list[RandomSampler]) -> list[RandomSampler]:
+    """Give the shuffling samplers of the DataLoader ``loader`` the order of ``epoch``: a ``RandomSampler``
+    without a generator (or one in ``shuffled``: given one by an earlier epoch) a generator seeded with
+    ``stream_seed(seed or 0, -1, epoch)``, a ``DistributedSampler`` ``set_epoch(epoch)``; the random samplers
+    given a generator (to be given ``None`` back)."""
+    out = list(shuffled)
+    for s in _samplers(loader, (RandomSampler, DistributedSampler)):
+        if isinstance(s, RandomSampler) and (s.generator is None or any(s is t for t in shuffled)):
+            s.generator = torch.Generator().manual_seed(stream_seed(seed or 0, -1, epoch))
+            out += [] if any(s is t for t in out) else [s]
+        elif isinstance(s, DistributedSampler):
+            s.set_epoch(epoch)
+    return out
+
+
+def _samplers(loader: Any, kinds: type | tuple[type, ...]) -> list[Any]:
+    """The samplers of ``kinds`` that order the DataLoader ``loader`` (its ``sampler``, its ``batch_sampler``'s
+    ``sampler``); none for any other loader."""
+    if not isinstance(loader, DataLoader):
+        return []
+    found = {id(s): s for s in (loader.sampler, getattr(loader.batch_sampler, "sampler", None))
+             if isinstance(s, kinds)}
+    return list(found.values())
+
+
+def _skipped(loader: Iterable[Any], count: int) -> Iterator[Any]:
+    """An iterator over ``loader`` past its first ``count`` batches: for a plain ``DataLoader`` over a map-style
+    dataset only the indices of those batches are drawn (its batch sampler's, so the order is the same) and the rest
+    are loaded by a DataLoader with the same settings; from any other loader they are drawn and dropped."""
+    if count and _plain_loader(loader):
+        assert isinstance(loader, DataLoader)
+        rest = itertools.islice(iter(loader.batch_sampler), count, None)
+        same = {"in_order": loader.in_order} if hasattr(loader, "in_order") else {}  # torch >= 2.6
+        return iter(DataLoader(loader.dataset, batch_sampler=rest, num_workers=loader.num_workers,
+                               collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, timeout=loader.timeout,
+                               worker_init_fn=loader.worker_init_fn,
+                               multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
+                               prefetch_factor=loader.prefetch_factor, persistent_workers=loader.persistent_workers,
+                               pin_memory_device=loader.pin_memory_device, **same))
+    items = iter(loader)
+    next(itertools.islice(items, count, count), None)
+    return items
+
+
+def _plain_loader(loader: Any) -> bool:
+    """Whether ``loader`` is a ``torch.utils.data.DataLoader`` itself (not a subclass) that draws batches of indices
+    from a batch sampler over a map-style dataset."""
+    return type(loader) is DataLoader and loader.batch_sampler is not None \
+        and not isinstance(loader.dataset, IterableDataset)
+
+
+def _epoch(runtime: Runtime, parts: Iterable[Iterable[Message] | None], stages: int, bar: Any,
+           after_part: Callable[[], None]) -> dict[str, Any]:
+    """One epoch of ``runtime`` over the messages of every part in turn (``None``: a process that reads no data),
+    each ended as the data's end is and followed by ``after_part()`` (a save), shown on the tqdm ``bar`` (if any)
+    as losses come; its samples, seconds (saves included), throughput and every stage's mean loss."""
     sums, counts, seen = [0.0] * stages, [0] * stages, [0]
     start = time.perf_counter()
 
@@ -117,7 +338,9 @@ def _epoch(runtime: Runtime, messages: Iterable[Message] | None, stages: int, ba
             bar.update(1 if size else 0)
 
     try:
-        runtime.epoch(messages, on_step)
+        for messages in parts:
+            runtime.epoch(messages, on_step)
+            after_part()
     finally:
         if bar is not None:
             bar.close()
