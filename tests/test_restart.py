@@ -53,6 +53,7 @@ def test_a_rank_killed_under_torchrun_max_restarts_comes_back_to_the_parameters_
         tmp_path, kill_rank):
     start = time.time()
     text = run_restarting_job(kill_rank, tmp_path)
+    assert (tmp_path / "killed.json").exists(), f"rank {kill_rank} was never killed:\n{text[-4000:]}"
     killed = json.loads((tmp_path / "killed.json").read_text())
     assert killed["rank"] == kill_rank and killed["time"] > start
     resumed = [json.loads((tmp_path / f"resumed-{r}.json").read_text()) for r in range(3)]
