@@ -74,7 +74,9 @@ def _worker(out: Path) -> None:
     rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     root = out / "ckpt"
     resumed_from = _checkpoint_batches(root)
-    compiled = ppll_compile.compile(_model(), 3, example_inputs=(torch.randn(16, 3, 16, 16),), policy="dgl")
+    # fixed cuts: a plan measured by each process on its own could differ between them (and be refused)
+    compiled = ppll_compile.compile(_model(), example_inputs=(torch.randn(16, 3, 16, 16),), policy="dgl",
+                                    split_points=["_3", "_5"])
     with compiled.trainer(optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
                           runtime="distributed") as trainer:
         ready = time.time()
