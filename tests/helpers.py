@@ -237,7 +237,7 @@ RESUME_EPOCH = 6
 def resume_loader(trap: int | None = None, action: Callable[[], None] | None = None) -> Any:
     """A ``DataLoader(shuffle=True)`` over 44 seeded 3x8x8 images with labels in [0, 5), in :data:`RESUME_EPOCH`
     batches of 8 (the last of 4); with ``trap``, ``action()`` runs when batch ``trap`` is drawn (counted from 0
-    over every epoch of this loader) instead of giving it."""
+    over every epoch of this loader) instead of giving it. ``loader.collate_fn.drawn``: ``[batches collated]``."""
     from torch.utils.data import DataLoader, TensorDataset, default_collate
     g = torch.Generator().manual_seed(3)
     data = TensorDataset(torch.randn(44, 3, 8, 8, generator=g), torch.randint(0, 5, (44,), generator=g))
@@ -249,4 +249,5 @@ def resume_loader(trap: int | None = None, action: Callable[[], None] | None = N
         drawn[0] += 1
         return default_collate(items)
 
+    collate.drawn = drawn  # type: ignore[attr-defined]
     return DataLoader(data, batch_size=BATCH, shuffle=True, collate_fn=collate)

@@ -8,10 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
+import ppll_compile
 from ppll_compile import CheckpointError, PPLLError
 from ppll_compile.runtime.rng import stream_seed
-from tests.helpers import (BATCH, RESUME_EPOCH, compiled_residual, image_batches, resume_loader, run_gloo_workers,
-                           sgd, stage_state)
+from tests.helpers import (BATCH, CONV_X, RESUME_EPOCH, compiled_residual, image_batches, resume_loader,
+                           run_gloo_workers, sgd, stage_state)
+from tests.models import conv_student, conv_teacher
 
 HERE = Path(__file__).parent
 pytestmark = pytest.mark.usefixtures("one_thread_quietly")
@@ -21,11 +23,12 @@ STOP_AT = RESUME_EPOCH + 3  # in the second epoch, one batch after the checkpoin
 
 
 def _fit(runtime: str, root: Path, loader=None, **options):
-    """A fresh pipeline trained by ``fit(loader, epochs=2, checkpoint=root, every=EVERY)``; it and the history."""
+    """A fresh pipeline trained by ``fit(loader, epochs=2, checkpoint=root, every=EVERY)`` (trainer ``options``);
+    it and the history."""
     compiled = compiled_residual()
-    with compiled.trainer(optimizer=sgd, runtime=runtime) as trainer:
+    with compiled.trainer(optimizer=sgd, runtime=runtime, **options) as trainer:
         history = trainer.fit(loader if loader is not None else resume_loader(), epochs=2, checkpoint=root,
-                              every=EVERY, progress=False, **options)
+                              every=EVERY, progress=False)
     return compiled, history
 
 
@@ -39,22 +42,56 @@ def _saved_at(root: Path) -> int:
     return json.loads((root / name / "manifest.json").read_text())["trainer"]["batches"]
 
 
-@pytest.mark.parametrize("runtime", ["sequential", pytest.param("threads", marks=pytest.mark.slow)])
-def test_a_run_stopped_mid_epoch_resumes_to_the_parameters_of_one_that_never_stopped(tmp_path, runtime):
-    ref, _ = _fit(runtime, tmp_path / "ref")
+@pytest.mark.parametrize("runtime, options", [("sequential", {}), pytest.param("threads", {}, marks=pytest.mark.slow),
+                                              pytest.param("sequential", {"accumulate": 2}, marks=pytest.mark.slow)])
+def test_a_run_stopped_mid_epoch_resumes_to_the_parameters_of_one_that_never_stopped(tmp_path, runtime, options):
+    ref, _ = _fit(runtime, tmp_path / "ref", **options)
     with pytest.raises(KeyboardInterrupt):  # Ctrl-C while the loader draws batch 9 (the 4th of epoch 2)
-        _fit(runtime, tmp_path / "run", resume_loader(STOP_AT, _stop))
+        _fit(runtime, tmp_path / "run", resume_loader(STOP_AT, _stop), **options)
     assert _saved_at(tmp_path / "run") == 8
-    resumed, history = _fit(runtime, tmp_path / "run")  # the same call again
+    loader = resume_loader()
+    resumed, history = _fit(runtime, tmp_path / "run", loader, **options)  # the same call again
+    assert loader.collate_fn.drawn == [4]  # the 2 batches skipped were never loaded
     # only what was left: batches 2..5 of epoch 2 (8 + 8 + 8 + 4 examples)
     assert [(h["epoch"], h["samples"]) for h in history] == [(2, 3 * BATCH + 4)]
     for p, q in zip(stage_state(ref), stage_state(resumed), strict=True):
         assert torch.equal(p, q)
     assert _saved_at(tmp_path / "run") == 2 * RESUME_EPOCH
     # a finished fit started again loads its last checkpoint and trains nothing
-    again, history = _fit(runtime, tmp_path / "run")
+    again, history = _fit(runtime, tmp_path / "run", **options)
     assert history == []
     for p, q in zip(stage_state(ref), stage_state(again), strict=True):
+        assert torch.equal(p, q)
+
+
+class Batches:
+    """A list of batches with a length, not a DataLoader; drawing batch ``stop`` (counted over every pass) raises
+    KeyboardInterrupt."""
+
+    def __init__(self, batches: list, stop: int | None = None) -> None:
+        self.batches, self.stop, self.drawn = batches, stop, 0
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self):
+        for b in self.batches:
+            if self.drawn == self.stop:
+                raise KeyboardInterrupt
+            self.drawn += 1
+            yield b
+
+
+def test_any_loader_with_a_length_resumes_its_batches_drawn_and_dropped(tmp_path):
+    data = image_batches(5, last=3)
+    ref, _ = _fit("sequential", tmp_path / "ref", Batches(data))
+    with pytest.raises(KeyboardInterrupt):
+        _fit("sequential", tmp_path / "run", Batches(data, stop=8))
+    assert _saved_at(tmp_path / "run") == 7  # the end of epoch 1 (5), then batch 2 of epoch 2
+    again = Batches(data)
+    resumed, history = _fit("sequential", tmp_path / "run", again)
+    assert again.drawn == 5 and [(h["epoch"], h["samples"]) for h in history] == [(2, 2 * BATCH + 3)]
+    for p, q in zip(stage_state(ref), stage_state(resumed), strict=True):
         assert torch.equal(p, q)
 
 
@@ -135,6 +172,7 @@ def test_failed_saves_warn_and_three_in_a_row_stop_the_fit(tmp_path):
         f"checkpoint save into {str(root)!r} at batch 5 failed (CheckpointError: the process of rank 1 could not "
         f"write its stages: OSError: read-only file system); training goes on, the last complete checkpoint is "
         f"{str(last)!r} (batch 3) (2 failed save(s) in a row; fit stops at 3)"]
+    assert {w.filename for w in warned} == {__file__}  # the line that called fit
     assert _saved_at(root) == 3
 
 
@@ -185,3 +223,54 @@ def test_bad_arguments_are_refused_before_training(tmp_path, options, expected):
         assert trainer.batches == 0
     assert str(info.value) == expected
     assert not (tmp_path / "ckpt").exists()
+
+
+# ---- samplers ------------------------------------------------------------------------------------------------
+
+def test_a_distributed_sampler_is_given_each_epoch(tmp_path):
+    from torch.utils.data import DataLoader, DistributedSampler
+    data = resume_loader().dataset
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=5)
+    fitted, _ = _fit("sequential", tmp_path / "ckpt", DataLoader(data, batch_size=BATCH, sampler=sampler))
+    assert sampler.epoch == 1
+    x, y = data.tensors
+    compiled = compiled_residual()
+    with compiled.trainer(optimizer=sgd) as trainer:
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            for batch in torch.tensor(list(sampler)).split(BATCH):
+                trainer.step(x[batch], y[batch])
+            trainer.finish()
+    for p, q in zip(stage_state(compiled), stage_state(fitted), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_resuming_with_a_generator_of_the_loaders_own_warns(tmp_path):
+    from torch.utils.data import DataLoader
+    data = resume_loader().dataset
+    _fit("sequential", tmp_path / "ckpt", DataLoader(data, batch_size=BATCH, shuffle=True,
+                                                     generator=torch.Generator().manual_seed(1)))
+    loader = DataLoader(data, batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(1))
+    compiled = compiled_residual()
+    with compiled.trainer(optimizer=sgd) as trainer:
+        with pytest.warns(UserWarning) as warned:
+            assert trainer.fit(loader, epochs=3, checkpoint=tmp_path / "ckpt", progress=False)[0]["epoch"] == 3
+    assert warned[0].filename == __file__
+    assert [str(w.message) for w in warned] == [
+        f"this DataLoader shuffles with a generator of its own: after resuming from "
+        f"{str(tmp_path / 'ckpt' / 'ckpt-000005')!r}, its epochs are drawn from that generator's present state, not "
+        f"in the order of a run that never stopped; build the DataLoader without generator= (fit then seeds every "
+        f"epoch's order from the trainer's seed) to resume exactly"]
+
+
+def test_a_runtime_that_trains_every_epoch_at_once_is_refused(tmp_path):
+    torch.manual_seed(0)
+    compiled = ppll_compile.compile(conv_student(), teacher=conv_teacher(), example_inputs=(CONV_X,),
+                                    split_points=["5"], replicas=(1, 1))
+    with compiled.trainer(optimizer=sgd, runtime="dna-per-block") as trainer:
+        with pytest.raises(PPLLError) as info:
+            trainer.fit([(CONV_X, None)], checkpoint=tmp_path / "ckpt", progress=False)
+    assert str(info.value) == (
+        "fit(checkpoint=...) saves between batches, but runtime='dna-per-block' trains over every epoch at once "
+        "(block after block); leave checkpoint= out and call trainer.save(DIR) after fit, or train batch by batch "
+        "(runtime=\"dna\" gives the same parameters)")

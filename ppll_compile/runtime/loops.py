@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
 
 from ..errors import CheckpointError, PPLLError
 from ..lowered import Lowered
@@ -49,6 +49,7 @@ class DataLoops:
     batches: int
     accumulate: int
     seed: int | None
+    runtime_name: str
     save: Callable[..., Path]
     load: Callable[..., Path]
     reads_data: bool
@@ -89,7 +90,9 @@ class DataLoops:
         - At the start, when ``dir`` holds a complete checkpoint, it is loaded (:meth:`~.trainer.Trainer.load`).
           The data position is then the trainer's batch count :attr:`batches` (the checkpoint's): with ``L =
           len(loader)``, training goes on in epoch ``batches // L`` (counted from 0), whose first ``batches % L``
-          batches are drawn from the loader and dropped without being trained; epochs already done are not
+          batches are skipped, not trained (from a plain ``DataLoader`` over a map-style dataset only their indices
+          are drawn, none of their data is loaded; any other loader gives them and they are dropped); epochs already
+          done are not
           repeated, so ``fit(epochs=E)`` trains only what is left of ``E`` epochs (nothing, returning ``[]``, when
           the checkpoint is at or past their end). The records cover the epochs trained in this call (an epoch
           resumed in the middle: the batches trained in this call), ``epoch`` numbered from the first epoch.
@@ -112,16 +115,20 @@ class DataLoops:
         stopped (FIFO queues; ``sequential``, ``threads`` and ``distributed``, where every rank makes the call and
         rank 0's loader and batch count decide). ``checkpoint=`` needs a loader with ``len()``, ``every`` a
         positive number of batches that is a multiple of ``accumulate``, and a runtime that trains batch by batch
-        (not ``dna``); ``keep``: complete checkpoints kept in ``dir``.
+        (not ``dna-per-block``); ``keep``: complete checkpoints kept in ``dir``. The loader must give the same
+        batches (length, contents, unshuffled order) on every run; randomness inside the dataset (augmentations) is
+        not replayed. With ``rebalance=True`` a checkpoint saved after a cut moved holds the new cuts: resume it in a
+        pipeline compiled with that plan (``trainer.plan``; ``compile(model, plan=...)``).
         """
         saves = Saves(checkpoint, every, keep, self.accumulate) if checkpoint is not None else None
         if saves is None and every is not None:
             raise PPLLError(f"fit(every={every!r}) saves every {every!r} batches, but no checkpoint directory was "
                             f"given; pass checkpoint=\"DIR\" too, or leave every= out")
         if saves is not None and self._runtime.whole_fit:
-            raise PPLLError(f"fit(checkpoint=...) saves between batches, but the {type(self._runtime).__name__} "
-                            f"trains block after block over every epoch at once; leave checkpoint= out and call "
-                            f"trainer.save(DIR) after fit")
+            raise PPLLError(f"fit(checkpoint=...) saves between batches, but runtime={self.runtime_name!r} trains "
+                            f"over every epoch at once (block after block); leave checkpoint= out and call "
+                            f"trainer.save(DIR) after fit, or train batch by batch (runtime=\"dna\" gives the same "
+                            f"parameters)")
         self._start_training()
         if self._runtime.whole_fit:  # e.g. block after block, each over every epoch
             history, self.batches = self._runtime.fit(loader, epochs, first=self.batches, progress=progress)
@@ -146,6 +153,12 @@ class DataLoops:
         found = latest(saves.root)
         if self._runtime.gather(found is not None)[0]:  # rank 0's view decides on every rank
             saves.last, saves.last_batches = self.load(saves.root), self.batches
+            if self.reads_data and any(s.generator is not None for s in _samplers(loader, RandomSampler)):
+                warnings.warn("this DataLoader shuffles with a generator of its own: after resuming from "
+                              f"{str(saves.last)!r}, its epochs are drawn from that generator's present state, "
+                              "not in the order of a run that never stopped; build the DataLoader without "
+                              "generator= (fit then seeds every epoch's order from the trainer's seed) to resume "
+                              "exactly", stacklevel=3)  # the caller of fit(...)
         batches, size = self._runtime.gather((self.batches, len(loader) if isinstance(loader, Sized) else None))[0]
         if size is None:
             raise PPLLError(f"fit(checkpoint=...) needs a loader with len(): the point to resume from is a "
@@ -244,7 +257,7 @@ class Saves:
                                 f"it resumes from the last complete checkpoint") from e
             warnings.warn(f"checkpoint save into {str(self.root)!r} at batch {batches} failed ({cause}); training "
                           f"goes on, {self._protected()} ({self.failed} failed save(s) in a row; fit stops at "
-                          f"{FAILED_SAVES})", stacklevel=4)  # the caller of fit(...)
+                          f"{FAILED_SAVES})", stacklevel=6)  # the caller of fit(...)
         else:
             self.failed, self.last_batches = 0, batches
 
@@ -259,11 +272,8 @@ def reseed(loader: Any, seed: int | None, epoch: int, shuffled: list[RandomSampl
     without a generator (or one in ``shuffled``: given one by an earlier epoch) a generator seeded with
     ``stream_seed(seed or 0, -1, epoch)``, a ``DistributedSampler`` ``set_epoch(epoch)``; the random samplers
     given a generator (to be given ``None`` back)."""
-    if not isinstance(loader, DataLoader):
-        return shuffled
-    samplers = {id(s): s for s in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)) if s is not None}
     out = list(shuffled)
-    for s in samplers.values():
+    for s in _samplers(loader, (RandomSampler, DistributedSampler)):
         if isinstance(s, RandomSampler) and (s.generator is None or any(s is t for t in shuffled)):
             s.generator = torch.Generator().manual_seed(stream_seed(seed or 0, -1, epoch))
             out += [] if any(s is t for t in out) else [s]
@@ -272,11 +282,40 @@ def reseed(loader: Any, seed: int | None, epoch: int, shuffled: list[RandomSampl
     return out
 
 
+def _samplers(loader: Any, kinds: type | tuple[type, ...]) -> list[Any]:
+    """The samplers of ``kinds`` that order the DataLoader ``loader`` (its ``sampler``, its ``batch_sampler``'s
+    ``sampler``); none for any other loader."""
+    if not isinstance(loader, DataLoader):
+        return []
+    found = {id(s): s for s in (loader.sampler, getattr(loader.batch_sampler, "sampler", None))
+             if isinstance(s, kinds)}
+    return list(found.values())
+
+
 def _skipped(loader: Iterable[Any], count: int) -> Iterator[Any]:
-    """An iterator over ``loader`` past its first ``count`` items (drawn and dropped)."""
+    """An iterator over ``loader`` past its first ``count`` batches: for a plain ``DataLoader`` over a map-style
+    dataset only the indices of those batches are drawn (its batch sampler's, so the order is the same) and the rest
+    are loaded by a DataLoader with the same settings; from any other loader they are drawn and dropped."""
+    if count and _plain_loader(loader):
+        assert isinstance(loader, DataLoader)
+        rest = itertools.islice(iter(loader.batch_sampler), count, None)
+        same = {"in_order": loader.in_order} if hasattr(loader, "in_order") else {}  # torch >= 2.6
+        return iter(DataLoader(loader.dataset, batch_sampler=rest, num_workers=loader.num_workers,
+                               collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, timeout=loader.timeout,
+                               worker_init_fn=loader.worker_init_fn,
+                               multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
+                               prefetch_factor=loader.prefetch_factor, persistent_workers=loader.persistent_workers,
+                               pin_memory_device=loader.pin_memory_device, **same))
     items = iter(loader)
     next(itertools.islice(items, count, count), None)
     return items
+
+
+def _plain_loader(loader: Any) -> bool:
+    """Whether ``loader`` is a ``torch.utils.data.DataLoader`` itself (not a subclass) that draws batches of indices
+    from a batch sampler over a map-style dataset."""
+    return type(loader) is DataLoader and loader.batch_sampler is not None \
+        and not isinstance(loader.dataset, IterableDataset)
 
 
 def _epoch(runtime: Runtime, parts: Iterable[Iterable[Message] | None], stages: int, bar: Any,
