@@ -16,12 +16,18 @@ from ..errors import PPLLError
 from ..plan import Plan
 
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+RESTART = "TORCHELASTIC_RESTART_COUNT"
+"""The variable in which torchrun tells a process which incarnation of its job it belongs to (0, 1, ...)."""
 _ABORT_TAG = 0x7A11  # a tag no message is ever sent with
 _RELEASE = 10.0  # seconds release() waits for the process group's teardown
 
 
 def init_group(stages: int, timeout: float) -> bool:
-    """Initialise the default process group from torchrun's environment; whether this call did it."""
+    """Initialise the default process group from torchrun's environment; whether this call did it.
+
+    Under ``torchrun`` the group meets through :func:`restart_store`: processes that ``--max-restarts`` starts
+    again form a working group (with a plain ``init_process_group`` they may not: see docs/recovery.md).
+    """
     if not dist.is_available():
         raise PPLLError('runtime="distributed" needs torch.distributed, which this PyTorch build lacks; use '
                         'runtime="threads"')
@@ -34,8 +40,28 @@ def init_group(stages: int, timeout: float) -> bool:
                         f'torchrun --nproc-per-node={stages} your_script.py (or call '
                         f'torch.distributed.init_process_group yourself before building the trainer)')
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+    if RESTART not in os.environ:
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+        return True
+    store, rank, world = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout)))
+    dist.init_process_group(backend, store=restart_store(store), rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout))
     return True
+
+
+def restart_store(store: Any) -> Any:
+    """``store`` seen through a prefix of its own for this incarnation of a ``torchrun`` job (its
+    ``TORCHELASTIC_RESTART_COUNT``), so that processes restarted by ``torchrun --max-restarts`` form a new group.
+
+    torchrun keeps one store (at ``MASTER_ADDR:MASTER_PORT``) for all incarnations of a job, and a process group
+    publishes each rank's address there under keys that do not change from one incarnation to the next
+    (``default_pg/0//cpu//0/<rank>`` for gloo). A restarted rank can then read the address a killed process had
+    published and fail to connect to it (``Gloo connectFullMesh failed ... Connection refused``); behind the prefix
+    every incarnation reads only addresses published by its own processes. Every process of one incarnation has
+    the same restart count as long as one agent restarts them all (a single-node job: ``--standalone`` or one
+    ``--nnodes``); it is 0 outside ``torchrun``'s restarts.
+    """
+    return dist.PrefixStore(f"ppll/restart_{int(os.environ.get(RESTART, '0'))}/", store)
 
 
 def release() -> None:
