@@ -112,7 +112,7 @@ def receive_plan(rank: int, request: dict[str, str]) -> tuple[Plan | None, int]:
     if differ:
         warnings.warn(f"rank {rank} asked for another plan than rank 0 ({', '.join(differ)} differ), so it plans on "
                       f"its own, and a trainer refuses ranks whose plans differ; give every rank the same options to "
-                      f"share rank 0's plan", UserWarning, stacklevel=3)
+                      f"share rank 0's plan", UserWarning, stacklevel=4)  # at the caller of compile()
         return None, torch.initial_seed()
     return Plan.from_json(got["plan"]), int(got["seed"])
 
@@ -134,13 +134,15 @@ def form_group(rank: int, world: int) -> None:
 
 
 def _broadcast(obj: Any) -> Any:
-    """Rank 0's ``obj`` on every rank; losing rank 0 (or the group's timeout) is a :class:`PPLLError`."""
+    """Rank 0's ``obj`` on every rank; a lost rank (or the group's timeout) is a :class:`PPLLError`."""
     box = [obj]
     try:
         dist.broadcast_object_list(box, src=0)
     except RuntimeError as e:
-        raise PPLLError(f"lost rank 0 while the ranks shared its plan ({str(e).splitlines()[0] if str(e) else e}); "
-                        f"see rank 0's own output for its error") from None
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        what = "rank 0 sent its plan: see the output of the rank that ended" if obj is not None else \
+            "this rank waited for rank 0's plan: see rank 0's own output for its error"
+        raise PPLLError(f"lost a rank while {what} ({first})") from None
     return box[0]
 
 

@@ -117,3 +117,15 @@ def test_without_torchrun_or_for_another_world_size_nothing_is_shared(monkeypatc
     compiled = ppll_compile.compile(w.Mixed(), gpus=2, example_inputs=(w.X,), policy="dgl", share_plan=False)
     assert compiled.plan.num_stages == 2 and not dist.is_initialized()
     assert all("shared" not in note for note in compiled.plan.notes)
+
+
+@pytest.mark.slow
+def test_when_rank_0_cannot_plan_every_rank_raises_its_error(tmp_path, one_thread_quietly):
+    """Only rank 0 plans: its error (no stage fits the memory limit) reaches the other ranks, which raise it."""
+    (tmp_path / "failing").touch()
+    run_gloo_workers(HERE / "one_plan_worker.py", 3, tmp_path, timeout=200)
+    texts = [(tmp_path / f"failed-{r}.txt").read_text() for r in range(3)]
+    assert texts[0].startswith("InfeasibleMemoryError: "), texts[0]
+    for r in (1, 2):
+        assert texts[r] == f"PPLLError: rank 0 could not plan, and under torchrun every rank compiles rank 0's plan: " \
+                           f"{texts[0]}", texts[r]
