@@ -6,6 +6,9 @@ timings), so processes that plan on their own may choose different cuts. When ``
 devices as there are processes, rank 0 plans (or re-applies the plan it was given) and broadcasts the plan, in the
 plan file format, with the seed every rank initialises the heads from; each other rank traces the model and lowers
 rank 0's plan. A call for another number of devices makes no distributed assumption: every process plans on its own.
+A rank whose options differ from rank 0's (another ``split_points``, policy, ...) plans on its own, with a warning
+naming the options, and a distributed trainer then refuses ranks whose plans differ. If rank 0 cannot plan, every
+other rank raises a :class:`~ppll_compile.PPLLError` with rank 0's error; a rank lost meanwhile is named too.
 
 The process group: a default group formed before ``compile()`` (by the user) is used and left as it is. Otherwise
 ``compile()`` forms it (gloo on CPU, NCCL with CUDA, :func:`~ppll_compile.runtime.group.init_group`) and leaves it
