@@ -29,6 +29,7 @@ from .partition import StageRequest, ppll_layout, segment_costs, stage_request, 
 from .pipebd.build import compile_pipebd, plan_pipebd
 from .pipeline import CompiledPipeline
 from .plan import Plan
+from .plan_share import form_group, receive_plan, request_of, send_failure, send_plan, shared_note, shared_ranks
 from .plan_specs import HeadSpec
 from .policy import Policy, load_policy
 
@@ -62,7 +63,7 @@ def compile(model: nn.Module, gpus: int | None = None, *, teacher: nn.Module | N
             example_inputs: Sequence[Any] | None = None, example_kwargs: dict[str, Any] | None = None,
             plan: Plan | str | Path | None = None, materialize: MaterializeHook | None = None,
             state_dict: StateDictSource | None = None, local_stages: Sequence[int] | None = None,
-            **options: Any) -> CompiledPipeline:
+            share_plan: bool = True, **options: Any) -> CompiledPipeline:
     """Plan ``model`` (see :func:`plan`) and lower it to stage modules and auxiliary heads on their devices.
 
     The stages share the model's parameter objects (each stage is moved to its device, and the model's
@@ -84,6 +85,17 @@ def compile(model: nn.Module, gpus: int | None = None, *, teacher: nn.Module | N
     ``local_stages``: the stages this process materialises; by default every stage, or under ``torchrun``
     (``WORLD_SIZE`` equal to the plan's world size) the stage of this ``RANK``, its head with it: the other
     stages stay on meta, and a runtime refuses to run them. The plan's notes say how the model was materialised.
+
+    One plan for every rank (``share_plan=True``, see :mod:`ppll_compile.plan_share`): under ``torchrun``, when the
+    call asks for as many devices as there are processes, rank 0 plans (or re-applies ``plan=``) and every other rank
+    lowers rank 0's plan, so calibration caches and timings that differ between processes cannot split the pipeline;
+    every rank must then call ``compile()`` (it forms the default process group if there is none). A rank that asked
+    for other options plans on its own, with a warning. ``share_plan=False``: every process plans on its own (e.g.
+    ``compile()`` on one rank only). ``ppll`` plans; a ``pipebd`` plan is made by every process.
+
+    Every auxiliary head (and every stage of a meta-built model filled by its own initialisation) draws its random
+    initial values from a generator seeded by ``torch.initial_seed()`` and its stage, not from the running stream:
+    set ``torch.manual_seed`` to change them; under ``torchrun`` rank 0's seed is used on every rank.
     """
     saved = read_saved_plan(plan)
     opts = resolve_options(gpus, saved, options)
@@ -102,13 +114,14 @@ def compile(model: nn.Module, gpus: int | None = None, *, teacher: nn.Module | N
                               blocks or (saved and saved.blocks))
     check_no_blocks(blocks)
     how = Materialization(hook=materialize, state_dict=state_dict) if meta else None
-    result, a, policy = _plan_ppll(model, example_inputs, example_kwargs, opts, saved)
+    ranks = shared_ranks(opts, saved) if share_plan else None
+    result, a, policy, seed = _one_plan(model, example_inputs, example_kwargs, opts, saved, ranks)
     if how is not None:
-        how = dataclasses.replace(how, stages=materialized_stages(result, local_stages))
+        how = dataclasses.replace(how, stages=materialized_stages(result, local_stages), seed=seed)
         here = sorted(range(result.num_stages) if how.stages is None else how.stages)
         result = dataclasses.replace(result, notes=(*result.notes, meta_note(how, result, here)))
     lowered = lower_ppll(model, result, a, policy, untie=opts.tied == "untie" or bool(result.untied),
-                         materialize=how)
+                         materialize=how, seed=seed)
     return CompiledPipeline(model=model, graph_module=a.gm, plan=result, lowered=lowered,
                             policy=opts.policy, front=_FRONT)
 
@@ -135,6 +148,32 @@ def _check_devices_here(opts: PlanOptions, placing: bool) -> None:
             raise PlanError(f"devices asks for {str(d)!r}, which this machine does not have; compile() places the "
                             f"stages on their devices: pass devices=[...] this machine has, or use plan() to plan "
                             f"for another machine")
+
+
+def _one_plan(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwargs: dict[str, Any] | None,
+              opts: PlanOptions, saved: SavedPlan | None, ranks: tuple[int, int] | None
+              ) -> tuple[Plan, Analysis, Policy, int]:
+    """The plan to lower, its analysis and policy, and the seed of the heads: planned here (``ranks`` None), or under
+    torchrun (``ranks``: this rank and the world size) planned on rank 0 and received by every other rank."""
+    if ranks is None:
+        return (*_plan_ppll(model, example_inputs, example_kwargs, opts, saved), torch.initial_seed())
+    rank, world = ranks
+    request = request_of(opts, saved)
+    form_group(rank, world)
+    if rank == 0:
+        try:
+            result, a, policy = _plan_ppll(model, example_inputs, example_kwargs, opts, saved)
+        except Exception as e:
+            send_failure(request, e)
+            raise
+        result = dataclasses.replace(result, notes=(*result.notes, shared_note(world)))
+        return result, a, policy, send_plan(request, result)
+    received, seed = receive_plan(rank, request)
+    if received is None:  # this rank asked for another plan: its own
+        return (*_plan_ppll(model, example_inputs, example_kwargs, opts, saved), seed)
+    a = analyse(model, example_inputs, example_kwargs, opts, received.inputs)
+    a.check_saved_cuts(received.cuts, "rank 0's plan")
+    return received, a, load_policy(opts.policy), seed
 
 
 def _plan_ppll(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwargs: dict[str, Any] | None,

@@ -23,7 +23,7 @@ from .head_types import head_type_for
 from .heads import copied_blocks, head_for
 from .output_head import share_frozen
 from .lowered import SOURCE_NAME, Inputs, Lowered, Stage
-from .materialize import Materialization, materialize_stage
+from .materialize import Materialization, materialize_stage, seeded_init
 from .plan import Plan
 from .policy import Policy
 from .trace import attribute, module_path, quiet
@@ -136,7 +136,7 @@ def model_inputs(model: nn.Module, gm: fx.GraphModule, fixed: dict[str, Any]) ->
 
 
 def lower_ppll(model: nn.Module, plan: Plan, a: Analysis, policy: Policy, *, untie: bool = False,
-               materialize: Materialization | None = None) -> Lowered:
+               materialize: Materialization | None = None, seed: int | None = None) -> Lowered:
     """The stage modules of a ``ppll`` plan and the auxiliary head of every stage but the last, on their devices.
 
     ``untie``: a parameter used on both sides of a cut is copied into the later stage (``tied='untie'``). A head that
@@ -146,6 +146,10 @@ def lower_ppll(model: nn.Module, plan: Plan, a: Analysis, policy: Policy, *, unt
     ``materialize`` (a model built on the meta device): each stage it names (every stage by default) is allocated
     on its device and filled (see :mod:`ppll_compile.materialize`), before the heads copy any block; the other
     stages, and their heads, stay on meta.
+
+    ``seed``: every head draws its random initial values from the default generator seeded by (``seed``, its stage)
+    (:func:`~ppll_compile.materialize.seeded_init`), whichever other heads this process builds; ``None``: from the
+    caller's generator, in stage order.
     """
     by_name = {c.node: c for c in a.cuts}
     stages = split_stages(a.gm, [by_name[c] for c in plan.cuts], untie=untie)
@@ -163,7 +167,8 @@ def lower_ppll(model: nn.Module, plan: Plan, a: Analysis, policy: Policy, *, unt
             continue
         depth = copied_blocks(sp.head.config)
         blocks = next_blocks(model, a.nodes, plan.cuts[i], depth, stage=i, config=sp.head.config) if depth else []
-        with torch.device("meta") if i not in here else contextlib.nullcontext():  # a meta stage: a meta head
+        with torch.device("meta") if i not in here else contextlib.nullcontext(), \
+                seeded_init(seed, i, "head"):  # a meta stage: a meta head
             head = head_for(policy, sp.head.config, sp.boundary[0], a.num_classes, input_shape,
                             per_token=a.per_token, blocks=[m for _, m in blocks] if depth else None)[0]
         if (t := head_type_for(sp.head.config)) is not None and t.follows_next:

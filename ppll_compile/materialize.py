@@ -6,12 +6,19 @@
 holds), or by the user's ``materialize=fn(stage_module, stage_index, device)`` hook, or from ``state_dict=``
 (a callable ``load(stage_index, names) -> {name: tensor}``, or one mapping for every stage). Under ``torchrun``
 only the stage of this ``RANK`` is materialised; every other stage stays on meta.
+
+Whatever draws random numbers while a stage is filled, or while an auxiliary head is built, draws them from torch's
+default generators seeded by (the seed, the stage, which of the two) (:func:`seeded_init`; the seed is
+``torch.initial_seed()``, rank 0's under ``torchrun``), and the caller's generator states are restored afterwards: a
+stage's tensors and its head get the same values whichever process builds them and whichever other stages it builds.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Union
 
@@ -42,6 +49,8 @@ class Materialization:
     """The user's ``state_dict=``, loaded over the model's own initialisation."""
     stages: frozenset[int] | None = None
     """The stages materialised here; ``None``: every stage (see :func:`local_stages`)."""
+    seed: int | None = None
+    """The seed a stage's values are drawn from, by stage (:func:`seeded_init`); ``None``: the caller's generators."""
 
     def __post_init__(self) -> None:
         if self.hook is not None and self.state_dict is not None:
@@ -90,15 +99,41 @@ def materialize_stage(model: nn.Module, stage: Stage, index: int, device: torch.
     names = _model_names(model)
     fresh = _allocate(stage, device)
     _repoint(model, fresh)
-    if how.hook is not None:
-        how.hook(stage, index, device)
-    else:
-        given = _fetch(model, index, names, fresh, how.state_dict) if how.state_dict is not None else {}
-        _initialise(model, stage, index, fresh, set(given))
-        with torch.no_grad():  # the loaded values win over the initialisation of their modules
-            for key, (new, value) in given.items():
-                new.copy_(value)
+    with seeded_init(how.seed, index, "stage", device):
+        if how.hook is not None:
+            how.hook(stage, index, device)
+        else:
+            given = _fetch(model, index, names, fresh, how.state_dict) if how.state_dict is not None else {}
+            _initialise(model, stage, index, fresh, set(given))
+            with torch.no_grad():  # the loaded values win over the initialisation of their modules
+                for key, (new, value) in given.items():
+                    new.copy_(value)
     stage.to(device)  # any tensor that was not on meta
+
+
+def init_seed(seed: int, stage: int, part: str) -> int:
+    """The 63-bit seed of stage ``stage``'s ``part`` (``"stage"``: its meta-built tensors; ``"head"``: its auxiliary
+    head) from ``seed``: the same in every process, on every platform (no salted ``hash``)."""
+    digest = hashlib.sha256(f"ppll-init/{seed}/{stage}/{part}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+@contextlib.contextmanager
+def seeded_init(seed: int | None, stage: int, part: str, device: torch.device | None = None) -> Iterator[None]:
+    """Run the body with torch's default CPU generator (and ``device``'s, a CUDA device) seeded by
+    :func:`init_seed`, the caller's generator states restored afterwards; ``seed=None``: the caller's generators."""
+    if seed is None:
+        yield
+        return
+    value = init_seed(seed, stage, part)
+    cuda = [torch.cuda.current_device() if device.index is None else device.index] \
+        if device is not None and device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.default_generator.manual_seed(value)
+        for i in cuda:
+            with torch.cuda.device(i):
+                torch.cuda.manual_seed(value)
+        yield
 
 
 def _model_names(model: nn.Module) -> dict[int, list[str]]:

@@ -1,0 +1,179 @@
+"""One plan for every rank: under ``torchrun``, ``compile()`` plans on rank 0 and the other ranks receive its plan.
+
+Planning measures this machine (calibrated device figures, cached under ``PPLL_CACHE_DIR``; ``profile="time"``
+timings), so processes that plan on their own may choose different cuts. When ``compile()`` runs under ``torchrun``
+(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set, or a default process group formed) for as many
+devices as there are processes, rank 0 plans (or re-applies the plan it was given) and broadcasts the plan, in the
+plan file format, with the seed every rank initialises the heads from; each other rank traces the model and lowers
+rank 0's plan. A call for another number of devices makes no distributed assumption: every process plans on its own.
+A rank whose options differ from rank 0's (another ``split_points``, policy, ...) plans on its own, with a warning
+naming the options, and a distributed trainer then refuses ranks whose plans differ. If rank 0 cannot plan, every
+other rank raises a :class:`~ppll_compile.PPLLError` with rank 0's error; a rank lost meanwhile is named too.
+
+The process group: a default group formed before ``compile()`` (by the user) is used and left as it is. Otherwise
+``compile()`` forms it (gloo on CPU, NCCL with CUDA, :func:`~ppll_compile.runtime.group.init_group`) and leaves it
+formed, since forming a second group in one process can read the first one's stale addresses from torchrun's store.
+The first trainer built on it with a runtime that runs one process per stage (``runtime="distributed"``) takes it
+over: the trainer's ``timeout=`` applies to it, and the trainer's ``close()`` releases it, as it releases a group its
+runtime formed. A group no trainer took over is released when the process exits (at most 10 s waited).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import os
+import warnings
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import PPLLError
+from .options import PlanOptions, SavedPlan
+from .plan import Plan
+from .runtime.group import init_group, rank_device, release
+
+PLAN_TIMEOUT = 1800.0
+"""Seconds the ranks wait for rank 0's plan (the timeout of a process group ``compile()`` forms)."""
+
+_TORCHRUN = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_formed: list[Any] = []
+"""The default process group ``compile()`` formed, while no trainer has taken it over (at most one)."""
+
+
+def shared_ranks(opts: PlanOptions, saved: SavedPlan | None) -> tuple[int, int] | None:
+    """(rank, world size) when this ``compile()`` shares rank 0's plan: under torchrun (or a formed default group),
+    more than one process, and the call asks for as many devices as there are processes; else ``None``."""
+    if dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    elif all(k in os.environ for k in _TORCHRUN) and dist.is_available():
+        try:
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        except ValueError:
+            return None
+    else:
+        return None
+    if world < 2 or requested_world(opts, saved) != world:
+        return None
+    return rank, world
+
+
+def requested_world(opts: PlanOptions, saved: SavedPlan | None) -> int | None:
+    """The processes the plan a call asks for will need (every stage's replicas), as far as the call says before
+    planning: the replicas given per stage, the cuts given (a saved plan's, ``split_points``) + 1, else ``gpus`` (or
+    ``len(devices)``), which the partitioner fills when it chooses the replicas."""
+    if isinstance(opts.replicas, tuple):
+        return sum(opts.replicas)
+    if saved is not None:
+        return len(saved.cuts) + 1
+    if opts.split_points is not None:
+        return len(set(opts.split_points)) + 1
+    return opts.gpus or (len(opts.devices) if opts.devices else None)
+
+
+def request_of(opts: PlanOptions, saved: SavedPlan | None) -> dict[str, str]:
+    """What a rank asked for, comparable across processes: every option (a callable or class by its qualified name)
+    and the saved plan's cuts, heads and inputs."""
+    def plain(v: Any) -> str:
+        if isinstance(v, (tuple, list)):
+            return "(" + ", ".join(map(plain, v)) + ")"
+        if isinstance(v, (str, int, float, bool, type(None))):
+            return repr(v)
+        if callable(v):
+            return f"{getattr(v, '__module__', '?')}.{getattr(v, '__qualname__', type(v).__qualname__)}"
+        return type(v).__qualname__
+
+    out = {f.name: plain(getattr(opts, f.name)) for f in dataclasses.fields(opts)}
+    if saved is not None:
+        out["plan"] = repr((saved.cuts, saved.heads, [t.to_dict() for t in saved.inputs]))
+    return out
+
+
+def send_plan(request: dict[str, str], plan: Plan) -> int:
+    """Rank 0: broadcast ``plan`` (in the plan file format) and the seed every rank initialises the heads from (this
+    process's ``torch.initial_seed()``), which it returns."""
+    seed = torch.initial_seed()
+    _broadcast({"request": request, "plan": plan.to_json(), "seed": seed})
+    return seed
+
+
+def send_failure(request: dict[str, str], error: BaseException) -> None:
+    """Rank 0: tell the other ranks why it could not plan (each then raises it as a :class:`PPLLError`)."""
+    _broadcast({"request": request, "error": f"{type(error).__name__}: {error}"})
+
+
+def receive_plan(rank: int, request: dict[str, str]) -> tuple[Plan | None, int]:
+    """Another rank: rank 0's plan and head seed. ``None`` for the plan (and this process's own seed) when this rank
+    asked for another plan than rank 0 (a warning names what differs): it then plans on its own."""
+    got = _broadcast(None)
+    if "error" in got:
+        raise PPLLError(f"rank 0 could not plan, and under torchrun every rank compiles rank 0's plan: {got['error']}")
+    differ = sorted(k for k in set(request) | set(got["request"]) if request.get(k) != got["request"].get(k))
+    if differ:
+        warnings.warn(f"rank {rank} asked for another plan than rank 0 ({', '.join(differ)} differ), so it plans on "
+                      f"its own, and a trainer refuses ranks whose plans differ; give every rank the same options to "
+                      f"share rank 0's plan", UserWarning, stacklevel=4)  # at the caller of compile()
+        return None, torch.initial_seed()
+    return Plan.from_json(got["plan"]), int(got["seed"])
+
+
+def shared_note(world: int) -> str:
+    """The plan's note on a plan made by rank 0 and shared with every rank."""
+    return f"planned on rank 0 and shared with all {world} ranks (torchrun): every rank lowers this plan"
+
+
+def form_group(rank: int, world: int) -> None:
+    """Form the default process group if there is none (remembered, and released at exit unless a trainer takes it
+    over); make this rank's CUDA device current where there is one (NCCL's objects travel through it)."""
+    if not dist.is_initialized():
+        if init_group(world, PLAN_TIMEOUT):
+            if not _formed:
+                atexit.register(release_formed_group)
+            _formed[:] = [dist.group.WORLD]
+    rank_device(rank)
+
+
+def _broadcast(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank; a lost rank (or the group's timeout) is a :class:`PPLLError`."""
+    box = [obj]
+    try:
+        dist.broadcast_object_list(box, src=0)
+    except RuntimeError as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        what = "rank 0 sent its plan: see the output of the rank that ended" if obj is not None else \
+            "this rank waited for rank 0's plan: see rank 0's own output for its error"
+        raise PPLLError(f"lost a rank while {what} ({first})") from None
+    return box[0]
+
+
+def formed_group() -> bool:
+    """Whether the default process group is one ``compile()`` formed that no trainer has taken over."""
+    return bool(_formed) and dist.is_initialized() and dist.group.WORLD is _formed[0]
+
+
+def take_over_group(timeout: Any) -> Callable[[], None] | None:
+    """A trainer takes over the group ``compile()`` formed: its ``timeout`` (seconds) applies from now on; the
+    function returned releases the group (once, and only while it is still the default group). ``None`` when there
+    is no such group."""
+    if not formed_group():
+        return None
+    group = _formed.pop()
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and 0 < timeout < 1e9:
+        setter = getattr(dist, "set_timeout", None) or getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+        if setter is not None:
+            setter(timedelta(seconds=float(timeout)), group)
+
+    def release_taken() -> None:
+        if dist.is_initialized() and dist.group.WORLD is group:
+            release()
+    return release_taken
+
+
+def release_formed_group() -> None:
+    """Release the group ``compile()`` formed if no trainer took it over (at process exit)."""
+    if formed_group():
+        _formed.clear()
+        release()
