@@ -57,18 +57,11 @@ def test_links_planted_at_the_former_predictable_names_are_never_followed(tmp_pa
     compiled, trainer = _trained(1)
     trainer.save(root)
     tail = f".tmp-{socket.gethostname()}-{os.getpid()}"
-    names = [f".latest{tail}"] + [f".ckpt-{i:06d}{tail}" for i in range(4)]
-    planted = []
-
-    def plant(work):
-        for name in names:
-            if not (root / name).exists():
-                (root / name).symlink_to(victim)
-                planted.append(name)
-    _during_save(monkeypatch, plant)
+    link = root / f".latest{tail}"
+    _during_save(monkeypatch, lambda work: link.is_symlink() or link.symlink_to(victim))
     trainer.step(*w.batch(1))
     assert trainer.save(root) == root / "ckpt-000001"
-    assert victim.read_bytes() == b"precious" and ".latest" + tail in planted
+    assert victim.read_bytes() == b"precious" and link.is_symlink()
     assert (root / "latest").read_text() == "ckpt-000001\n" and not (root / "latest").is_symlink()
     assert (root / "latest").stat().st_mode & 0o777 == 0o644 & ~_umask()
     _loads(root, 2, "ckpt-000001")
@@ -207,7 +200,7 @@ def _read_only(monkeypatch) -> None:
         return real_open(path, flags, *args, **kwargs)
     for name in ("unlink", "remove", "rmdir", "mkdir", "replace", "rename"):
         monkeypatch.setattr(os, name, refuse)
-    monkeypatch.setattr(shutil, "rmtree", refuse)
+    monkeypatch.setattr(shutil, "rmtree", lambda path, ignore_errors=False, **kw: None if ignore_errors else refuse(path))
     monkeypatch.setattr(os, "open", open_)
 
 
