@@ -192,6 +192,7 @@ def test_an_optimizer_state_that_does_not_fit_changes_nothing(tmp_path):
 def _rewrite(root: Path, stage: int, state: dict) -> None:
     """Replace a stage file of the newest checkpoint, manifest entry included (a consistent but other state)."""
     path = checkpoint.latest(root)
+    (path / f"stage-{stage}.pt").unlink()  # save_stage creates its file exclusively
     entry = checkpoint.save_stage(path, state)
     manifest = json.loads((path / "manifest.json").read_text())
     manifest["files"] = [entry if f["stage"] == stage else f for f in manifest["files"]]

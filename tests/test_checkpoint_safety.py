@@ -140,6 +140,7 @@ def test_a_second_writer_is_refused_in_words_while_a_save_holds_the_root(tmp_pat
     _loads(root, 2, "ckpt-000002")
 
 
+@pytest.mark.slow
 def test_two_writers_and_a_reader_hammering_one_root_never_see_a_raw_error(tmp_path):
     """Two trainers save into one root (keep=1) and a third loads from it, for two seconds: every save succeeds
     or is refused by the lock in words; every load succeeds (a checkpoint removed under it is read again)."""
@@ -200,7 +201,8 @@ def _read_only(monkeypatch) -> None:
         return real_open(path, flags, *args, **kwargs)
     for name in ("unlink", "remove", "rmdir", "mkdir", "replace", "rename"):
         monkeypatch.setattr(os, name, refuse)
-    monkeypatch.setattr(shutil, "rmtree", lambda path, ignore_errors=False, **kw: None if ignore_errors else refuse(path))
+    monkeypatch.setattr(shutil, "rmtree",  # as the real one on a read-only mount: ignore_errors hides the error
+                        lambda path, ignore_errors=False, **kw: None if ignore_errors else refuse(path))
     monkeypatch.setattr(os, "open", open_)
 
 
@@ -399,7 +401,8 @@ def test_a_load_that_changes_hyperparameters_warns_once_naming_each(tmp_path):
     trainer.save(tmp_path)
     texts, optimizers = _loaded_with(tmp_path, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=1e-4))
     changes = "; ".join(f"stage {i}: {c}" for i in (0, 1)
-                        for c in ("lr 0.1 -> 0.05 (from the checkpoint)", "weight_decay 0.0001 -> 0 (from the checkpoint)"))
+                        for c in ("lr 0.1 -> 0.05 (from the checkpoint)",
+                                  "weight_decay 0.0001 -> 0 (from the checkpoint)"))
     assert texts == [
         f"checkpoint {str(tmp_path / 'ckpt-000000')!r} replaced optimizer hyperparameters the optimizer factory gave: "
         f"{changes}. The checkpoint's values are kept (they resume the run exactly); to train with the factory's, set "
@@ -419,3 +422,18 @@ def test_a_normal_resume_warns_nothing_with_or_without_a_scheduler(tmp_path):
     scheduled.save(tmp_path / "scheduled")
     texts, optimizers = _loaded_with(tmp_path / "scheduled", sgd, scheduler=step_lr)
     assert texts == [] and {g["lr"] for o in optimizers for g in o.param_groups} == {0.05 * 0.25}
+
+
+def test_a_file_system_without_locks_still_saves_and_says_so(tmp_path, monkeypatch):
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+    monkeypatch.setattr("fcntl.flock", no_locks)
+    compiled, trainer = _trained(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert trainer.save(tmp_path) == tmp_path / "ckpt-000000"
+    assert [str(c.message) for c in caught] == [
+        f"{str(tmp_path)!r} is on a file system without file locks (No locks available): a second trainer saving "
+        f"into it at the same time is not detected; give every trainer its own checkpoint directory"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000000", "latest"]
+    _loads(tmp_path, 1)

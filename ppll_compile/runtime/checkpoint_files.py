@@ -10,12 +10,17 @@ through a planted link. Temporary names carry a random part (:func:`temp_name`),
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import secrets
 import shutil
 import stat
+import warnings
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # not a POSIX system: saves are not locked
+    fcntl = None  # type: ignore[assignment]
 
 LOCK = ".lock"
 """The lock file in a checkpoint root; it exists only while a save holds it (or after a save was killed)."""
@@ -23,6 +28,7 @@ TEMP_MARK = ".tmp-"
 """What the name of every temporary entry of a save holds: ``.NAME.tmp-RANDOM``."""
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
@@ -94,8 +100,15 @@ class RootLock:
         while True:
             fd = _open_lock(self.path)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if fcntl is not None:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
+                if e.errno in _NO_LOCKS:  # a file system without locks: saves go on, unguarded
+                    warnings.warn(f"{str(root)!r} is on a file system without file locks ({e.strerror}): a second "
+                                  f"trainer saving into it at the same time is not detected; give every trainer "
+                                  f"its own checkpoint directory", stacklevel=2)
+                    self._fd = fd
+                    return
                 os.close(fd)
                 if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     raise BlockingIOError(errno.EWOULDBLOCK, "another save holds the lock", str(self.path)) from None
