@@ -340,8 +340,8 @@ def test_odd_paths_are_refused_in_words(tmp_path, monkeypatch):
         "": "'': the path is empty (it would save into the working directory)",
         "a\0b": "'a\\x00b': the path holds a NUL character",
         None: "None: the path is a NoneType, not a str or os.PathLike",
-        file: f"{str(file)!r}: the path is a file, not a directory (a checkpoint root is a directory) (ENOTDIR: "
-              f"Not a directory on {str(file)!r})",
+        file: f"{str(file)!r}: the path is a file; a checkpoint is a directory (one file per stage plus "
+              f"manifest.json) (ENOTDIR: Not a directory on {str(file)!r})",
         file / "sub": f"{str(file / 'sub')!r}: a part of the path is a file, not a directory (ENOTDIR: Not a "
                       f"directory on {str(file / 'sub')!r})",
     }

@@ -178,7 +178,7 @@ def cause(error: BaseException, root: Path) -> tuple[str, str]:
         words, way = _CAUSES.get(error.errno, ("the operating system refused it", "save into another directory"))
         if error.errno == errno.ENOTDIR and error.filename is not None and Path(error.filename) == root \
                 and root.is_file():
-            words, way = "the path is a file, not a directory (a checkpoint root is a directory)", \
+            words, way = "the path is a file; a checkpoint is a directory (one file per stage plus manifest.json)", \
                 "pass the path of a directory"
         code = errno.errorcode.get(error.errno, str(error.errno))
         where = ""
