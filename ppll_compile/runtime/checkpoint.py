@@ -6,25 +6,27 @@ A checkpoint root ``path`` holds::
     path/ckpt-000007/    a complete checkpoint: stage-0.pt ... stage-{K-1}.pt and manifest.json
     path/ckpt-000006/    an older one, kept with ``save(path, keep=2)``
 
-A save writes into ``path/.ckpt-000008.tmp-HOST-PID/`` (every process its stages' files, each fsynced), the
-manifest last, renames that directory to ``ckpt-000008``, and only then replaces ``latest`` (write, fsync,
-rename, fsync of the root). Checkpoints beyond ``keep`` are removed after that. So at every instant ``latest``
-names a complete checkpoint: the old one until the pointer moves, the new one after. What an interrupted save
-leaves (``.*.tmp-*`` entries, a complete directory newer than ``latest``) is never loaded; the next save
-removes it, and a load removes the entries of processes on this host that are gone.
+A save holds the root's lock (``path/.lock``, see :class:`.checkpoint_files.RootLock`): one writer at a time, a
+second one is refused at once. It writes into ``path/.ckpt-000008.tmp-RANDOM/`` (every process its stages' files,
+each created exclusively and fsynced), the manifest last, renames that directory to ``ckpt-000008``, and only then
+replaces ``latest`` (a new file under a random name, fsync, rename, fsync of the root). Checkpoints beyond
+``keep`` are removed after that. So at every instant ``latest`` names a complete checkpoint: the old one until the
+pointer moves, the new one after. What an interrupted save leaves (``.*.tmp-*`` entries, a complete directory
+newer than ``latest``) is never loaded; the next save removes it (where the directory allows). A load writes
+nothing, so a read-only directory loads; when a save removes the checkpoint a load is reading (``keep=1``), the
+load reads ``latest`` again and loads the new one.
 
 A directory holding ``manifest.json`` itself (one checkpoint, e.g. ``path/ckpt-000006``) loads as it is.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
 import os
 import re
-import shutil
-import socket
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,12 +37,19 @@ from torch.optim import Optimizer
 
 from ..errors import CheckpointError
 from ..plan import Plan
+from . import checkpoint_files as files
 
 MANIFEST = "manifest.json"
 POINTER = "latest"
 FORMAT = 1
 _NAME = re.compile(r"^ckpt-(\d{6,})$")
-_TEMP = re.compile(r"^\.(?:ckpt-\d+|latest)\.tmp-(?P<host>.+)-(?P<pid>\d+)$")
+_TEMP = re.compile(r"^\.(?:ckpt-\d+|latest)\.tmp-.+$")  # also the HOST-PID names of earlier versions
+RETRIES = 5
+"""How often a load reads ``latest`` again when the checkpoint it named was removed under it by a save."""
+MOST_BATCHES = 2**62
+"""The largest batch count a manifest may hold."""
+MOST_BYTES = 2**48
+"""The largest stage file a manifest may list (256 TiB)."""
 
 
 def identity(plan: Plan, parameters: Sequence[Sequence[Tensor]], optimizers: Iterable[Optimizer]) -> dict[str, Any]:
@@ -58,25 +67,6 @@ def identity(plan: Plan, parameters: Sequence[Sequence[Tensor]], optimizers: Ite
 
 
 # ---- files and directories ---------------------------------------------------------------------
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _temp_name(name: str) -> str:
-    return f".{name}.tmp-{socket.gethostname()}-{os.getpid()}"
-
-
 def _root(path: str | os.PathLike) -> Path:
     root = Path(path)
     if root.exists() and not root.is_dir():
@@ -88,9 +78,13 @@ def _root(path: str | os.PathLike) -> Path:
 def _pointed(root: Path) -> str | None:
     """The checkpoint name ``root/latest`` holds (``None`` without one)."""
     file = root / POINTER
-    if not file.is_file():
+    try:
+        name = file.read_text(errors="replace").strip()
+    except (FileNotFoundError, IsADirectoryError):
         return None
-    name = file.read_text(errors="replace").strip()
+    except OSError as e:
+        raise CheckpointError(f"{str(file)!r} cannot be read ({e.strerror}); load a checkpoint directory "
+                              f"in {str(root)!r} directly") from None
     if not _NAME.match(name):
         raise CheckpointError(f"{str(file)!r} holds {name[:40]!r}, not a checkpoint name like ckpt-000001; "
                               f"write the name of a complete checkpoint directory into it, or load that "
@@ -103,38 +97,13 @@ def _seq(name: str) -> int:
     return int(m.group(1)) if m else -1
 
 
-def _alive(host: str, pid: int) -> bool:
-    """Whether the process ``pid`` on ``host`` may still be running (any other host's: assume so)."""
-    if host != socket.gethostname():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
-
-
-def _clean(root: Path, *, saving: bool) -> None:
-    """Remove what interrupted saves left in ``root``: before a save all of it, before a load what dead
-    processes on this host left (a live process may be saving)."""
-    if not root.is_dir():
-        return
+def _clean(root: Path) -> None:
+    """Remove what interrupted saves left in ``root`` (under the root's lock: no other save runs); what the
+    directory does not allow to remove stays, never read."""
     pointed = _pointed(root)
     for entry in root.iterdir():
-        m = _TEMP.match(entry.name)
-        if m is not None and (saving or not _alive(m.group("host"), int(m.group("pid")))):
-            _remove(entry)
-        elif saving and pointed is not None and _seq(entry.name) > _seq(pointed):  # the pointer never moved to it
-            _remove(entry)
+        if _TEMP.match(entry.name) or (pointed is not None and _seq(entry.name) > _seq(pointed)):
+            files.remove_quietly(entry)  # the second kind: complete, but the pointer never moved to it
 
 
 def latest(path: str | os.PathLike) -> Path | None:
@@ -153,56 +122,110 @@ def latest(path: str | os.PathLike) -> Path | None:
 
 
 # ---- saving ------------------------------------------------------------------------------------
-def begin(path: str | os.PathLike) -> str:
-    """First step of a save (one process): clean up leftovers, make the directory the stages write into;
-    its name relative to ``path``."""
-    root = _root(path)
+def lock(path: str | os.PathLike) -> files.RootLock:
+    """The first step of a save (the process that writes the manifest): the root ``path`` made where missing,
+    and its lock taken (``BlockingIOError`` while another save holds it). Odd paths raise ``ValueError``, a file
+    ``NotADirectoryError``; :func:`save_failure` words them."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"the path is a {type(path).__name__}, not a str or os.PathLike")
+    text = os.fsdecode(os.fspath(path))
+    if not text.strip():
+        raise ValueError("the path is empty (it would save into the working directory)")
+    if "\0" in text:
+        raise ValueError("the path holds a NUL character")
+    root = Path(text)
+    if root.exists() and not root.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(root))
     root.mkdir(parents=True, exist_ok=True)
-    _clean(root, saving=True)
+    return files.RootLock(root)
+
+
+def begin(path: str | os.PathLike) -> str:
+    """Second step of a save (one process, holding :func:`lock`): leftovers cleaned up, the directory the stages
+    write into made; its name relative to ``path``."""
+    root = _root(path)
+    _clean(root)
     taken = [_seq(e.name) for e in root.iterdir()] + [_seq(_pointed(root) or "")]
-    temp = _temp_name(f"ckpt-{max(taken, default=-1) + 1:06d}")
+    temp = files.temp_name(f"ckpt-{max(taken, default=-1) + 1:06d}")
     (root / temp).mkdir()
     return temp
 
 
 def final_name(temp: str) -> str:
     """The name the directory ``temp`` (from :func:`begin`) gets once complete."""
-    return temp[1:].split(".tmp-")[0]
+    return temp[1:].split(files.TEMP_MARK)[0]
 
 
 def save_stage(path: str | os.PathLike, state: dict[str, Any]) -> dict[str, Any]:
-    """Write one stage's state into the directory ``path`` (fsynced); its entry for the manifest."""
+    """Write one stage's state into the directory ``path`` (a new file, fsynced); its entry for the manifest."""
     buf = io.BytesIO()
     torch.save(state, buf)
     data = buf.getvalue()
     name = f"stage-{state['stage']}.pt"
-    _write(Path(path) / name, data)
+    files.write_new(Path(path) / name, data)
     return {"stage": state["stage"], "file": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
-def commit(path: str | os.PathLike, temp: str, ident: dict[str, Any], files: list[dict[str, Any]],
+def commit(path: str | os.PathLike, temp: str, ident: dict[str, Any], entries: list[dict[str, Any]],
            trainer: dict[str, Any], keep: int) -> Path:
     """Last step of a save (one process, once every stage file is written): the manifest, the rename of the
-    directory, the pointer; then older checkpoints beyond ``keep`` go. The new checkpoint's directory."""
+    directory, the pointer; then older checkpoints beyond ``keep`` go (where the directory allows). The new
+    checkpoint's directory."""
     root = Path(path)
     work = root / temp
-    manifest = {"format": FORMAT, "identity": ident, "files": sorted(files, key=lambda f: f["stage"]),
+    manifest = {"format": FORMAT, "identity": ident, "files": sorted(entries, key=lambda f: f["stage"]),
                 "trainer": trainer}
-    _write(work / MANIFEST, json.dumps(manifest, indent=1).encode())
-    _fsync_dir(work)
+    files.write_new(work / MANIFEST, json.dumps(manifest, indent=1).encode())
+    files.fsync_dir(work)
     name = final_name(temp)
     os.replace(work, root / name)
-    _fsync_dir(root)
-    pointer = root / _temp_name(POINTER)
-    _write(pointer, (name + "\n").encode())
-    os.replace(pointer, root / POINTER)
-    _fsync_dir(root)
+    files.fsync_dir(root)
+    files.replace_with(root / POINTER, (name + "\n").encode())
     complete = sorted((e for e in root.iterdir() if _NAME.match(e.name)), key=lambda e: _seq(e.name), reverse=True)
     for old in complete[keep:]:
-        doomed = root / _temp_name(old.name)
-        os.replace(old, doomed)  # out of sight first: a removal cut short leaves only a leftover
-        _remove(doomed)
+        doomed = root / files.temp_name(old.name)
+        try:
+            os.replace(old, doomed)  # out of sight first: a removal cut short leaves only a leftover
+        except OSError:
+            continue  # the next save tries again
+        files.remove_quietly(doomed)
     return root / name
+
+
+def _newest(root: Path) -> Path | None:
+    """:func:`latest`, read again while another save moves the pointer on; ``None`` where nothing loads."""
+    for _ in range(RETRIES):
+        pointed = None
+        try:
+            pointed = _pointed(root)
+            return latest(root)
+        except (CheckpointError, OSError):
+            try:
+                moved = _pointed(root) != pointed
+            except (CheckpointError, OSError):
+                return None
+            if not moved:
+                return None
+    return None
+
+
+def save_failure(path: Any, rank: int, error: BaseException) -> CheckpointError:
+    """The error of a save into ``path`` that failed on ``rank`` with ``error``: the cause in words, the last
+    complete checkpoint (which still loads) and what to do."""
+    if isinstance(path, (str, os.PathLike)):
+        text = os.fsdecode(os.fspath(path))
+        root, text = Path(text), repr(text)
+    else:
+        root, text = Path("."), repr(path)
+    words, way = files.cause(error, root)
+    found = None if isinstance(error, ValueError) else _newest(root)  # an odd path: nothing was saved there
+    if found is None:
+        last = "Last complete checkpoint: none yet"
+    else:
+        named = " (the one 'latest' names)" if found != root else ""
+        last = f"Last complete checkpoint: {str(found)!r}{named}; it still loads"
+    return CheckpointError(f"rank {rank} could not save a checkpoint into {text}: {words}. {last}. {way[0].upper()}"
+                           f"{way[1:]}.")
 
 
 # ---- loading -----------------------------------------------------------------------------------
@@ -226,39 +249,91 @@ def _identity_differences(saved: dict[str, Any], ours: dict[str, Any]) -> list[t
     return out
 
 
+def _whole(value: Any, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _check_manifest(manifest: Any) -> str | None:
+    """What makes ``manifest`` (parsed JSON) unusable, in words; ``None`` when it is a valid manifest."""
+    if not isinstance(manifest, dict):
+        return "not a JSON object"
+    for key in ("identity", "files", "trainer"):
+        if key not in manifest:
+            return f"no {key!r} entry"
+    if manifest.get("format", FORMAT) != FORMAT:
+        return f"format {manifest['format']!r}, and this version reads format {FORMAT}"
+    if not isinstance(manifest["identity"], dict):
+        return "'identity' is not an object"
+    if not isinstance(manifest["files"], list):
+        return "'files' is not a list"
+    for f in manifest["files"]:
+        if not (isinstance(f, dict) and {"stage", "file", "bytes", "sha256"} <= set(f)):
+            return f"a 'files' entry lacks stage, file, bytes or sha256: {f!r}"[:300]
+        name = f["file"]
+        if not isinstance(name, str) or "/" in name or "\\" in name or name in ("", ".", ".."):
+            return f"file {name!r} is not a plain name"[:300]
+        if not _whole(f["stage"], 0, 2**31):
+            return f"file {name!r} has stage {f['stage']!r}, not a whole number from 0"[:300]
+        if not _whole(f["bytes"], 0, MOST_BYTES):
+            return f"file {name!r} has bytes {f['bytes']!r}, not a whole number from 0 to 2**48"[:300]
+        if not (isinstance(f["sha256"], str) and re.fullmatch(r"[0-9a-f]{64}", f["sha256"])):
+            return f"file {name!r} has sha256 {f['sha256']!r}, not 64 hex digits"[:300]
+    trainer = manifest["trainer"]
+    if not isinstance(trainer, dict) or "batches" not in trainer:
+        return "'trainer' lacks the batch count"
+    if not _whole(trainer["batches"], 0, MOST_BATCHES):
+        return f"the batch count is {trainer['batches']!r}, not a whole number from 0 to 2**62"[:300]
+    if trainer.get("seed") is not None and not _whole(trainer["seed"], -2**63, 2**64 - 1):
+        return f"the seed is {trainer['seed']!r}, not a whole number (or null)"[:300]
+    return None
+
+
 def _manifest(root: Path) -> dict[str, Any]:
-    """The manifest of the checkpoint directory ``root``, after checking that every entry is there."""
+    """The manifest of the checkpoint directory ``root``, after checking that every entry is there and every
+    count and size is in range."""
     file = root / MANIFEST
     try:
         manifest = json.loads(file.read_bytes())
-        assert isinstance(manifest, dict), "not a JSON object"
-        for key in ("identity", "files", "trainer"):
-            assert key in manifest, f"no {key!r} entry"
-        assert isinstance(manifest["identity"], dict), "'identity' is not an object"
-        assert isinstance(manifest["files"], list), "'files' is not a list"
-        for f in manifest["files"]:
-            assert isinstance(f, dict) and {"stage", "file", "bytes", "sha256"} <= set(f), \
-                f"a 'files' entry lacks stage, file, bytes or sha256: {f!r}"
-            assert "/" not in str(f["file"]) and "\\" not in str(f["file"]), f"file {f['file']!r} is not a plain name"
-        assert isinstance(manifest["trainer"], dict) and isinstance(manifest["trainer"].get("batches"), int), \
-            "'trainer' lacks the batch count"
-    except (ValueError, AssertionError, OSError) as e:
-        raise CheckpointError(f"{str(file)!r} is not a valid manifest ({e}); the checkpoint is corrupt: load an "
-                              f"earlier one") from None
+        problem = _check_manifest(manifest)
+    except (ValueError, RecursionError) as e:
+        problem = str(e)
+    except OSError as e:
+        problem = f"{type(e).__name__}: {e.strerror}"
+    if problem is not None:
+        raise CheckpointError(f"{str(file)!r} is not a valid manifest ({problem}); the checkpoint is corrupt: load "
+                              f"an earlier one")
     return manifest
 
 
 def read(path: str | os.PathLike, ident: dict[str, Any],
          stages: list[int]) -> tuple[Path, dict[str, Any], dict[int, dict[str, Any]]]:
     """The checkpoint directory read, its manifest's trainer state and the states of ``stages``, after checking
-    completeness, integrity and match.
+    completeness, integrity and match. Writes nothing: leftovers of interrupted saves are never read, and only
+    saves remove them.
 
-    Leftovers of saves whose process is gone are removed first; they are never read.
+    When a save moves ``latest`` on and removes the checkpoint being read (``keep=1``), the newer one is read,
+    up to :data:`RETRIES` times.
     """
     root = _root(path)
     if not root.is_dir():
         raise CheckpointError(f"no checkpoint at {str(root)!r}: the directory does not exist")
-    _clean(root, saving=False)
+    for _ in range(RETRIES):
+        pointed = _pointed(root)
+        try:
+            return _read_once(root, ident, stages)
+        except (CheckpointError, OSError) as e:
+            if pointed is None or _pointed(root) == pointed:  # nothing moved: the checkpoint itself is wrong
+                if isinstance(e, CheckpointError):
+                    raise
+                raise CheckpointError(f"the checkpoint under {str(root)!r} cannot be read ({type(e).__name__}: "
+                                      f"{e}); load an earlier checkpoint") from None
+    raise CheckpointError(f"the newest checkpoint under {str(root)!r} was replaced {RETRIES} times while it was "
+                          f"being read (another trainer or process keeps saving into it); load again once it "
+                          f"paused, or let it save with keep=2 or more")
+
+
+def _read_once(root: Path, ident: dict[str, Any],
+               stages: list[int]) -> tuple[Path, dict[str, Any], dict[int, dict[str, Any]]]:
     found = latest(root)
     if found is None:
         raise CheckpointError(f"no complete checkpoint in {str(root)!r} (neither {POINTER} nor {MANIFEST}): not a "
@@ -275,14 +350,17 @@ def read(path: str | os.PathLike, ident: dict[str, Any],
                         "to load it.")
         raise CheckpointError(f"checkpoint {str(found)!r} was saved for another pipeline: "
                               + "; ".join(text for _, text in diffs) + "." + "".join(ways))
-    files = {f["stage"]: f for f in manifest["files"]}
+    entries = {f["stage"]: f for f in manifest["files"]}
     states = {}
     for i in stages:
-        entry = files.get(i)
+        entry = entries.get(i)
         if entry is None:
             raise CheckpointError(f"{MANIFEST} in {str(found)!r} lists no file for stage {i}")
         file = found / entry["file"]
-        data = file.read_bytes() if file.is_file() else None
+        try:
+            data = file.read_bytes()
+        except (FileNotFoundError, IsADirectoryError):
+            data = None
         if data is None or len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
             what = "is missing" if data is None else f"has {len(data)} bytes and another sha256"
             raise CheckpointError(f"{str(file)!r} {what}; {MANIFEST} expects {entry['bytes']} bytes, sha256 "

@@ -9,11 +9,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..errors import CheckpointError, PPLLError, StageError
 from ..lowered import Lowered
 from ..plan import Plan
-from . import checkpoint
+from . import checkpoint, checkpoint_files
 from .base import Runtime
+from .runner import Runner
 
 
 class Checkpointer:
@@ -42,21 +45,45 @@ class Checkpointer:
                             f"accumulation group (accumulate={n}; {batches} batches fed); save after a "
                             f"multiple of {n} batches, or call trainer.finish() first to step on the partial group")
         rt.finish()
-        temp = rt.gather(self.agree("start the save", lambda: checkpoint.begin(path), here=rt.is_main_writer))[0]
-        work = Path(path) / temp
-        mine = self.agree("write its stages", lambda: [checkpoint.save_stage(work, s) for s in rt.states()])
-        files = [f for part in rt.gather(mine) for f in part]
-        self.agree("finish the save",
-                   lambda: checkpoint.commit(path, temp, self.identity(plan, lowered), files, trainer, keep),
-                   here=rt.is_main_writer)
+        rank = getattr(rt, "rank", 0)
+        held: list[checkpoint_files.RootLock] = []
+
+        def start() -> str:
+            held.append(checkpoint.lock(path))
+            return checkpoint.begin(path)
+
+        temp, done = None, False
+        try:
+            temp = rt.gather(self.agree("start the save", _saving(path, rank, start, paths=True),
+                                        here=rt.is_main_writer))[0]
+            work = Path(path) / temp
+            mine = self.agree("write its stages",
+                              _saving(path, rank, lambda: [checkpoint.save_stage(work, s) for s in rt.states()]))
+            entries = [f for part in rt.gather(mine) for f in part]
+            self.agree("finish the save", _saving(path, rank, lambda: checkpoint.commit(
+                path, temp, self.identity(plan, lowered), entries, trainer, keep)), here=rt.is_main_writer)
+            done = True
+        finally:
+            for lock in held:  # the main writer: what a failed save wrote goes, then the next save may start
+                if not done and temp is not None:
+                    checkpoint_files.remove_quietly(Path(path) / temp)
+                lock.release()
         return Path(path) / checkpoint.final_name(temp)
 
     def load(self, path: str | os.PathLike, *, plan: Plan, lowered: Lowered, seed: int | None) -> tuple[Path, int]:
         """Restore this process's stages from the newest complete checkpoint under ``path`` (or the checkpoint
         directory ``path``), every part checked first on every process, pending batches finished before; the directory
-        read and the batch count it was saved at. A checkpoint saved with another ``seed`` than the trainer's warns."""
+        read and the batch count it was saved at. A checkpoint saved with another ``seed`` than the trainer's warns.
+
+        Hyperparameters: the optimizers take the checkpoint's learning rate, momentum, weight decay and every other
+        value of their parameter groups (what an exact resume needs, schedulers included), not those the optimizer
+        factory gave. Where the two differ, one warning names each stage and value (``stage 0: lr 0.1 -> 0.05 (from
+        the checkpoint)``); to train on with the factory's values, set them again after the load (``for g in
+        opt.param_groups: g['lr'] = 0.1`` for every ``opt`` in ``trainer.runners[i].optimizers``). Under a
+        scheduler, ``initial_lr`` is compared instead of the ``lr`` it drives. A normal resume warns nothing."""
         self._runtime.finish()
         found, trainer, states = self.agree("read the checkpoint", lambda: self._read(path, plan, lowered))
+        changed = [c for r in self._runtime.runners for c in hyperparameter_changes(r, states[r.index])]
         for r in self._runtime.runners:
             r.load_state_dict(states[r.index])
         if "seed" in trainer and trainer["seed"] != seed:
@@ -64,6 +91,12 @@ class Checkpointer:
                           f"seed={seed!r}, so dropout and other training randomness continue on other "
                           f"streams than an uninterrupted run (build the trainer with seed={trainer['seed']!r} "
                           f"to continue it exactly)", stacklevel=3)  # the caller of trainer.load(...)
+        if changed:
+            warnings.warn(f"checkpoint {str(found)!r} replaced optimizer hyperparameters the optimizer factory gave: "
+                          + "; ".join(changed) + ". The checkpoint's values are kept (they resume the run exactly); "
+                          "to train with the factory's, set them again after load, e.g. for g in "
+                          "opt.param_groups: g['lr'] = ... for every opt in trainer.runners[i].optimizers",
+                          stacklevel=3)
         self._runtime.barrier()
         return found, int(trainer["batches"])
 
@@ -109,3 +142,44 @@ class Checkpointer:
                                   + "; ".join(problems[:8]) + (" ..." if len(problems) > 8 else "")
                                   + ". Load it into a trainer built as the one that saved it")
         return found, trainer, states
+
+
+def _saving(path: Any, rank: int, fn: Callable[[], Any], *, paths: bool = False) -> Callable[[], Any]:
+    """``fn`` (a step of a save into ``path`` on ``rank``) whose operating-system errors (and, with ``paths``,
+    odd paths) raise the CheckpointError of :func:`.checkpoint.save_failure`."""
+    def run() -> Any:
+        try:
+            return fn()
+        except CheckpointError:
+            raise
+        except OSError as e:
+            raise checkpoint.save_failure(path, rank, e) from None
+        except ValueError as e:
+            if not paths:
+                raise
+            raise checkpoint.save_failure(path, rank, e) from None
+    return run
+
+
+def _shown(value: Any) -> str:
+    return repr(value.tolist() if isinstance(value, torch.Tensor) else value)
+
+
+def hyperparameter_changes(runner: Runner, state: dict[str, Any]) -> list[str]:
+    """Each hyperparameter of ``runner``'s optimizers that loading ``state`` (its stage's checkpoint state) would
+    change, as ``stage 0: lr 0.1 -> 0.05 (from the checkpoint)``. Under a scheduler (``initial_lr`` in both),
+    ``initial_lr`` is compared and not the ``lr`` it drives."""
+    out = []
+    optimizers = runner.optimizers
+    for j, (opt, saved) in enumerate(zip(optimizers, state["optimizers"])):
+        groups = opt.param_groups
+        for g, (ours, theirs) in enumerate(zip(groups, saved["param_groups"])):
+            where = f"stage {runner.index}" + (f" optimizer {j}" if len(optimizers) > 1 else "") \
+                + (f" group {g}" if len(groups) > 1 else "")
+            scheduled = "initial_lr" in ours and "initial_lr" in theirs
+            for key, value in ours.items():
+                if key == "params" or (scheduled and key == "lr") or key not in theirs:
+                    continue
+                if _shown(value) != _shown(theirs[key]):
+                    out.append(f"{where}: {key} {_shown(value)} -> {_shown(theirs[key])} (from the checkpoint)")
+    return out
