@@ -29,7 +29,7 @@ from .partition import StageRequest, ppll_layout, segment_costs, stage_request, 
 from .pipebd.build import compile_pipebd, plan_pipebd
 from .pipeline import CompiledPipeline
 from .plan import Plan
-from .plan_share import form_group, receive_plan, request_of, send_failure, send_plan, shared_note, shared_ranks
+from .runtime.plan_share import form_group, receive_plan, request_of, send_failure, send_plan, shared_note, shared_ranks
 from .plan_specs import HeadSpec
 from .policy import Policy, load_policy
 
@@ -86,7 +86,7 @@ def compile(model: nn.Module, gpus: int | None = None, *, teacher: nn.Module | N
     (``WORLD_SIZE`` equal to the plan's world size) the stage of this ``RANK``, its head with it: the other
     stages stay on meta, and a runtime refuses to run them. The plan's notes say how the model was materialised.
 
-    One plan for every rank (``share_plan=True``, see :mod:`ppll_compile.plan_share`): under ``torchrun``, when the
+    One plan for every rank (``share_plan=True``, see :mod:`ppll_compile.runtime.plan_share`): under ``torchrun``, when the
     call asks for as many devices as there are processes, rank 0 plans (or re-applies ``plan=``) and every other rank
     lowers rank 0's plan, so calibration caches and timings that differ between processes cannot split the pipeline;
     every rank must then call ``compile()`` (it forms the default process group if there is none). A rank that asked

@@ -16,7 +16,7 @@ from .errors import PolicyError, PPLLError, TraceError
 from .head_types import head_type_for
 from .lowered import Lowered, Stage
 from .plan import Plan
-from .plan_share import formed_group, take_over_group
+from .runtime.plan_share import formed_group, take_over_group
 from .policy import load_policy
 from .runtime import Trainer
 from .runtime.registry import runtime_class
@@ -89,7 +89,7 @@ class CompiledPipeline:
         then follow it.
 
         Under ``torchrun``, a trainer with a runtime that runs one process per stage (``distributed``) takes over the
-        process group ``compile()`` formed (see :mod:`ppll_compile.plan_share`): its ``timeout=`` applies to the group,
+        process group ``compile()`` formed (see :mod:`ppll_compile.runtime.plan_share`): its ``timeout=`` applies to the group,
         and its ``close()`` releases the group, as for a group the runtime forms itself.
         """
         replanner = Replanner(self, options.get("rebalance_policy")) if self.plan.mode == "ppll" else None

@@ -38,6 +38,7 @@ import dataclasses
 import json
 import os
 import platform
+import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -489,9 +490,10 @@ def device_figures(device: torch.device, threads: int = 1, *, calls: Iterable[tu
         cache[key] = {**figures.to_dict(), "source": "measured"}
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(cache))
-            os.replace(tmp, path)
+            with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp",
+                                             delete=False) as f:  # a random name, created exclusively
+                f.write(json.dumps(cache))
+            os.replace(f.name, path)
         except OSError:
-            pass  # a read-only home: the figures hold for this process
+            pass  # a read-only home or a full disk: the figures hold for this process
     return figures

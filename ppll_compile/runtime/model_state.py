@@ -12,6 +12,7 @@ folded back as the plan's notes say: the model's entry, under every name it has,
 
 from __future__ import annotations
 
+import io
 import os
 from collections import OrderedDict
 from pathlib import Path
@@ -24,6 +25,7 @@ from ..errors import PPLLError
 from ..lowered import Lowered
 from ..plan import Plan
 from .base import Runtime
+from .checkpoint_files import replace_with
 from .checkpointer import Checkpointer
 
 Part = dict[str, tuple[int, Tensor]]
@@ -182,37 +184,21 @@ def model_format(path: Path) -> tuple[Path, str]:
 
 def write_state(state: OrderedDict[str, Any], path: Path) -> Path:
     """Write ``state`` to ``path`` in the format its name says (see :func:`model_format`), atomically: into a
-    temporary file beside it, flushed to disk, then renamed over ``path``."""
+    temporary file beside it under a random name, created exclusively (a link planted there is never followed),
+    flushed to disk, then renamed over ``path`` (see :func:`.checkpoint_files.replace_with`)."""
     target, fmt = model_format(path)
     if fmt == "safetensors":
         odd = [k for k, v in state.items() if not isinstance(v, Tensor)]
         if odd:
             raise PPLLError(f"the model's state holds {len(odd)} entries that are not tensors ({', '.join(odd[:3])}), "
                             f"which safetensors cannot store; save to a .pt path to write them with torch.save")
+        data = _safetensors().save(_unshared(state), metadata={"format": "pt"})
+    else:
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        data = buffer.getvalue()
     target.parent.mkdir(parents=True, exist_ok=True)
-    temp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    try:
-        if fmt == "safetensors":
-            open(temp, "wb").close()  # the permissions this process gives new files, which safetensors does not
-            mode = temp.stat().st_mode
-            _safetensors().save_file(_unshared(state), str(temp), metadata={"format": "pt"})
-            os.chmod(temp, mode)
-        else:
-            with open(temp, "wb") as f:
-                torch.save(state, f)
-        with open(temp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(temp, target)
-    finally:
-        temp.unlink(missing_ok=True)
-    try:
-        fd = os.open(target.parent, os.O_RDONLY)
-    except OSError:  # a platform without directory handles
-        return target
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    replace_with(target, data)
     return target
 
 

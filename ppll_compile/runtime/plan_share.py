@@ -31,10 +31,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import PPLLError
-from .options import PlanOptions, SavedPlan
-from .plan import Plan
-from .runtime.group import init_group, rank_device, release
+from ..errors import PPLLError
+from ..options import PlanOptions, SavedPlan
+from ..plan import Plan
+from .group import init_group, rank_device, release
 
 PLAN_TIMEOUT = 1800.0
 """Seconds the ranks wait for rank 0's plan (the timeout of a process group ``compile()`` forms)."""
