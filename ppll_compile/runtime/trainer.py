@@ -293,7 +293,8 @@ class Trainer(DataLoops, ModelState):
         class; every tensor's name, shape and dtype; files against their digests): on any error every
         process raises :class:`~.checkpoint.CheckpointError` and no state has changed. The batch count is
         restored too, so the stages' random streams continue where they stopped; a checkpoint saved with
-        another ``seed`` loads with a warning (training continues on other streams).
+        another ``seed`` loads with a warning (training continues on other streams). The optimizers take the
+        checkpoint's hyperparameters (lr, momentum, ...); one warning names each that differs from the factory's.
         """
         found, self.batches = self._checkpoints.load(path, plan=self.plan, lowered=self.lowered, seed=self.seed)
         self._open = 0
