@@ -55,7 +55,7 @@ def test_ranks_with_different_caches_train_rank_0s_plan_and_heads(tmp_path, monk
     monkeypatch.delenv("PPLL_CACHE_DIR")
 
     run_gloo_workers(HERE / "one_plan_worker.py", 3, tmp_path, timeout=300)
-    records = [torch.load(tmp_path / f"rank-{r}.pt") for r in range(3)]
+    records = [torch.load(tmp_path / f"rank-{r}.pt", weights_only=True) for r in range(3)]
 
     assert [r["plan"] for r in records] == [records[0]["plan"]] * 3  # the same plan file text on every rank
     plan = Plan.from_json(records[0]["plan"])

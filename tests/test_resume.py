@@ -123,11 +123,11 @@ def test_a_distributed_run_whose_rank_0_is_killed_resumes_to_the_parameters_of_o
     killed = [json.loads(line)["killed"] for line in text.splitlines() if line.startswith('{"killed"')]
     assert killed[0][0] == -9 and killed[0][1] != 0, text[-3000:]
     for rank in range(2):
-        ref, resumed = torch.load(tmp_path / f"ref-{rank}.pt"), torch.load(tmp_path / f"resume-{rank}.pt")
+        ref, resumed = (torch.load(tmp_path / f"{run}-{rank}.pt", weights_only=True) for run in ("ref", "resume"))
         assert ref["states"].keys() == resumed["states"].keys() == {rank}
         for name, value in ref["states"][rank].items():
             assert torch.equal(resumed["states"][rank][name], value), (rank, name)
-    assert torch.load(tmp_path / "resume-0.pt")["batches"] == 2 * RESUME_EPOCH
+    assert torch.load(tmp_path / "resume-0.pt", weights_only=True)["batches"] == 2 * RESUME_EPOCH
 
 
 # ---- failed saves ---------------------------------------------------------------------------------------------
