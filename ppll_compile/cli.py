@@ -36,8 +36,10 @@ from .optimizers import OPTIMIZERS
 from .options import PROFILES, TIED, TRACERS, PlanOptions, read_saved_plan
 from .partitioners import SOLVERS
 from .plan import Plan
+from .plan_file import read_plan_document
 from .plan_specs import HeadSpec
 from .policies import distill_names, names
+from .policy import check_plan_heads
 from .profile import first_device
 from .roofline import FIGURES_ENV
 
@@ -376,6 +378,8 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO, parser: argparse.Ar
     options = _options(args)
     PlanOptions.make(**options)  # fail on a bad flag combination before the (slow) model load
     path = Path(args.model_file)
+    if args.plan is not None:  # sizes first: a plan asking for more than a device holds fails before anything else
+        check_plan_heads(read_plan_document(args.plan), args.plan)
     saved = read_saved_plan(args.plan) if args.plan is not None else None  # a bad plan file fails before the load
     distill = args.mode == "pipebd" or (args.mode is None and saved is not None and saved.mode == "pipebd")
     if args.blocks is not None and not distill:
@@ -477,13 +481,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _USER_ERRORS as e:
         if args.debug:
             traceback.print_exc()
-        print(f"{_PROG}: error: {cli_worded(str(e), parser)}", file=sys.stderr)
+        text = re.split(r"\n(?:Exception raised from|frame #)", str(e), maxsplit=1)[0].rstrip()  # no C++ frames
+        print(f"{_PROG}: error: {cli_worded(text, parser)}", file=sys.stderr)
         return 2
     except Exception as e:
         if args.debug:
             traceback.print_exc()
-        hint = "" if args.debug else "; rerun with --debug for the traceback"
-        print(f"{_PROG}: internal error: {type(e).__name__}: {e}{hint}", file=sys.stderr)
+        hint = "" if args.debug else "; rerun with --debug for the traceback"  # and torch's C++ frames, if any
+        first = str(e).strip().split("\n")[0]
+        print(f"{_PROG}: internal error: {type(e).__name__}: {first}{hint}", file=sys.stderr)
         return 1
     return 0
 
