@@ -16,7 +16,9 @@ import ppll_compile.cli
 from ppll_compile import Plan, PlanError, PolicyError
 from ppll_compile.cli import main
 from ppll_compile.head_types import head_type
+from ppll_compile.errors import ModelFileError
 from ppll_compile.heads import build_head
+from ppll_compile.model_file import load_model
 from ppll_compile.plan_specs import TensorSpec
 from ppll_compile.policy import check_plan_heads, load_policy
 
@@ -344,3 +346,18 @@ def test_ppll_plan_prints_no_cpp_frames(tmp_path, capsys, monkeypatch):
                     ")\n\ndef example_inputs():\n    return ()\n")
     assert cli_error([huge, "--gpus", "2"], capsys) == (
         f"ppll-plan: error: build_model() in {huge} raised RuntimeError: too big\n")
+
+
+def test_a_model_file_error_carries_no_cpp_frames(tmp_path):
+    path = tmp_path / "huge.py"
+    path.write_text("import torch\n\ndef build_model():\n    return torch.nn.Linear(2**62, 4)\n\n"
+                    "def example_inputs():\n    return ()\n")
+    torch_message = "Storage size calculation overflowed with sizes=[4, 4611686018427387904]"
+    with pytest.raises(ModelFileError) as e:
+        load_model(path)
+    assert str(e.value) == f"build_model() in {path} raised RuntimeError: {torch_message}"
+    path.write_text("def build_model():\n    raise RuntimeError('too big\\nException raised from f at x.cpp:1\\n"
+                    "frame #0: c10::f()')\n")
+    with pytest.raises(ModelFileError) as e:
+        load_model(path)
+    assert str(e.value) == f"build_model() in {path} raised RuntimeError: too big"
