@@ -361,3 +361,27 @@ def test_a_model_file_error_carries_no_cpp_frames(tmp_path):
     with pytest.raises(ModelFileError) as e:
         load_model(path)
     assert str(e.value) == f"build_model() in {path} raised RuntimeError: too big"
+
+
+FLAGS = [
+    ("--gpus", "a positive integer, at most 4096 (the most devices a plan may use)"),
+    ("--gpus-per-node", "a positive integer, at most 4096 (the most devices a plan may use)"),
+    ("--batch-size", "a positive integer, at most 2147483647 (torch's 32-bit batch indices)"),
+    ("--num-classes", "a positive integer, at most 16777216 (64 x the largest vocabulary)"),
+    ("--steps", "a positive integer, at most 1000000 (more batches take minutes to simulate)"),
+    ("--queue-depth", "a positive integer, at most 1000000 (more batches take minutes to simulate)"),
+]
+
+
+@pytest.mark.parametrize("flag, expected", FLAGS, ids=[f for f, _ in FLAGS])
+def test_ppll_plan_flags_are_bounded(capsys, flag, expected):
+    assert main(["model.py", flag, str(2**70)]) == 2
+    _, err = capsys.readouterr()
+    assert err.endswith(f"ppll-plan: error: argument {flag}: invalid value '{2**70}'; expected {expected}\n")
+
+
+def test_ppll_plan_replicas_flag_is_bounded(capsys):
+    assert main(["model.py", "--replicas", f"1,{2**70}"]) == 2
+    _, err = capsys.readouterr()
+    assert err.endswith(f"ppll-plan: error: argument --replicas: invalid replicas '1,{2**70}'; expected auto, none, a "
+                        f"cap (e.g. 2) or one count per stage (e.g. 1,2), each from 1 to 4096 (the most devices)\n")
