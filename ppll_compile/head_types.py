@@ -18,9 +18,9 @@ from torch import Tensor, nn
 from .errors import PolicyError
 from .head_modules import CIFAR_MEAN, CIFAR_STD, AuxHead, InfoProHead, MomentumHead, meta_copies
 from .output_head import output_layers, projection_head
-from .head_registry import (MAX_DEPTH, MAX_EVERY, MAX_SIDE, MAX_WIDTH, BlockUse, HeadRequest, HeadType, bounded,
-                            bounded_number, head_type, head_type_for, head_type_names, register_head_type,
-                            unregister_head_type)
+from .head_registry import (LARGEST_DEVICE_BYTES, MAX_DEPTH, MAX_EVERY, MAX_SIDE, MAX_WIDTH, BlockUse, HeadRequest,
+                            HeadType, bounded, bounded_number, head_type, head_type_for, head_type_names,
+                            register_head_type, unregister_head_type)
 from .plan import format_bytes
 from .schema import choice, fraction, per_channel, ramp
 
@@ -364,7 +364,8 @@ BUILT_IN = tuple(register_head_type(t).name for t in (
         # steps between two weight transfers from the next stage
         "every": bounded(1, 1, MAX_EVERY, "more steps than a training run takes"),
         "pool": choice("mean", "cls", "mean"),  # then pool (CLS token or mean) and one trained linear layer
-    }, fixed={"feature_map": {"pool": "mean"}}, derived={"mirror_bytes": bounded(0, 0, 2**62, "bytes")}),
+    }, fixed={"feature_map": {"pool": "mean"}}, derived={
+        "mirror_bytes": bounded(0, 0, LARGEST_DEVICE_BYTES, "the largest device's memory")}),
     HeadType(name="token", kinds=("sequence", "channels_last"), build=_plain(_token_net), options={
         "pool": choice("cls", "cls", "mean"),  # CLS token (index 0) or the mean over tokens
     }, fixed={"channels_last": {"pool": "mean"}}),  # a map has no CLS token: LayerNorm(C), mean over H x W
