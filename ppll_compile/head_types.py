@@ -18,8 +18,8 @@ from torch import Tensor, nn
 from .errors import PolicyError
 from .head_modules import CIFAR_MEAN, CIFAR_STD, AuxHead, InfoProHead, MomentumHead, meta_copies
 from .output_head import output_layers, projection_head
-from .head_registry import (LARGEST_DEVICE_BYTES, MAX_DEPTH, MAX_EVERY, MAX_SIDE, MAX_WIDTH, BlockUse, HeadRequest,
-                            HeadType, bounded, bounded_number, head_type, head_type_for, head_type_names,
+from .head_registry import (LARGEST_DEVICE, LARGEST_DEVICE_BYTES, MAX_DEPTH, MAX_EVERY, MAX_SIDE, MAX_WIDTH, BlockUse,
+                            HeadRequest, HeadType, bounded, bounded_number, head_type, head_type_for, head_type_names,
                             register_head_type, unregister_head_type)
 from .plan import format_bytes
 from .schema import choice, fraction, per_channel, ramp
@@ -140,7 +140,8 @@ def _infopro_head(r: HeadRequest) -> InfoProHead:
     o = r.options
     net, decoder = _infopro_nets(o, r.shape, r.num_classes, r.input_shape)
     _check_stats(o, r.input_shape)  # type: ignore[arg-type]  # an image shape, checked above
-    return InfoProHead(net, decoder, r.loss, reconstruction=o["reconstruction"], mean=o["mean"], std=o["std"])
+    return _fitting(InfoProHead(net, decoder, r.loss, reconstruction=o["reconstruction"], mean=o["mean"],
+                                std=o["std"]), r)
 
 
 class _Blocks(nn.Module):
@@ -234,8 +235,8 @@ def _transformer_head(r: HeadRequest) -> AuxHead:
     trunk = _copies(r.blocks, o, r.kind, r.shape) if o["init"] == "copy" else _fresh_blocks(o, d)
     if o["init"] == "copy" and r.blocks is not None:
         d = _out_shape(_Blocks(trunk), r.shape, "head type 'transformer' (init: copy)", "use init: fresh")[-1]
-    return AuxHead(nn.Sequential(_Blocks(trunk), nn.LayerNorm(d), _Pool(r.kind, o["pool"]),
-                                 nn.Linear(d, r.num_classes)), r.loss)
+    return _fitting(AuxHead(nn.Sequential(_Blocks(trunk), nn.LayerNorm(d), _Pool(r.kind, o["pool"]),
+                                          nn.Linear(d, r.num_classes)), r.loss), r)
 
 
 def _momentum_head(r: HeadRequest) -> MomentumHead:
@@ -250,7 +251,19 @@ def _momentum_head(r: HeadRequest) -> MomentumHead:
 
 def _plain(net: Any) -> Any:
     """The builder of a head that is ``net(options, kind, shape, num_classes)`` under the plain local loss."""
-    return lambda r: AuxHead(net(r.options, r.kind, r.shape, r.num_classes), r.loss)
+    return lambda r: _fitting(AuxHead(net(r.options, r.kind, r.shape, r.num_classes), r.loss), r)
+
+
+def _fitting(head: AuxHead, r: HeadRequest) -> AuxHead:
+    """``head``, unless its float32 parameters exceed the largest device's memory (planning builds it on the meta
+    device, so nothing is allocated before this check)."""
+    count = sum(p.numel() for p in head.parameters())
+    if 4 * count > LARGEST_DEVICE_BYTES:
+        raise PolicyError(f"head type {r.options['type']!r} on the boundary of shape {tuple(r.shape)} has {count:,} "
+                          f"parameters, {format_bytes(4 * count)} in float32, more than the "
+                          f"{format_bytes(LARGEST_DEVICE_BYTES)} of the largest device ({LARGEST_DEVICE}); make it "
+                          f"narrower or shallower")
+    return head
 
 
 def stage_weights(ramp: Sequence[float], stage: int, stages: int) -> float:

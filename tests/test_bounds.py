@@ -385,3 +385,13 @@ def test_ppll_plan_replicas_flag_is_bounded(capsys):
     _, err = capsys.readouterr()
     assert err.endswith(f"ppll-plan: error: argument --replicas: invalid replicas '1,{2**70}'; expected auto, none, a "
                         f"cap (e.g. 2) or one count per stage (e.g. 1,2), each from 1 to 4096 (the most devices)\n")
+
+
+def test_a_head_too_big_on_its_boundary_is_refused_when_built_on_the_meta_device():
+    spec = TensorSpec(name="x", shape=(2, 16384, 2, 2), dtype="float32", bytes=2 * 16384 * 4 * 4)
+    count = 100 * (9 * 16384**2 + 2 * 16384) + 16384 * 4 + 1  # conv3x3-BN layers keeping 16384 channels, Linear
+    with torch.device("meta"), pytest.raises(PolicyError) as e:
+        build_head({"type": "conv", "width": 0, "depth": 100}, spec, 1)
+    assert str(e.value) == (f"head type 'conv' on the boundary of shape (2, 16384, 2, 2) has {count:,} parameters, "
+                            f"900.0 GiB in float32, more than the 178.8 GiB of the largest device (mi300x); make it "
+                            f"narrower or shallower")
