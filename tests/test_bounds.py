@@ -395,3 +395,21 @@ def test_a_head_too_big_on_its_boundary_is_refused_when_built_on_the_meta_device
     assert str(e.value) == (f"head type 'conv' on the boundary of shape (2, 16384, 2, 2) has {count:,} parameters, "
                             f"900.0 GiB in float32, more than the 178.8 GiB of the largest device (mi300x); make it "
                             f"narrower or shallower")
+
+
+def test_a_plan_file_given_to_plan_is_bounded_as_ppll_plan_reads_it(good, tmp_path):
+    """``plan(model, plan=file)`` reads the file through the same checks as ``Plan.load`` and ``ppll-plan --plan``."""
+    d = copy.deepcopy(good)
+    d["stages"][0]["replicas"] = 2**70
+    file = tmp_path / "plan.json"
+    file.write_text(json.dumps(d))
+    with pytest.raises(PlanError) as e:
+        ppll_compile.plan(Net(), 2, example_inputs=(torch.randn(2, 3, 4, 4),), plan=file)
+    assert str(e.value) == f"{file}: {PLAN_FIELDS[0][2]}{WAY_OUT}"
+    d = copy.deepcopy(good)
+    d["stages"][0]["head"]["config"] = {"type": "conv", "depth": 2**70}
+    file.write_text(json.dumps(d))
+    with pytest.raises(PolicyError) as e:
+        ppll_compile.plan(Net(), 2, example_inputs=(torch.randn(2, 3, 4, 4),), plan=file)
+    assert str(e.value) == (f"{file}: stages[0].head.config.depth must be an integer from 0 to 1024 (deeper than "
+                            "ResNet-1001's trunk), got 1180591620717411303424")
