@@ -6,7 +6,6 @@ Example::
     ppll-plan examples/resnet32.py --plan plan.yaml --show      # re-apply a (hand-edited) plan, costs as saved
     ppll-plan examples/pipebd_mobilenet.py --mode pipebd --gpus 4 # blockwise distillation
     ppll-plan examples/resnet32.py --gpus 4 --simulate --plot cost.png --graph graph.svg --gantt gantt.png
-    ppll-plan --gantt measured.png --trace trace.json               # a timeline recorded with trace=True
     ppll-plan --recalibrate --gpus 2 --figures figures.json         # measure this machine's figures again
 
 MODEL.py defines ``build_model()`` and ``example_inputs()``, and for ``--mode pipebd`` also ``build_teacher()``;
@@ -36,8 +35,10 @@ from .optimizers import OPTIMIZERS
 from .options import PROFILES, TIED, TRACERS, PlanOptions, read_saved_plan
 from .partitioners import SOLVERS
 from .plan import Plan
+from .plan_file import MAX_BATCH, MAX_CLASSES, MAX_DEVICES, read_plan_document
 from .plan_specs import HeadSpec
 from .policies import distill_names, names
+from .policy import check_plan_heads
 from .profile import first_device
 from .roofline import FIGURES_ENV
 
@@ -102,14 +103,14 @@ def _parse_size(text: str) -> int:
     return value
 
 
-def _positive(convert: Callable[[str], Any], expected: str) -> Callable[[str], Any]:
-    """An argparse type: ``convert(text)``, which must be a positive finite number."""
+def _positive(convert: Callable[[str], Any], expected: str, high: float = float("inf")) -> Callable[[str], Any]:
+    """An argparse type: ``convert(text)``, which must be a positive finite number, at most ``high``."""
     def parse(text: str) -> Any:
         try:
             value = convert(text)
         except ValueError:
             value = None
-        if value is None or not 0 < value < float("inf"):
+        if value is None or not 0 < value < float("inf") or value > high:
             raise argparse.ArgumentTypeError(f"invalid value {text!r}; expected {expected}")
         return value
     return parse
@@ -117,6 +118,10 @@ def _positive(convert: Callable[[str], Any], expected: str) -> Callable[[str], A
 
 _positive_int = _positive(int, "a positive integer")
 _positive_float = _positive(float, "a positive number, e.g. 25e9")
+_devices = _positive(int, f"a positive integer, at most {MAX_DEVICES} (the most devices a plan may use)", MAX_DEVICES)
+_batch = _positive(int, f"a positive integer, at most {MAX_BATCH} (torch's 32-bit batch indices)", MAX_BATCH)
+_classes = _positive(int, f"a positive integer, at most {MAX_CLASSES} (64 x the largest vocabulary)", MAX_CLASSES)
+_batches = _positive(int, "a positive integer, at most 1000000 (more batches take minutes to simulate)", 10**6)
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -139,9 +144,9 @@ def _replicas(text: str) -> bool | int | tuple[int, ...]:
         counts = tuple(int(v) for v in low.split(","))
     except ValueError:
         counts = ()
-    if not counts or any(c < 1 for c in counts):
-        raise argparse.ArgumentTypeError(f"invalid replicas {text!r}; expected auto, none, a positive cap (e.g. 2) "
-                                         f"or one count per stage (e.g. 1,2)")
+    if not counts or any(not 1 <= c <= MAX_DEVICES for c in counts):
+        raise argparse.ArgumentTypeError(f"invalid replicas {text!r}; expected auto, none, a cap (e.g. 2) or one count "
+                                         f"per stage (e.g. 1,2), each from 1 to {MAX_DEVICES} (the most devices)")
     return counts if "," in low else counts[0]
 
 
@@ -172,7 +177,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("model_file", metavar="MODEL.py", nargs="?",
                    help="Python file defining build_model() and example_inputs()")
     g = p.add_argument_group("devices")
-    g.add_argument("--gpus", type=_positive_int, metavar="N", help="number of devices, one stage each")
+    g.add_argument("--gpus", type=_devices, metavar="N", help="number of devices, one stage each")
     g.add_argument("--devices", type=_names, metavar="DEV,...", help="device per stage, e.g. cuda:0,cuda:1")
     g.add_argument("--device-speeds", type=_speeds, metavar="S,...", help="relative speed per device, e.g. 1,1,0.5,0.5")
     g.add_argument("--memory-limit", type=_parse_size, metavar="SIZE", help="per-device memory cap, e.g. 16GiB")
@@ -185,7 +190,7 @@ def _parser() -> argparse.ArgumentParser:
                    f"nothing timed here: {presets}, or a figures file (--calibrate --figures on the training machine "
                    "writes one); its memory is the default --memory-limit, its intra-node link the default "
                    "--link-bandwidth")
-    g.add_argument("--gpus-per-node", type=_positive_int, metavar="N",
+    g.add_argument("--gpus-per-node", type=_devices, metavar="N",
                    help="devices per node: stage replicas take consecutive devices, device d on node d // N")
     g.add_argument("--intra-node-bandwidth", type=_positive_float, metavar="BYTES_PER_S",
                    help="bytes per second of a link inside a node (default: --link-bandwidth)")
@@ -202,7 +207,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--policy", metavar="NAME|FILE", help=f"aux-head policy: a shipped name ({', '.join(names())}) "
                    f"or a YAML file {_default('policy')}; pipebd: the distillation losses ({', '.join(distill_names())}"
                    f") or a YAML file (default: pipebd)")
-    g.add_argument("--batch-size", type=_positive_int, metavar="B", help="batch size to plan for (default: the example "
+    g.add_argument("--batch-size", type=_batch, metavar="B", help="batch size to plan for (default: the example "
                    "inputs' first dimension)")
     g.add_argument("--partitioner", metavar="NAME",
                    help=f"exact or a baseline: {', '.join(sorted(set(SOLVERS) - {'exact'}))} {_default('partitioner')}")
@@ -214,7 +219,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--split-points", type=_names, metavar="A,B", help="cut by hand after these modules or nodes")
     g.add_argument("--leaf-modules", type=_names, metavar="M,...", help="submodules (qualified names, e.g. layer1.0) "
                    "that torch.fx symbolic tracing keeps opaque, one node each")
-    g.add_argument("--num-classes", type=_positive_int, metavar="C", help="classes the aux heads predict (default: "
+    g.add_argument("--num-classes", type=_classes, metavar="C", help="classes the aux heads predict (default: "
                    "the size of a 2-D model output)")
     g.add_argument("--tracer", choices=TRACERS, help="capture with torch.fx symbolic tracing (fx), torch.export "
                    f"(export), or auto: fx, else export {_default('tracer')}")
@@ -235,9 +240,9 @@ def _parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("simulation and pictures")
     g.add_argument("--simulate", action="store_true", help="print the simulated schedule: throughput, warm-up, "
                    "per-stage utilisation and idle time (links at --link-bandwidth)")
-    g.add_argument("--steps", type=_positive_int, metavar="N", help="batches to simulate (default 64; --gantt: "
+    g.add_argument("--steps", type=_batches, metavar="N", help="batches to simulate (default 64; --gantt: "
                    "4 per stage)")
-    g.add_argument("--queue-depth", type=_positive_int, default=2, metavar="N",
+    g.add_argument("--queue-depth", type=_batches, default=2, metavar="N",
                    help="batches a stage may hold for the next one (default 2, as the trainer)")
     g.add_argument("--cores", type=_positive_int, default=os.cpu_count() or 1, metavar="N",
                    help="CPU cores the simulated CPU stages share (default: this machine's)")
@@ -376,6 +381,8 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO, parser: argparse.Ar
     options = _options(args)
     PlanOptions.make(**options)  # fail on a bad flag combination before the (slow) model load
     path = Path(args.model_file)
+    if args.plan is not None:  # sizes first: a plan asking for more than a device holds fails before the rest
+        check_plan_heads(read_plan_document(args.plan), args.plan)
     saved = read_saved_plan(args.plan) if args.plan is not None else None  # a bad plan file fails before the load
     distill = args.mode == "pipebd" or (args.mode is None and saved is not None and saved.mode == "pipebd")
     if args.blocks is not None and not distill:
@@ -474,16 +481,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     try:
         _run(args, sys.stdout, sys.stderr, parser)
-    except _USER_ERRORS as e:
-        if args.debug:
-            traceback.print_exc()
-        print(f"{_PROG}: error: {cli_worded(str(e), parser)}", file=sys.stderr)
-        return 2
     except Exception as e:
         if args.debug:
             traceback.print_exc()
-        hint = "" if args.debug else "; rerun with --debug for the traceback"
-        print(f"{_PROG}: internal error: {type(e).__name__}: {e}{hint}", file=sys.stderr)
+        if isinstance(e, _USER_ERRORS):
+            text = re.split(r"\n(?:Exception raised from|frame #)", str(e), maxsplit=1)[0].rstrip()  # no C++ frames
+            print(f"{_PROG}: error: {cli_worded(text, parser)}", file=sys.stderr)
+            return 2
+        hint = "" if args.debug else "; rerun with --debug for the traceback"  # and torch's C++ frames, if any
+        first = str(e).strip().split("\n")[0]
+        print(f"{_PROG}: internal error: {type(e).__name__}: {first}{hint}", file=sys.stderr)
         return 1
     return 0
 

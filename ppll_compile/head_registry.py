@@ -10,8 +10,39 @@ from typing import Any
 from torch import nn
 
 from .errors import PolicyError
+from .hardware import PRESETS
 from .head_modules import AuxHead
 from .schema import Opt
+
+MAX_DEPTH = 1024
+"""The most layers (or blocks) a head option may ask for: more than the deepest trunks trained (ResNet-1001); every
+layer is built and measured while planning, so a deeper head would take minutes to plan before failing."""
+MAX_WIDTH = 2**20
+"""The most channels (hidden units, rank) a head option may ask for: one width x width layer this wide holds 2**40
+parameters, 4 TiB in float32, more than any device holds."""
+MAX_SIDE = 256
+"""The largest pool output side or stride a head option may ask for: more than the side of any map a head reads
+(ImageNet's first map is 112 x 112)."""
+MAX_EVERY = 10**6
+"""The most steps between two weight transfers: more steps than a training run takes (the head would never follow)."""
+_LARGEST = max(PRESETS.values(), key=lambda h: h.memory_bytes or 0)
+LARGEST_DEVICE_BYTES: int = _LARGEST.memory_bytes or 0
+"""Memory of the largest device ppll-compile knows (its hardware presets): a head whose float32 parameters alone
+exceed it fits no device."""
+LARGEST_DEVICE: str = _LARGEST.name
+"""The preset name of that device."""
+
+
+def bounded(default: int, low: int, high: int, why: str) -> Opt:
+    """An integer option from ``low`` to ``high``; ``why`` says what the ceiling guards against (in its errors)."""
+    return Opt(default, f"an integer from {low} to {high} ({why})",
+               lambda v: isinstance(v, int) and not isinstance(v, bool) and low <= v <= high)
+
+
+def bounded_number(default: float, high: float, why: str) -> Opt:
+    """A finite number > 0 and at most ``high``; ``why`` says what the ceiling guards against."""
+    return Opt(default, f"a number > 0 and at most {high:g} ({why})",
+               lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= high)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,6 +118,10 @@ class HeadType:
     (or a call that returns ``None``): the loss section as it is."""
     notes: Callable[[Mapping[str, Any], int, float], list[str]] | None = None
     """What the plan says about such a head at stage ``i`` (its config, ``i``, the link bandwidth)."""
+    least_params: Callable[[Mapping[str, Any]], int] | None = None
+    """The fewest parameters a checked config of the type has on any boundary (one channel, one class): a config
+    whose float32 parameters would exceed :data:`LARGEST_DEVICE_BYTES` anyway is refused when the policy or plan is
+    read, before anything is built. ``None``: no such floor (the head's size follows the model's blocks)."""
 
 
 _TYPES: dict[str, HeadType] = {}

@@ -18,10 +18,11 @@ from torch import Tensor, nn
 from .errors import PolicyError
 from .head_modules import CIFAR_MEAN, CIFAR_STD, AuxHead, InfoProHead, MomentumHead, meta_copies
 from .output_head import output_layers, projection_head
-from .head_registry import (BlockUse, HeadRequest, HeadType, head_type, head_type_for, head_type_names,
+from .head_registry import (LARGEST_DEVICE, LARGEST_DEVICE_BYTES, MAX_DEPTH, MAX_EVERY, MAX_SIDE, MAX_WIDTH, BlockUse,
+                            HeadRequest, HeadType, bounded, bounded_number, head_type, head_type_for, head_type_names,
                             register_head_type, unregister_head_type)
 from .plan import format_bytes
-from .schema import choice, fraction, integer, per_channel, positive, ramp
+from .schema import choice, fraction, per_channel, ramp
 
 __all__ = ["HeadType", "HeadRequest", "BlockUse", "register_head_type", "unregister_head_type", "head_type",
            "head_type_for", "head_type_names"]
@@ -139,7 +140,8 @@ def _infopro_head(r: HeadRequest) -> InfoProHead:
     o = r.options
     net, decoder = _infopro_nets(o, r.shape, r.num_classes, r.input_shape)
     _check_stats(o, r.input_shape)  # type: ignore[arg-type]  # an image shape, checked above
-    return InfoProHead(net, decoder, r.loss, reconstruction=o["reconstruction"], mean=o["mean"], std=o["std"])
+    return _fitting(InfoProHead(net, decoder, r.loss, reconstruction=o["reconstruction"], mean=o["mean"],
+                                std=o["std"]), r)
 
 
 class _Blocks(nn.Module):
@@ -233,8 +235,8 @@ def _transformer_head(r: HeadRequest) -> AuxHead:
     trunk = _copies(r.blocks, o, r.kind, r.shape) if o["init"] == "copy" else _fresh_blocks(o, d)
     if o["init"] == "copy" and r.blocks is not None:
         d = _out_shape(_Blocks(trunk), r.shape, "head type 'transformer' (init: copy)", "use init: fresh")[-1]
-    return AuxHead(nn.Sequential(_Blocks(trunk), nn.LayerNorm(d), _Pool(r.kind, o["pool"]),
-                                 nn.Linear(d, r.num_classes)), r.loss)
+    return _fitting(AuxHead(nn.Sequential(_Blocks(trunk), nn.LayerNorm(d), _Pool(r.kind, o["pool"]),
+                                          nn.Linear(d, r.num_classes)), r.loss), r)
 
 
 def _momentum_head(r: HeadRequest) -> MomentumHead:
@@ -249,7 +251,19 @@ def _momentum_head(r: HeadRequest) -> MomentumHead:
 
 def _plain(net: Any) -> Any:
     """The builder of a head that is ``net(options, kind, shape, num_classes)`` under the plain local loss."""
-    return lambda r: AuxHead(net(r.options, r.kind, r.shape, r.num_classes), r.loss)
+    return lambda r: _fitting(AuxHead(net(r.options, r.kind, r.shape, r.num_classes), r.loss), r)
+
+
+def _fitting(head: AuxHead, r: HeadRequest) -> AuxHead:
+    """``head``, unless its float32 parameters exceed the largest device's memory (planning builds it on the meta
+    device, so nothing is allocated before this check)."""
+    count = sum(p.numel() for p in head.parameters())
+    if 4 * count > LARGEST_DEVICE_BYTES:
+        raise PolicyError(f"head type {r.options['type']!r} on the boundary of shape {tuple(r.shape)} has {count:,} "
+                          f"parameters, {format_bytes(4 * count)} in float32, more than the "
+                          f"{format_bytes(LARGEST_DEVICE_BYTES)} of the largest device ({LARGEST_DEVICE}); make it "
+                          f"narrower or shallower")
+    return head
 
 
 def stage_weights(ramp: Sequence[float], stage: int, stages: int) -> float:
@@ -276,18 +290,68 @@ def _momentum_notes(c: Mapping[str, Any], stage: int, link_bandwidth: float) -> 
             f"transfer at the link bandwidth), outside the stage costs"]
 
 
+def _width(default: int, low: int = 0) -> Any:
+    return bounded(default, low, MAX_WIDTH, "a width x width layer this wide holds 4 TiB of parameters")
+
+
+def _depth(default: int, low: int = 0) -> Any:
+    return bounded(default, low, MAX_DEPTH, "deeper than ResNet-1001's trunk")
+
+
+def _side(default: int, low: int = 0) -> Any:
+    return bounded(default, low, MAX_SIDE, "more than the side of any map a head reads")
+
+
+def _linears(features: int, hidden: int, depth: int) -> int:
+    """Parameters of ``depth`` Linear(hidden) layers from ``features`` inputs and the last Linear to one class."""
+    total = 0
+    for _ in range(depth):
+        total, features = total + features * hidden + hidden, hidden
+    return total + features + 1
+
+
+def _conv_least(o: Mapping[str, Any]) -> int:
+    """A conv head's parameters on a one-channel boundary, for one class."""
+    width = o["width"] or 1
+    width = min(width, o["max_width"]) if o["max_width"] else width
+    convs = (o["depth"] > 0) * (9 * width + 2 * width) + max(o["depth"] - 1, 0) * (9 * width * width + 2 * width)
+    features = (width if o["depth"] else 1) * o["pool"] ** 2
+    return convs + _linears(features, o["hidden"], 1 if o["hidden"] else 0)
+
+
+def _infopro_least(o: Mapping[str, Any]) -> int:
+    """An InfoPro head's parameters on a one-channel boundary of a one-channel image, for one class."""
+    cls = o["cls_width"] or 2
+    return 11 * cls + _linears(cls, o["hidden"], 1) + 12 * o["width"] + 9 * o["width"] + 1
+
+
+def _mlp_least(o: Mapping[str, Any]) -> int:
+    """An MLP head's parameters on a one-feature boundary, for one class."""
+    return _linears(1, o["hidden"], o["depth"])
+
+
+def _transformer_least(o: Mapping[str, Any]) -> int:
+    """A fresh transformer head's parameters on the narrowest boundary its ``heads`` divides (copies: 0, the
+    model's own blocks)."""
+    if o["init"] == "copy":
+        return 0
+    d = max(1, o["heads"])
+    ff = max(1, int(o["mlp_ratio"] * d))
+    return o["depth"] * (4 * d * d + 4 * d + 2 * d * ff + ff + d + 4 * d) + 2 * d + d + 1
+
+
 BUILT_IN = tuple(register_head_type(t).name for t in (
     HeadType(name="conv", kinds=("feature_map", "channels_last"), build=_plain(_conv_net), options={
         # channels_last: permuted to N x C x H x W first
-        "width": integer(128),       # channels of each conv3x3 layer; 0 = the input's channels
-        "max_width": integer(0),     # cap on those channels; 0 = no cap
-        "depth": integer(1),         # conv3x3-BN-ReLU layers: 0 (pool + linear only), 1, 2 (DGL), 3, 4, ...
-        "pool": integer(2, 1),       # adaptive average pool output size
-        "hidden": integer(0),        # MLP hidden width after pooling; 0 = one linear layer
-    }),
+        "width": _width(128),        # channels of each conv3x3 layer; 0 = the input's channels
+        "max_width": _width(0),      # cap on those channels; 0 = no cap
+        "depth": _depth(1),          # conv3x3-BN-ReLU layers: 0 (pool + linear only), 1, 2 (DGL), 3, 4, ...
+        "pool": _side(2, 1),         # adaptive average pool output size
+        "hidden": _width(0),         # MLP hidden width after pooling; 0 = one linear layer
+    }, least_params=_conv_least),
     HeadType(name="infopro", kinds=("feature_map",), build=_infopro_head, needs_input=True, stage_loss=_infopro_loss,
-             options={  # InfoPro (Wang et al., ICLR 2021), as its code builds it
-        "width": integer(12, 1),     # decoder: upsample to the image, conv3x3 to `width`, BN, ReLU, conv3x3 to it
+             least_params=_infopro_least, options={  # InfoPro (Wang et al., ICLR 2021), as its code builds it
+        "width": _width(12, 1),      # decoder: upsample to the image, conv3x3 to `width`, BN, ReLU, conv3x3 to it
         "upsample": choice("bilinear", "bilinear", "nearest"),  # the decoder's first layer (bilinear: align_corners)
         "reconstruction": choice("bce", "bce", "mse"),  # bce: sigmoid + BCE against the de-normalised input;
         #                              mse: MSE of the decoder's raw output against the input as given
@@ -295,38 +359,42 @@ BUILT_IN = tuple(register_head_type(t).name for t in (
         "std": per_channel(CIFAR_STD, positive=True),
         "lambda1": ramp((5.0, 0.5)),  # reconstruction weight at the first and the last auxiliary head
         "lambda2": ramp((0.5, 1.0)),  # classification weight at the first and the last auxiliary head
-        "cls_width": integer(0),     # classifier conv3x3 channels; 0 = the paper's: twice the input's, at most 64
-        "cls_stride": integer(0),    # its stride; 0 = the paper's: 2 on maps of under 64 channels, else 1
-        "hidden": integer(128, 1),   # classifier MLP hidden width (the paper's feature_dim)
+        "cls_width": _width(0),      # classifier conv3x3 channels; 0 = the paper's: twice the input's, at most 64
+        "cls_stride": _side(0),      # its stride; 0 = the paper's: 2 on maps of under 64 channels, else 1
+        "hidden": _width(128, 1),    # classifier MLP hidden width (the paper's feature_dim)
     }),
     HeadType(name="mlp", kinds=KINDS, build=_plain(_mlp_net), options={
-        "hidden": integer(256, 1),   # width of each hidden layer
-        "depth": integer(1),         # hidden Linear-ReLU layers
-    }),
+        "hidden": _width(256, 1),    # width of each hidden layer
+        "depth": _depth(1),          # hidden Linear-ReLU layers
+    }, least_params=_mlp_least),
     HeadType(name="momentum", kinds=("feature_map", "sequence"), build=_momentum_head, follows_next=True,
              blocks=BlockUse(depth=lambda c: int(c.get("depth", 1)), verb="follows",
                              way_out="a momentum head needs blocks of a ModuleList or Sequential right after its cut; "
                                      "use another head type"),
              notes=_momentum_notes, options={  # MAN: an EMA of the next stage's first blocks
-        "depth": integer(1, 1),      # blocks of the next stage the trunk follows (not trained by gradient)
+        "depth": _depth(1, 1),       # blocks of the next stage the trunk follows (not trained by gradient)
         "momentum": fraction(0.99),  # ema = momentum * ema + (1 - momentum) * next stage's weights
-        "every": integer(1, 1),      # steps between two weight transfers from the next stage
+        # steps between two weight transfers from the next stage
+        "every": bounded(1, 1, MAX_EVERY, "more steps than a training run takes"),
         "pool": choice("mean", "cls", "mean"),  # then pool (CLS token or mean) and one trained linear layer
-    }, fixed={"feature_map": {"pool": "mean"}}, derived={"mirror_bytes": integer(0)}),
+    }, fixed={"feature_map": {"pool": "mean"}}, derived={
+        "mirror_bytes": bounded(0, 0, LARGEST_DEVICE_BYTES, "the largest device's memory")}),
     HeadType(name="token", kinds=("sequence", "channels_last"), build=_plain(_token_net), options={
         "pool": choice("cls", "cls", "mean"),  # CLS token (index 0) or the mean over tokens
     }, fixed={"channels_last": {"pool": "mean"}}),  # a map has no CLS token: LayerNorm(C), mean over H x W
     HeadType(name="transformer", kinds=("sequence",), build=_transformer_head,
              blocks=BlockUse(depth=lambda c: int(c.get("depth", 1)) if c.get("init") == "copy" else 0,
-                             verb="copies", detail="init: copy, ", way_out="use init: fresh"), options={
-        "depth": integer(1),         # transformer blocks before LayerNorm, pool, linear (0 = the 'token' head)
+                             verb="copies", detail="init: copy, ", way_out="use init: fresh"),
+             least_params=_transformer_least, options={
+        "depth": _depth(1),          # transformer blocks before LayerNorm, pool, linear (0 = the 'token' head)
         "init": choice("fresh", "fresh", "copy"),  # fresh pre-norm blocks, or copies of the next stage's first blocks
-        "heads": integer(0),         # attention heads of fresh blocks; 0 = D / 64, lowered to a divisor of D
-        "mlp_ratio": positive(4.0),  # MLP width of fresh blocks over D
+        "heads": _width(0),          # attention heads of fresh blocks; 0 = D / 64, lowered to a divisor of D
+        "mlp_ratio": bounded_number(4.0, 64, "ViT's MLP is 4 x D wide"),  # MLP width of fresh blocks over D
         "pool": choice("cls", "cls", "mean"),  # CLS token (index 0) or the mean over tokens
     }),
-    HeadType(name="lm", kinds=("sequence",), build=_plain(_lm_net), per_token=True, options={
-        "rank": integer(64),         # 0: LayerNorm, Linear(D, C); r > 0: LayerNorm, Linear(D, r), Linear(r, C)
+    HeadType(name="lm", kinds=("sequence",), build=_plain(_lm_net), per_token=True,
+             least_params=lambda o: 2 * o["rank"] + 3 if o["rank"] else 4, options={  # LayerNorm(1), Linear(s)
+        "rank": _width(64),          # 0: LayerNorm, Linear(D, C); r > 0: LayerNorm, Linear(D, r), Linear(r, C)
     }),
     HeadType(name="lm_output", kinds=("sequence",), build=_output_head, per_token=True,
              blocks=BlockUse(depth=lambda c: 2, verb="reads", find=output_layers,

@@ -57,7 +57,7 @@ def _load_file(path: Path) -> ModuleType:
         spec.loader.exec_module(module)
     except (Exception, SystemExit) as e:
         del sys.modules[name]
-        raise ModelFileError(f"loading {path} raised {type(e).__name__}: {e}; fix the file "
+        raise ModelFileError(f"loading {path} raised {type(e).__name__}: {_brief(e)}; fix the file "
                              f"(`python {path}` shows the traceback)") from None
     finally:
         if directory in sys.path:
@@ -70,7 +70,13 @@ def _call(path: Path, what: str, fn: Callable[[], Any]) -> Any:
     try:
         return fn()
     except Exception as e:
-        raise ModelFileError(f"{what} in {path} raised {type(e).__name__}: {e}") from None
+        raise ModelFileError(f"{what} in {path} raised {type(e).__name__}: {_brief(e)}") from None
+
+
+def _brief(e: BaseException) -> str:
+    """The message of ``e`` without the C++ frames torch appends to some errors (``Exception raised from ...``):
+    they say where in torch it failed, not what to change in the file."""
+    return re.split(r"\n(?:Exception raised from|frame #)", str(e), maxsplit=1)[0].rstrip()
 
 
 def _module_of(path: Path, module: ModuleType, name: str, what: str) -> nn.Module:

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
 from torch import nn
 
 from ppll_compile import partitioners
@@ -19,7 +18,8 @@ from .errors import PartitionError, PlanError
 from .hardware import hardware_defaults, load_hardware
 from .optimizers import OPTIMIZER_STATES
 from .plan import MODES, PLAN_VERSION, Plan, TensorSpec, device_problem
-from .plan_file import read_plan_text
+from .plan_file import read_plan_document
+from .policy import check_plan_heads
 
 DEFAULT_FLOPS_PER_SECOND = 1e13
 """Sustained training throughput assumed per device when costs are counted in FLOPs (10 TFLOP/s)."""
@@ -254,13 +254,9 @@ def read_saved_plan(plan: Plan | str | Path | None) -> SavedPlan | None:
     if isinstance(plan, Plan):
         d, source = plan.to_dict(), "plan"
     else:
-        path = Path(plan)
-        text = read_plan_text(path)
-        source = str(path)
-        try:
-            d = yaml.safe_load(text)  # YAML is a superset of JSON
-        except yaml.YAMLError as e:
-            raise PlanError(f"{source}: not a readable plan ({e})") from None
+        source = str(plan)
+        d = read_plan_document(plan)  # its sizes checked, bounded and not nested too deep
+        check_plan_heads(d, source)
     if not isinstance(d, dict) or d.get("version") != PLAN_VERSION:
         raise PlanError(f"{source}: not a version-{PLAN_VERSION} plan (re-create it with `ppll-plan MODEL.py "
                         "--yaml plan.yaml`)")

@@ -11,7 +11,9 @@ from typing import Any, TypeVar
 import yaml
 
 from .errors import PlanError
+from .head_registry import LARGEST_DEVICE, LARGEST_DEVICE_BYTES
 from .plan_specs import BlockPlan, FrozenDict, StagePlan, TensorSpec, required
+from .plan_table import format_bytes
 
 PLAN_VERSION = 1
 """The plan file format's version."""
@@ -22,6 +24,18 @@ _UNTIED_NOTE = re.compile(r"^tied parameter\(s\) (.*) used by stages \d+ to \d+:
 """The note that listed untied parameters in a plan file written before the ``untied`` field."""
 
 _P = TypeVar("_P", bound="PlanFile")
+
+MAX_PLAN_BYTES = 64 * 2**20
+"""The largest plan file read (64 MiB): a plan lists each traced node once or twice, about 50 MiB for a graph of a
+million nodes; the YAML reader takes about a second per MiB."""
+MAX_DEVICES = 4096
+"""The most devices a plan may use, every stage's replicas together (and so the most stages, replicas per stage and
+devices per node): the runtime starts one process per device, and more than 4096 is beyond the jobs its process
+groups are made for; a plan asking for more is a typing error."""
+MAX_CLASSES = 2**24
+"""The most classes a plan's heads may score: 64 times the largest vocabulary of today's language models (256,000)."""
+MAX_BATCH = 2**31 - 1
+"""The largest planned batch: torch indexes a batch with 32-bit integers in many kernels."""
 
 
 def _from_old_notes(d: dict[str, Any]) -> dict[str, Any]:
@@ -71,6 +85,7 @@ class PlanFile:
         if version != PLAN_VERSION:
             raise PlanError(f"plan version {version!r} is not supported; this ppll-compile reads version "
                             f"{PLAN_VERSION} (re-create the plan with `ppll-plan MODEL.py --yaml plan.yaml`)")
+        check_plan_sizes(d)
         d = _from_old_notes(d)
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names - {"totals"})
@@ -100,14 +115,14 @@ class PlanFile:
 
     @classmethod
     def from_json(cls: type[_P], text: str) -> _P:
-        return cls.from_dict(json.loads(text))
+        return cls.from_dict(parse_plan_text(text, json_text=True))
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None, width=100)
 
     @classmethod
     def from_yaml(cls: type[_P], text: str) -> _P:
-        return cls.from_dict(yaml.safe_load(text))
+        return cls.from_dict(parse_plan_text(text))
 
     def save(self, path: str | Path) -> Path:
         """Write the plan as JSON or YAML, chosen by the file suffix."""
@@ -137,9 +152,109 @@ def read_plan_text(path: Path) -> str:
     if not path.is_file():
         raise PlanError(f"plan file {str(path)!r} does not exist")
     try:
+        size = path.stat().st_size
+        if size > MAX_PLAN_BYTES:
+            raise PlanError(f"{path}: the plan file is {format_bytes(size)}, over the {format_bytes(MAX_PLAN_BYTES)} a "
+                            f"plan may take (a plan lists each traced node once or twice: about 50 MiB for a million "
+                            f"nodes); pass a plan written by `ppll-plan MODEL.py --yaml plan.yaml` (or --json)")
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise PlanError(f"{path}: not a plan file (byte {e.object[e.start]:#04x} at offset {e.start} is not UTF-8 "
                         f"text); pass a plan written by `ppll-plan MODEL.py --yaml plan.yaml` (or --json)") from None
     except OSError as e:
         raise PlanError(f"cannot read plan file {str(path)!r}: {e.strerror or e}") from None
+
+
+def parse_plan_text(text: str, json_text: bool = False) -> Any:
+    """The document of a plan file's text (YAML, or JSON with ``json_text``); a :class:`PlanError` when it is nested
+    deeper than the reader can follow."""
+    try:
+        return json.loads(text) if json_text else yaml.safe_load(text)
+    except RecursionError:
+        raise PlanError("the plan is nested deeper than the reader can follow (a plan nests a few levels: stages, "
+                        "a stage's head, its config); pass a plan written by `ppll-plan MODEL.py --yaml plan.yaml`"
+                        ) from None
+
+
+def read_plan_document(path: str | Path) -> Any:
+    """The parsed plan file ``path`` (YAML or JSON), its sizes checked (:func:`check_plan_sizes`); a
+    :class:`PlanError` naming the file when it cannot be read, is too big or too deeply nested, or asks for more
+    than a device could hold."""
+    path = Path(path)
+    text = read_plan_text(path)
+    try:
+        d = parse_plan_text(text)  # YAML is a superset of JSON
+        check_plan_sizes(d)
+    except PlanError as e:
+        raise PlanError(f"{path}: {e}") from None
+    except yaml.YAMLError as e:
+        raise PlanError(f"{path}: not a readable plan ({e})") from None
+    return d
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _count(value: Any, field: str, low: int, high: int, why: str) -> int:
+    if not _is_int(value) or not low <= value <= high:
+        raise PlanError(f"{field} must be an integer from {low} to {high} ({why}), got {value!r}; fix the plan "
+                        f"file, or re-create it with `ppll-plan MODEL.py --yaml plan.yaml`")
+    return value
+
+
+def _check_tensor(t: Any, field: str) -> None:
+    """A tensor's shape and bytes: integers, and no more bytes than the largest device holds."""
+    if not isinstance(t, dict):
+        return  # the plan's own checks name a malformed entry
+    shape = t.get("shape")
+    if isinstance(shape, list):
+        for i, n in enumerate(shape):
+            _count(n, f"{field}.shape[{i}]", 0, 2**62, "a dimension's length")
+    if "bytes" in t:
+        _count(t["bytes"], f"{field}.bytes", 0, LARGEST_DEVICE_BYTES,
+               f"{format_bytes(LARGEST_DEVICE_BYTES)}, the memory of the largest device, {LARGEST_DEVICE}")
+
+
+def check_plan_sizes(d: Any) -> None:
+    """Check every count and size a user may write in a plan document before anything is built from it: the batch
+    size, classes, devices per node, stages and their replicas (:data:`MAX_DEVICES` devices together), the inputs'
+    and boundaries' shapes and bytes; a :class:`PlanError` names the field, its value, the bound and why."""
+    if not isinstance(d, dict):
+        return  # from_dict and read_saved_plan say what a plan must be
+    inputs = d.get("inputs") if isinstance(d.get("inputs"), list) else []
+    for i, t in enumerate(inputs):
+        _check_tensor(t, f"inputs[{i}]")
+    for i, block in enumerate(d.get("blocks") if isinstance(d.get("blocks"), list) else ()):
+        _check_tensor(block.get("output") if isinstance(block, dict) else None, f"blocks[{i}].output")
+    # a value that is no integer at all is named by PlanOptions and Plan.validate
+    given = {k: d[k] for k in ("batch_size", "num_classes", "gpus_per_node") if _is_int(d.get(k))}
+    if "batch_size" in given:
+        batch = _count(d["batch_size"], "batch_size", 1, MAX_BATCH, "torch indexes a batch with 32-bit integers")
+        per_example = sum(t["bytes"] // t["shape"][0] for t in inputs if isinstance(t, dict) and t.get("shape")
+                          and isinstance(t.get("bytes"), int) and t["shape"][0])
+        if per_example * batch > LARGEST_DEVICE_BYTES:
+            raise PlanError(f"batch_size {batch} makes the inputs alone {format_bytes(per_example * batch)} "
+                            f"({per_example:,} bytes an example), more than the {format_bytes(LARGEST_DEVICE_BYTES)} "
+                            f"of the largest device ({LARGEST_DEVICE}); plan a smaller batch")
+    if "num_classes" in given:
+        _count(d["num_classes"], "num_classes", 1, MAX_CLASSES, "64 x the largest vocabulary of today's models")
+    if "gpus_per_node" in given:
+        _count(d["gpus_per_node"], "gpus_per_node", 1, MAX_DEVICES, "the most devices a plan may use")
+    stages = d.get("stages")
+    if not isinstance(stages, list):
+        return
+    if len(stages) > MAX_DEVICES:
+        raise PlanError(f"stages lists {len(stages)} stages, more than {MAX_DEVICES}, the most devices a plan may "
+                        f"use (one device a stage); merge stages")
+    devices = 0
+    for i, s in enumerate(stages):
+        if not isinstance(s, dict):
+            continue
+        devices += _count(s.get("replicas", 1), f"stages[{i}].replicas", 1, MAX_DEVICES,
+                          "the most devices a plan may use")
+        for j, t in enumerate(s.get("boundary") or ()):
+            _check_tensor(t, f"stages[{i}].boundary[{j}]")
+    if devices > MAX_DEVICES:
+        raise PlanError(f"the stages' replicas add up to {devices} devices, more than {MAX_DEVICES}, the most a "
+                        f"plan may use; lower stages[*].replicas")

@@ -16,8 +16,10 @@ from torch import nn
 from ppll_compile import policies as _policies
 
 from .errors import PolicyError
+from .head_registry import LARGEST_DEVICE, LARGEST_DEVICE_BYTES
 from .head_types import BUILT_IN, KINDS, head_type, head_type_names
 from .plan import TensorSpec
+from .plan_table import format_bytes
 from .schema import Opt, choice, text, weight
 
 __all__ = ["Policy", "load_policy", "validate_policy"]
@@ -98,7 +100,24 @@ def _check_head(config: Any, source: str, at: str, kind: str, tensors: str, per_
     fixed = spec.fixed.get(kind, {})
     options = {**spec.options, **{k: Opt(v, f"{v!r} on {tensors}", lambda x, v=v: x == v) for k, v in fixed.items()}}
     given = {k: o for k, o in computed.items() if k in config}
-    return {"type": name, **_fill(config, options, source, at), **_fill(config, given, source, at)}
+    checked = {"type": name, **_fill(config, options, source, at), **_fill(config, given, source, at)}
+    _check_size(checked, spec.least_params, source, at)
+    return checked
+
+
+def _check_size(config: Mapping[str, Any], least: Callable[[Mapping[str, Any]], int] | None, source: str,
+                at: str) -> None:
+    """Refuse a head config whose float32 parameters exceed the largest device's memory on any boundary."""
+    count = least(config) if least is not None else 0
+    if 4 * count <= LARGEST_DEVICE_BYTES:
+        return
+    sizes = ", ".join(f"{k} {config[k]}" for k, v in config.items() if k != "type" and isinstance(v, int)
+                      and not isinstance(v, bool))
+    where = f"{source}: {at}:" if at else f"{source}:"
+    raise PolicyError(f"{where} a head of type {config['type']} with {sizes} has at least {count:,} "
+                      f"parameters on any boundary, {format_bytes(4 * count)} in float32, more than the "
+                      f"{format_bytes(LARGEST_DEVICE_BYTES)} of the largest device ({LARGEST_DEVICE}); make it "
+                      f"narrower or shallower")
 
 
 def _rank_kind(spec: TensorSpec) -> str | None:
@@ -214,11 +233,24 @@ def validate_policy(data: Any, source: str) -> Policy:
     )
 
 
+MAX_POLICY_BYTES = 2**20
+"""The largest policy file read (1 MiB): a policy is a few head configs (the shipped ones are under 4 KiB), and the
+YAML reader takes about a second per MiB; a bigger file is not a policy."""
+
+
 def read_yaml(path: Path, kind: str = "policy") -> Any:
     """The YAML document of the policy file ``path`` (a ``kind``); a PolicyError naming the file when it cannot be
-    read."""
+    read, is over :data:`MAX_POLICY_BYTES`, or is nested deeper than the YAML reader can follow."""
     try:
+        size = path.stat().st_size
+        if size > MAX_POLICY_BYTES:
+            raise PolicyError(f"{path}: the {kind} file is {format_bytes(size)}, over the "
+                              f"{format_bytes(MAX_POLICY_BYTES)} a {kind} may take (a {kind} is a few configs; "
+                              f"the shipped ones are under 4 KiB); pass the right file, or trim it")
         return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except RecursionError:
+        raise PolicyError(f"{path}: the {kind} is nested deeper than the YAML reader can follow (a {kind} nests a "
+                          f"few levels: section, entry, option); pass the right file, or flatten it") from None
     except OSError as e:
         raise PolicyError(f"{path}: cannot read the policy file ({e.strerror})") from None
     except UnicodeDecodeError as e:
@@ -272,3 +304,20 @@ def check_head_config(config: Mapping[str, Any], spec: TensorSpec,
     options = _check_head(config, source, "", kind, f"the {kind} boundary {spec.name!r} of shape {tuple(spec.shape)}",
                           per_token=per_token, extra=("loss",), derived=True)
     return options, _check_loss(config.get("loss", {}), source, "loss")
+
+
+def check_plan_heads(d: Any, source: str) -> None:
+    """The sizes of the head configs of a plan document ``d`` (read from ``source``): every option a config gives
+    within its type's bounds, and no head that would exceed the largest device's memory on any boundary; a
+    PolicyError names the file and the field (``stages[0].head.config.depth``). Other problems are left to the
+    checks made when the plan is applied."""
+    stages = d.get("stages") if isinstance(d, Mapping) else None
+    for i, stage in enumerate(stages if isinstance(stages, list) else ()):
+        head = stage.get("head") if isinstance(stage, Mapping) else None
+        config = head.get("config") if isinstance(head, Mapping) else None
+        if not isinstance(config, Mapping) or config.get("type") not in head_type_names():
+            continue
+        spec, at = head_type(config["type"]), f"stages[{i}].head.config"
+        options = {**spec.options, **spec.derived}
+        _fill(config, {k: o for k, o in options.items() if k in config}, source, at)
+        _check_size({**{k: o.default for k, o in spec.options.items()}, **config}, spec.least_params, source, at)

@@ -100,7 +100,7 @@ def _cases() -> list[tuple[str, list[str], tuple[str, ...]]]:
         ("time-profile-on-a-missing-device", [m, "--devices", "cuda:99,cpu", "--profile", "time"],
          ("--profile time measures on the first device, 'cuda:99', which this machine does not have",)),
         ("batch-size-too-large", [m, "--gpus", "2", "--batch-size", "1" + "0" * 25],
-         ("cannot make example inputs of --batch-size 1" + "0" * 25, "pass a smaller --batch-size")),
+         ("argument --batch-size: invalid value '1" + "0" * 25 + "'", "at most 2147483647")),
         ("plan-bad-device", [m, "--plan", "{banana.yaml}"], ("banana.yaml: stages[1].device: 'banana'",)),
         ("plan-tpu-device", [m, "--plan", "{tpu.yaml}"], ("tpu.yaml: stages[2].device: 'tpu:7'",)),
         ("plan-reversed-cuts", [m, "--plan", "{reversed.yaml}"],

@@ -181,15 +181,18 @@ def test_unknown_key_names_the_place_and_the_allowed_keys(tmp_path):
 
 def test_wrong_option_values_say_what_was_expected(tmp_path):
     msg, path = error(tmp_path, {"heads": {"feature_map": {"type": "conv", "width": "abc"}}})
-    assert msg == f"{path}: heads.feature_map.width must be an integer >= 0, got 'abc'"
+    assert msg == (f"{path}: heads.feature_map.width must be an integer from 0 to 1048576 (a width x width layer this "
+                   f"wide holds 4 TiB of parameters), got 'abc'")
     msg, path = error(tmp_path, {"heads": {"feature_map": {"type": "conv", "pool": 0}}})
-    assert msg == f"{path}: heads.feature_map.pool must be an integer >= 1, got 0"
+    assert msg == (f"{path}: heads.feature_map.pool must be an integer from 1 to 256 (more than the side of any map a "
+                   f"head reads), got 0")
     msg, path = error(tmp_path, {"heads": {"sequence": {"type": "token", "pool": "max"}}})
     assert msg == f"{path}: heads.sequence.pool must be one of cls, mean, got 'max'"
     msg, path = error(tmp_path, {"heads": {"vector": {"type": "mlp"}}, "loss": {"classification_weight": -1}})
     assert msg == f"{path}: loss.classification_weight must be a number >= 0, got -1"
     msg, path = error(tmp_path, {"heads": {"vector": {"type": "mlp", "depth": True}}})
-    assert msg == f"{path}: heads.vector.depth must be an integer >= 0, got True"
+    assert msg == (f"{path}: heads.vector.depth must be an integer from 0 to 1024 (deeper than ResNet-1001's trunk), "
+                   f"got True")
 
 
 def test_unknown_or_misplaced_head_type(tmp_path):

@@ -342,8 +342,10 @@ def test_the_per_token_entry_is_validated_like_every_head_config():
         return error(validate_policy, {"heads": {"vector": {"type": "mlp"}}, "per_token": per_token}, "p.yaml")
 
     assert msg({"type": "lm", "rnak": 8}) == "p.yaml: unknown key 'rnak' at per_token (allowed: rank, type)"
-    assert msg({"type": "lm", "rank": -1}) == "p.yaml: per_token.rank must be an integer >= 0, got -1"
-    assert msg({"type": "lm", "rank": "64"}) == "p.yaml: per_token.rank must be an integer >= 0, got '64'"
+    rank = "p.yaml: per_token.rank must be an integer from 0 to 1048576 (a width x width layer this wide holds 4 TiB "
+    rank += "of "
+    assert msg({"type": "lm", "rank": -1}) == rank + "parameters), got -1"
+    assert msg({"type": "lm", "rank": "64"}) == rank + "parameters), got '64'"
     assert msg({"rank": 8}) == ("p.yaml: per_token.type must be one of conv, infopro, lm, lm_output, mlp, momentum, "
                                 "token, transformer, got None")
     assert msg("lm") == "p.yaml: per_token must be a mapping, got 'lm'"
