@@ -86,7 +86,7 @@ def compile(model: nn.Module, gpus: int | None = None, *, teacher: nn.Module | N
     (``WORLD_SIZE`` equal to the plan's world size) the stage of this ``RANK``, its head with it: the other
     stages stay on meta, and a runtime refuses to run them. The plan's notes say how the model was materialised.
 
-    One plan for every rank (``share_plan=True``, see :mod:`ppll_compile.runtime.plan_share`): under ``torchrun``, when the
+    One plan for every rank (``share_plan=True``, see :mod:`.runtime.plan_share`): under ``torchrun``, when the
     call asks for as many devices as there are processes, rank 0 plans (or re-applies ``plan=``) and every other rank
     lowers rank 0's plan, so calibration caches and timings that differ between processes cannot split the pipeline;
     every rank must then call ``compile()`` (it forms the default process group if there is none). A rank that asked

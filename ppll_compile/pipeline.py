@@ -89,7 +89,7 @@ class CompiledPipeline:
         then follow it.
 
         Under ``torchrun``, a trainer with a runtime that runs one process per stage (``distributed``) takes over the
-        process group ``compile()`` formed (see :mod:`ppll_compile.runtime.plan_share`): its ``timeout=`` applies to the group,
+        process group ``compile()`` formed (see :mod:`.runtime.plan_share`): its ``timeout=`` applies to the group,
         and its ``close()`` releases the group, as for a group the runtime forms itself.
         """
         replanner = Replanner(self, options.get("rebalance_policy")) if self.plan.mode == "ppll" else None

@@ -371,8 +371,9 @@ def _check_unclaimed(lowered: Lowered, timeout: float) -> None:
                       f"building the new trainer", stacklevel=4)
         running = runtime.wait_stopped(timeout - _WARN_AFTER)  # type: ignore[union-attr]
     if running:
-        raise PPLLError(f"{_still_running(running)} after {timeout:g} s: it is inside the stage's own code (a forward that waits or hangs), which "
-                        f"cannot be interrupted. Closing that trainer cancelled it, so it will never step again, but it "
+        raise PPLLError(f"{_still_running(running)} after {timeout:g} s: it is inside the stage's own code (a forward "
+                        f"that waits or hangs), which cannot be interrupted. Closing that trainer cancelled it, so it "
+                        f"will never step again, but it "
                         f"would still run the stage's modules beside the new trainer's. Make that code return, or "
                         f"build the trainer with a longer timeout= (the seconds it waits), or restart the process "
                         f"(and load the last checkpoint there)")
