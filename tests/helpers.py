@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 
 __all__ = ["BATCH", "CONV_X", "IMG", "sgd", "free_port", "quiet", "image_batches", "compiled_residual",
            "seeded_batches", "stage_state", "train_residual", "on_first_stage", "assert_same_parameters", "heads_policy",
-           "compile_quietly", "momentum_pipeline", "recording_sgd", "synthetic_plan", "lane", "run_gloo_workers"]
+           "compile_quietly", "momentum_pipeline", "recording_sgd", "synthetic_plan", "lane", "run_gloo_workers",
+           "run_torchrun"]
 
 BATCH = 8
 """Batch size of :func:`image_batches` and of the example input of :func:`compiled_residual`."""
@@ -274,3 +275,25 @@ def resume_loader(trap: int | None = None, action: Callable[[], None] | None = N
 
     collate.drawn = drawn  # type: ignore[attr-defined]
     return DataLoader(data, batch_size=BATCH, shuffle=True, collate_fn=collate)
+
+
+# ---- torchrun jobs ------------------------------------------------------------------------------------------------
+
+def run_torchrun(flags: list[str], script: Path, args: list[str], timeout: float) -> str:
+    """``python -m torch.distributed.run FLAGS SCRIPT ARGS`` from the repository root, in a session of its own (one
+    torch thread a process, the repository importable, no launcher variables inherited); its output, once it exited
+    with status 0. A job still going after ``timeout`` seconds is killed with its process group and fails the test."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(root))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *flags, str(script), *args], cwd=root,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        text = proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"the torchrun job was still going after {timeout} s (killed):\n{proc.communicate()[0][-4000:]}")
+    assert proc.returncode == 0, text[-4000:]
+    return text

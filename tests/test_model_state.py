@@ -7,9 +7,6 @@ copies folded back, and under torchrun the whole model put together from both pr
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,7 +14,6 @@ import pytest
 import torch
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import model_state_worker as w  # noqa: E402
@@ -25,7 +21,7 @@ import model_state_worker as w  # noqa: E402
 import ppll_compile  # noqa: E402
 from ppll_compile.errors import PPLLError  # noqa: E402
 from ppll_compile.runtime import Trainer  # noqa: E402
-from tests.helpers import compiled_residual, free_port, image_batches, sgd  # noqa: E402
+from tests.helpers import compiled_residual, free_port, image_batches, run_torchrun, sgd  # noqa: E402
 from tests.models import Residual, conv_student, conv_teacher  # noqa: E402
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -204,20 +200,8 @@ def test_a_write_that_fails_midway_leaves_the_previous_file(tmp_path, monkeypatc
 # ---- torchrun: the whole model from both processes, equal to sequential --------------------------------------
 
 def _torchrun(out: Path, timeout: float) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
-           str(HERE / "model_state_worker.py"), str(out)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        text = proc.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"torchrun still ran after {timeout} s (killed):\n{proc.communicate()[0][-3000:]}")
-    assert proc.returncode == 0, text[-3000:]
-    return text
+    return run_torchrun(["--nproc-per-node=2", f"--master-port={free_port()}"], HERE / "model_state_worker.py",
+                        [str(out)], timeout)
 
 
 @pytest.mark.slow

@@ -2,10 +2,6 @@
 group, resume from the latest complete checkpoint and end with the parameters of a run that never stopped."""
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -13,11 +9,10 @@ import pytest
 import torch
 
 from tests.dist_worker import fifo_pipeline
-from tests.helpers import resume_loader
+from tests.helpers import resume_loader, run_torchrun
 
 HERE = Path(__file__).parent
 pytestmark = pytest.mark.usefixtures("one_thread_quietly")  # the workers' one thread: the same sums
-ROOT = HERE.parent
 WORKER = HERE / "restart_worker.py"
 EVERY = 2  # as restart_worker.EVERY
 KILL_AT = 9  # in the second epoch (batches 6..11), one batch after the checkpoint at batch 8
@@ -33,18 +28,8 @@ def _reference(root: Path) -> dict[str, torch.Tensor]:
 
 def run_restarting_job(kill_rank: int, out: Path, timeout: float = TIMEOUT) -> str:
     """``torchrun --standalone --nproc-per-node=3 --max-restarts=1`` of the worker; its output (exit status 0)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3", "--max-restarts=1",
-           str(WORKER), str(kill_rank), str(KILL_AT), str(out)]
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        text = proc.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"the torchrun job was still going after {timeout} s (killed):\n{proc.communicate()[0][-4000:]}")
-    assert proc.returncode == 0, text[-4000:]
-    return text
+    return run_torchrun(["--standalone", "--nproc-per-node=3", "--max-restarts=1"], WORKER,
+                        [str(kill_rank), str(KILL_AT), str(out)], timeout)
 
 
 @pytest.mark.slow
