@@ -29,7 +29,7 @@ from .partition import StageRequest, ppll_layout, segment_costs, stage_request, 
 from .pipebd.build import compile_pipebd, plan_pipebd
 from .pipeline import CompiledPipeline
 from .plan import Plan
-from .runtime.plan_share import form_group, receive_plan, request_of, send_failure, send_plan, shared_note, shared_ranks
+from .runtime.plan_share import meet, receive_plan, request_of, send_failure, send_plan, shared_note, shared_ranks
 from .plan_specs import HeadSpec
 from .policy import Policy, load_policy
 
@@ -159,7 +159,7 @@ def _one_plan(model: nn.Module, example_inputs: Sequence[Any] | None, example_kw
         return (*_plan_ppll(model, example_inputs, example_kwargs, opts, saved), torch.initial_seed())
     rank, world = ranks
     request = request_of(opts, saved)
-    form_group(rank, world)
+    meet(rank)
     if rank == 0:
         try:
             result, a, policy = _plan_ppll(model, example_inputs, example_kwargs, opts, saved)

@@ -16,10 +16,8 @@ from .errors import PolicyError, PPLLError, TraceError
 from .head_types import head_type_for
 from .lowered import Lowered, Stage
 from .plan import Plan
-from .runtime.plan_share import formed_group, take_over_group
 from .policy import load_policy
 from .runtime import Trainer
-from .runtime.registry import runtime_class
 
 
 class CompiledPipeline:
@@ -87,23 +85,9 @@ class CompiledPipeline:
         cuts (``rebalance=True``,
         :meth:`~ppll_compile.runtime.Trainer.replan`): :attr:`plan`, :attr:`lowered` and :attr:`graph_module`
         then follow it.
-
-        Under ``torchrun``, a trainer with a runtime that runs one process per stage (``distributed``) takes over the
-        process group ``compile()`` formed (see :mod:`.runtime.plan_share`): its ``timeout=`` applies to the group,
-        and its ``close()`` releases the group, as for a group the runtime forms itself.
         """
         replanner = Replanner(self, options.get("rebalance_policy")) if self.plan.mode == "ppll" else None
-        release = take_over_group(options.get("timeout", _TIMEOUT)) if formed_group() and _per_stage(
-            options.get("runtime", "sequential"), self.plan) else None
-        try:
-            trainer = (Trainer if release is None else _GroupTrainer)(self.plan, self.lowered, replanner=replanner,
-                                                                       **options)
-        except BaseException:
-            if release is not None:  # as a runtime releases the group it formed when it cannot start
-                release()
-            raise
-        if release is not None:
-            trainer.release_group = release
+        trainer = Trainer(self.plan, self.lowered, replanner=replanner, **options)
         trainer.model = self.model  # what model_state_dict() and save_model() give back
         return trainer
 
@@ -117,37 +101,6 @@ class CompiledPipeline:
     def __repr__(self) -> str:
         name = f"{type(self).__name__}({type(self.model).__name__}, {len(self.plan.stages)} stages)"
         return f"{name}\n{self.plan.table()}"
-
-
-_TIMEOUT = inspect.signature(Trainer.__init__).parameters["timeout"].default
-"""A trainer's default ``timeout=`` (seconds)."""
-
-
-def _per_stage(runtime: Any, plan: Plan) -> bool:
-    """Whether ``runtime`` (a name) runs one process per stage; ``False`` for a name the trainer will refuse."""
-    try:
-        return runtime_class(runtime, plan).one_process_per_stage
-    except Exception:  # noqa: BLE001 - the trainer names the error
-        return False
-
-
-class _GroupTrainer(Trainer):
-    """A trainer that has taken over the process group ``compile()`` formed: closing it releases the group."""
-
-    release_group: Callable[[], None] = staticmethod(lambda: None)  # type: ignore[assignment]
-    """Releases the group taken over (set by :meth:`CompiledPipeline.trainer`)."""
-
-    def close(self) -> None:
-        try:
-            super().close()
-        finally:
-            self.release_group()
-
-    def __exit__(self, *exc: Any) -> None:
-        try:
-            super().__exit__(*exc)
-        finally:
-            self.release_group()
 
 
 class DistillPipeline(CompiledPipeline):

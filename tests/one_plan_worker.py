@@ -114,12 +114,12 @@ def main(argv: list[str]) -> None:
         return _failing(out, rank)
     os.environ.pop("PPLL_DEVICE_FIGURES", None)  # plan with this rank's own calibration cache
     os.environ["PPLL_CACHE_DIR"] = str(out / f"cache-{rank}")
-    meta = meta_pipeline()  # first: the group compile() forms stays until the trainer below takes it over
+    meta = meta_pipeline()  # two compiles in one process: each exchanges its own plan
     record: dict[str, Any] = {"meta_plan": meta.plan.to_json(), "meta": tensors(meta, [rank])}
     compiled = mixed_pipeline()
     record |= {"plan": compiled.plan.to_json(), "initial": tensors(compiled, range(3))}
     record["trained"] = train(compiled, "distributed")
-    record["released"] = not dist.is_initialized()  # the trainer released the group compile() formed
+    record["released"] = not dist.is_initialized()  # the trainer released the group it formed
     torch.save(record, out / f"rank-{rank}.pt")
 
 

@@ -65,7 +65,7 @@ def test_ranks_with_different_caches_train_rank_0s_plan_and_heads(tmp_path, monk
     for r in (1, 2):
         for i in range(3):
             _equal(records[r]["initial"][i], records[0]["initial"][i], f"rank {r}, stage {i} before training")
-    assert all(r["released"] for r in records), "the trainer left the process group compile() formed"
+    assert all(r["released"] for r in records), "the trainer left its process group formed"
 
     # one process, rank 0's plan re-applied: the same initial stages and heads, the same training
     (tmp_path / "plan.json").write_text(records[0]["plan"])

@@ -40,13 +40,34 @@ def init_group(stages: int, timeout: float) -> bool:
                         f'torchrun --nproc-per-node={stages} your_script.py (or call '
                         f'torch.distributed.init_process_group yourself before building the trainer)')
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if RESTART not in os.environ:
+    if _MET:  # compile() met the other processes through this store: the group forms on it
+        store, rank, world = _MET.pop()
+        store.set_timeout(timedelta(seconds=timeout))
+    elif RESTART not in os.environ:
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
         return True
-    store, rank, world = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout)))
-    dist.init_process_group(backend, store=restart_store(store), rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout))
+    else:
+        store, rank, world = meeting_store(timeout, keep=False)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
     return True
+
+
+_MET: list[tuple[Any, int, int]] = []
+"""The store this process met the others through before any process group was formed (``compile()`` sharing rank
+0's plan), with its rank and world size; :func:`init_group` forms the default group on it."""
+
+
+def meeting_store(timeout: float, keep: bool = True) -> tuple[Any, int, int]:
+    """(store, rank, world size) of torchrun's environment (``env://``: torchrun's store, or one rank 0 hosts), seen
+    through :func:`restart_store`'s prefix; with ``keep`` made once and kept until :func:`init_group` forms the
+    default process group on it (rank 0 may be hosting it, so it is not made twice)."""
+    if keep and _MET:
+        return _MET[0]
+    store, rank, world = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout)))
+    met = (restart_store(store), rank, world)
+    if keep:
+        _MET.append(met)
+    return met
 
 
 def restart_store(store: Any) -> Any:

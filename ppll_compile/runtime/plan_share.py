@@ -10,22 +10,20 @@ A rank whose options differ from rank 0's (another ``split_points``, policy, ...
 naming the options, and a distributed trainer then refuses ranks whose plans differ. If rank 0 cannot plan, every
 other rank raises a :class:`~ppll_compile.PPLLError` with rank 0's error; a rank lost meanwhile is named too.
 
-The process group: a default group formed before ``compile()`` (by the user) is used and left as it is. Otherwise
-``compile()`` forms it (gloo on CPU, NCCL with CUDA, :func:`~ppll_compile.runtime.group.init_group`) and leaves it
-formed, since forming a second group in one process can read the first one's stale addresses from torchrun's store.
-The first trainer built on it with a runtime that runs one process per stage (``runtime="distributed"``) takes it
-over: the trainer's ``timeout=`` applies to it, and the trainer's ``close()`` releases it, as it releases a group its
-runtime formed. A group no trainer took over is released when the process exits (at most 10 s waited).
+How the ranks meet: through a default process group formed before ``compile()`` (by the user), used and left as it
+is; else through torchrun's store (``env://``, under the prefix of this incarnation of the job,
+:func:`~ppll_compile.runtime.group.meeting_store`), where rank 0 writes its plan and the others wait for it. No
+process group is formed: the trainer forms it later on the same store, with its own ``timeout=`` (gloo keeps the
+timeout a group was formed with).
 """
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
+import itertools
+import json
 import os
 import warnings
-from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -34,14 +32,15 @@ import torch.distributed as dist
 from ..errors import PPLLError
 from ..options import PlanOptions, SavedPlan
 from ..plan import Plan
-from .group import init_group, rank_device, release
+from .group import meeting_store, rank_device
 
 PLAN_TIMEOUT = 1800.0
-"""Seconds the ranks wait for rank 0's plan (the timeout of a process group ``compile()`` forms)."""
+"""Seconds the ranks wait for rank 0's plan."""
 
 _TORCHRUN = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-_formed: list[Any] = []
-"""The default process group ``compile()`` formed, while no trainer has taken it over (at most one)."""
+_EXCHANGES = itertools.count()
+"""Plans exchanged so far by this process: every rank compiles in the same order, so the n-th is under key
+``plan/n`` of the store (where rank 0 writes its plan, or its error)."""
 
 
 def shared_ranks(opts: PlanOptions, saved: SavedPlan | None) -> tuple[int, int] | None:
@@ -125,55 +124,29 @@ def shared_note(world: int) -> str:
     return f"planned on rank 0 and shared with all {world} ranks (torchrun): every rank lowers this plan"
 
 
-def form_group(rank: int, world: int) -> None:
-    """Form the default process group if there is none (remembered, and released at exit unless a trainer takes it
-    over); make this rank's CUDA device current where there is one (NCCL's objects travel through it)."""
-    if not dist.is_initialized():
-        if init_group(world, PLAN_TIMEOUT):
-            if not _formed:
-                atexit.register(release_formed_group)
-            _formed[:] = [dist.group.WORLD]
+def meet(rank: int) -> None:
+    """Get ready to exchange rank 0's plan: this rank's CUDA device made current where there is one (NCCL's objects
+    travel through it), and torchrun's store reached when no process group is formed."""
     rank_device(rank)
+    if not dist.is_initialized():
+        meeting_store(PLAN_TIMEOUT)
 
 
 def _broadcast(obj: Any) -> Any:
-    """Rank 0's ``obj`` on every rank; a lost rank (or the group's timeout) is a :class:`PPLLError`."""
-    box = [obj]
+    """Rank 0's ``obj`` (a JSON value) on every rank, through the default process group if one is formed, else
+    through torchrun's store; a lost rank (or the wait's timeout) is a :class:`PPLLError`."""
     try:
-        dist.broadcast_object_list(box, src=0)
+        if dist.is_initialized():
+            box = [obj]
+            dist.broadcast_object_list(box, src=0)
+            return box[0]
+        store, key = meeting_store(PLAN_TIMEOUT)[0], f"plan/{next(_EXCHANGES)}"
+        if obj is not None:
+            store.set(key, json.dumps(obj))
+            return obj
+        return json.loads(store.get(key))
     except RuntimeError as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         what = "rank 0 sent its plan: see the output of the rank that ended" if obj is not None else \
             "this rank waited for rank 0's plan: see rank 0's own output for its error"
         raise PPLLError(f"lost a rank while {what} ({first})") from None
-    return box[0]
-
-
-def formed_group() -> bool:
-    """Whether the default process group is one ``compile()`` formed that no trainer has taken over."""
-    return bool(_formed) and dist.is_initialized() and dist.group.WORLD is _formed[0]
-
-
-def take_over_group(timeout: Any) -> Callable[[], None] | None:
-    """A trainer takes over the group ``compile()`` formed: its ``timeout`` (seconds) applies from now on; the
-    function returned releases the group (once, and only while it is still the default group). ``None`` when there
-    is no such group."""
-    if not formed_group():
-        return None
-    group = _formed.pop()
-    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and 0 < timeout < 1e9:
-        setter = getattr(dist, "set_timeout", None) or getattr(dist.distributed_c10d, "_set_pg_timeout", None)
-        if setter is not None:
-            setter(timedelta(seconds=float(timeout)), group)
-
-    def release_taken() -> None:
-        if dist.is_initialized() and dist.group.WORLD is group:
-            release()
-    return release_taken
-
-
-def release_formed_group() -> None:
-    """Release the group ``compile()`` formed if no trainer took it over (at process exit)."""
-    if formed_group():
-        _formed.clear()
-        release()
