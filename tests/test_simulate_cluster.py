@@ -123,8 +123,9 @@ def test_the_bubble_is_every_wait_of_every_stage_on_random_plans(mlp_plan, cores
     for _ in range(20):
         n = rng.randint(2, 5)
         specs = [dict(compute=rng.uniform(0.5, 3.0), fwd=rng.randint(0, 3), bwd=rng.randint(0, 3),
-                      out=rng.uniform(0, 1), grad=rng.uniform(0, 1), replicas=rng.randint(1, 2)) for _ in range(n)]
-        plan = synthetic_plan(mlp_plan, specs)
+                      out=rng.randint(0, 1000), grad=rng.randint(0, 1000), replicas=rng.randint(1, 2))
+                 for _ in range(n)]
+        plan = synthetic_plan(mlp_plan, specs, bandwidth=1000.0)  # a plan's bytes are integers: up to a second
         sim = simulate(plan, steps=rng.randint(1, 12), queue_depth=rng.randint(1, 3),
                        decoupled=rng.random() < 0.7, cores=cores)
         area = n * sim.makespan

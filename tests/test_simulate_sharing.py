@@ -157,8 +157,8 @@ def test_equal_stages_on_fewer_cores_reach_cores_over_total_work(base, cores):
 
 def test_nothing_shared_is_the_equations_exactly(base, pipebd_base):
     # as many cores as threads, or every stage on its own device: the same result as without cores, bit for bit
-    plan = _plan(base, [dict(compute=1.5, fwd=1, bwd=2, out=0.5), dict(compute=3.0, fwd=2, bwd=1, out=1, replicas=2),
-                        dict(compute=2.0, fwd=1, bwd=1, step=0.5)])
+    plan = _plan(base, [dict(compute=1.5, fwd=1, bwd=2, out=1), dict(compute=3.0, fwd=2, bwd=1, out=2, replicas=2),
+                        dict(compute=2.0, fwd=1, bwd=1, step=0.5)], bandwidth=2.0)
     for cores, devices in ((4, ["cpu"] * 3), (1, ["cuda:0", "cuda:1", "cpu"])):
         placed = _placed(plan, devices)
         sim, alone = simulate(placed, steps=9, cores=cores), simulate(placed, steps=9)
