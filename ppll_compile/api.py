@@ -5,14 +5,16 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.fx as fx
 from torch import nn
 
 from .analysis import Analysis, analyse
+from .cost import META_KEY
 from .cuts import Cut
 from .assemble import assemble_ppll
 from .errors import CutError, PlanError, PolicyError
@@ -25,10 +27,10 @@ from .meta import PLANNED_ON_META, is_meta
 from .output_head import NoOutputProjection
 from .options import SavedPlan, check_no_blocks, read_saved_plan, resolve_mode, resolve_options
 from .options import PlanOptions
-from .partition import StageRequest, ppll_layout, segment_costs, stage_request, time_layout
+from .partition import StageRequest, ppll_layout, segment_costs, slow_stage_note, stage_request, time_layout
 from .pipebd.build import compile_pipebd, plan_pipebd
 from .pipeline import CompiledPipeline
-from .plan import Plan
+from .plan import Plan, TensorSpec
 from .runtime.plan_share import meet, receive_plan, request_of, send_failure, send_plan, shared_note, shared_ranks
 from .plan_specs import HeadSpec
 from .policy import Policy, load_policy
@@ -197,6 +199,11 @@ def _plan_ppll(model: nn.Module, example_inputs: Sequence[Any] | None, example_k
                            figures, measured)
     if is_meta(model):
         result = dataclasses.replace(result, notes=(*result.notes, PLANNED_ON_META))
+    warned = [note for note in (*_output_notes(model, a, result, opts.num_classes), slow_stage_note(result))
+              if note is not None]
+    for note in warned:
+        warnings.warn(note, UserWarning, stacklevel=3)  # at the caller of plan() or compile()
+    result = dataclasses.replace(result, notes=(*result.notes, *warned)) if warned else result
     untied = _untied(a, result)
     if untied:
         result = dataclasses.replace(result, untied=tuple(name for names, _ in untied for name in names),
@@ -353,6 +360,75 @@ def _heads(a: Analysis, request: StageRequest, saved: SavedPlan | None, policy: 
                 raise PolicyError(f"cut after {a.cuts[i].node!r}: {e}") from None
         heads[i], costs[i] = measured[key]
     return heads, costs
+
+
+def _scores_spec(a: Analysis) -> TensorSpec | None:
+    """The tensor of the model's output the last stage's default loss reads (see
+    :func:`~ppll_compile.heads.logits_of`): the output itself, an output dict's ``logits``, or the first tensor of a
+    tuple or list; ``None`` when the output holds no tensor."""
+    spec = a.output_spec()
+    if spec is not None:
+        return spec
+    out = a.nodes[-1].args[0]
+    if isinstance(out, Mapping):
+        out = out["logits"] if isinstance(out.get("logits"), fx.Node) else tuple(out.values())
+    if isinstance(out, (tuple, list)):
+        out = next((v for v in out if isinstance(v, fx.Node)), None)
+    value = out.meta.get(META_KEY) if isinstance(out, fx.Node) else None
+    value = getattr(value, "value", None)
+    return value if isinstance(value, TensorSpec) else None
+
+
+_WAY_OUT = ("pass the trainer the loss of your task: compiled.trainer(..., loss=fn) with fn(output, target) -> scalar "
+            "tensor for the last stage, and aux_loss=fn(scores, target) for the auxiliary heads")
+
+
+def _output_notes(model: nn.Module, a: Analysis, plan: Plan, num_classes: int | None) -> list[str]:
+    """What the plan says about the model's output where the default losses do not fit it (empty where they do).
+
+    The defaults (:func:`~ppll_compile.heads.task_loss`) read ``N x C`` scores with class labels of shape ``[N]``,
+    ``N x L x C`` per-token scores with labels ``[N, L]``, and one score per example (``[N]`` or ``N x 1``) with float
+    or 0/1 targets of shape ``[N]``; an output of another rank, not floating point, or without a tensor fits none. A
+    model that says its output is features (``num_classes == 0``, as timm's without a classifier), ``num_classes=``
+    other than the output's classes, and per-token heads that read another number of tokens than the output has
+    are named too."""
+    name = type(model).__name__
+    spec = _scores_spec(a)
+    if spec is None:
+        return [f"{name} returns a structured output holding no tensor of scores: no default loss fits it; "
+                f"{_WAY_OUT}"]
+    shape = tuple(spec.shape)
+    if "float" not in spec.dtype or len(shape) not in (1, 2, 3):
+        what = f"{spec.dtype} values" if "float" not in spec.dtype else "a scalar" if not shape else \
+            f"a {len(shape)}-D tensor"
+        return [f"{name} returns {what} of shape {shape}: no default loss fits it (the defaults take N x C scores "
+                f"with class labels of shape [N], N x L x C per-token scores with labels of shape [N, L], or one "
+                f"score per example with targets of shape [N]); {_WAY_OUT}"]
+    if len(shape) == 1 or shape[-1] == 1:
+        return []
+    tokens = len(shape) == 3
+    labels = f"[{shape[0]}, {shape[1]}]" if tokens else f"[{shape[0]}]"
+    read = f"{'per-token scores' if tokens else 'scores'} over {shape[-1]} classes, with class labels of shape {labels}"
+    notes = []
+    if getattr(model, "num_classes", None) == 0:
+        notes.append(f"{name} returns features, not scores: its num_classes is 0, and the default losses would read "
+                     f"its output of shape {shape} as {read}; to train it on class labels give it a classifier (for "
+                     f"a timm model, num_classes=C where it has one, else e.g. a pooling and nn.Linear({shape[-1]}, "
+                     f"C) after it), or {_WAY_OUT}")
+    if num_classes is not None and num_classes != shape[-1]:
+        notes.append(f"num_classes={num_classes}, but {name} returns {shape}, {read}: the auxiliary heads predict "
+                     f"{num_classes} classes, the model's output {shape[-1]}; pass num_classes={shape[-1]}, or "
+                     f"give the model an output of {num_classes} classes")
+    if tokens:
+        other = [(s.index, s.boundary[0].shape[1]) for s in plan.stages[:-1]
+                 if len(s.boundary[0].shape) >= 2 and s.boundary[0].shape[1] != shape[1]]
+        if other:
+            which = ", ".join(f"stage {i}'s: {n}" for i, n in other)
+            notes.append(f"the auxiliary heads give per-token scores for the tokens at their cut ({which}), but {name}'s "
+                         f"output has {shape[1]} tokens: labels of shape {labels} fit only the last stage; pass "
+                         f"compiled.trainer(..., aux_loss=fn) with fn(scores, target) -> scalar tensor for the "
+                         f"heads, or cut where the output's tokens are")
+    return notes
 
 
 _FRONT = {"plan": plan, "compile": compile}

@@ -21,6 +21,7 @@ from .errors import CutError, InfeasibleMemoryError
 from .hardware import load_hardware
 from .options import PlanOptions, SavedPlan
 from .phases import phase
+from .plan import Plan
 from .plan_specs import HeadSpec
 from .policy import Policy
 from .profile import StageTime, first_device, time_stages
@@ -159,6 +160,30 @@ def segment_costs(a: Analysis, heads: Mapping[int, HeadSpec], head_costs: Mappin
         head_memory=[heads[i].memory_bytes if i in heads else 0 for i in range(n)],
         head_grad_bytes=[heads[i].param_count * 4 if i in heads else 0 for i in range(n)],  # float32 heads
         params=[s.param_count for s in seg]), figures, notes
+
+
+SLOW_STAGE_SECONDS = 60.0
+"""Predicted seconds per training step of a plan's slowest stage above which planning warns (see
+:func:`slow_stage_note`)."""
+
+
+def slow_stage_note(plan: Plan) -> str | None:
+    """The plan's warning when its slowest stage is predicted to take more than :data:`SLOW_STAGE_SECONDS` per
+    training step on its device (``None`` when no stage does): the stage, its predicted time, the device the costs
+    are of, and the ways out."""
+    stage = plan.stages[plan.bottleneck_stage]
+    if not stage.cost > SLOW_STAGE_SECONDS:
+        return None
+    if plan.profile == "roofline" and plan.calibration.get("device"):
+        device = f"{stage.device} ({plan.calibration['device']})"
+    elif plan.profile == "flops":
+        device = f"{stage.device} at {plan.flops_per_second:.3g} FLOP/s (profile='flops')"
+    else:
+        device = f"{stage.device} (measured)"
+    return (f"stage {stage.index} is predicted to take {stage.cost:.0f} s ({stage.cost / 60:.1f} min) per training "
+            f"step on {device}: training will take minutes per batch; ways out: a smaller batch_size or input, more "
+            f"devices (gpus= more than {plan.world_size}, or replicas=True to share a stage's batch), or a faster "
+            f"device (devices=[...], or hardware= of the machine that will train)")
 
 
 def _param_tensors(cost: ModuleCost) -> list[int]:
