@@ -181,9 +181,9 @@ def slow_stage_note(plan: Plan) -> str | None:
     else:
         device = f"{stage.device} (measured)"
     return (f"stage {stage.index} is predicted to take {stage.cost:.0f} s ({stage.cost / 60:.1f} min) per training "
-            f"step on {device}: training will take minutes per batch; ways out: a smaller batch_size or input, more "
-            f"devices (gpus= more than {plan.world_size}, or replicas=True to share a stage's batch), or a faster "
-            f"device (devices=[...], or hardware= of the machine that will train)")
+            f"step on {device}: training will take minutes per batch; ways out: a smaller batch or input "
+            f"(batch_size=...), more devices (gpus={plan.world_size + 1} or more; replicas=True lets stages share a "
+            f"batch), or a faster device (devices=[...], or hardware=NAME to plan for the machine that will train)")
 
 
 def _param_tensors(cost: ModuleCost) -> list[int]:
