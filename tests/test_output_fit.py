@@ -177,3 +177,35 @@ def test_outputs_the_defaults_fit_get_no_note(model, x):
     classes = {"Sequential": {"num_classes": 1}, "DictOut": {"num_classes": 2}}.get(type(model).__name__, {})
     _, caught = compiled(model, x, **classes)
     assert caught == []
+
+
+@pytest.mark.slow
+def test_timm_gemma4_vision_encoder_is_named_as_features_and_its_way_out_trains():
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model("gemma4_vit_167m_enc", pretrained=False, img_size=96, depth=2)  # 36 patches, 4 tokens
+    x = torch.randn(2, 3, 96, 96, generator=torch.Generator().manual_seed(0))
+    c, caught = compiled(model, x)
+    assert caught == [
+        "Gemma4VitEncoder returns features, not scores: its num_classes is 0, and the default losses would read its "
+        "output of shape (2, 4, 768) as per-token scores over 768 classes, with class labels of shape [2, 4]; to "
+        "train it on class labels give it a classifier (for a timm model, num_classes=C where it has one, else e.g. "
+        "a pooling and nn.Linear(768, C) after it), or " + WAY_OUT,
+        "the auxiliary heads give per-token scores for the tokens at their cut (stage 0's: 36), but "
+        "Gemma4VitEncoder's output has 4 tokens: labels of shape [2, 4] fit only the last stage; pass "
+        "compiled.trainer(..., aux_loss=fn) with fn(scores, target) -> scalar tensor for the heads, or cut where "
+        "the output's tokens are"]
+    y = torch.tensor([3, 1])
+    with c.trainer(optimizer=sgd) as trainer, pytest.raises(StageError, match=re.escape(
+            "stage 0's auxiliary head gives scores of shape (2, 36, 768), and a target of shape (2,) and dtype "
+            "torch.int64 fits no task loss")):
+        trainer.step(x, y)
+
+    def pooled(scores, target):  # the tokens' mean, scored as one example's class scores
+        return F.cross_entropy(scores.mean(1), target)
+
+    with torch.no_grad():
+        h = c.stages[0](x)
+        expected = [float(pooled(c.heads[0](h[0]), y)), float(pooled(c.stages[1](*h), y))]
+    with c.trainer(optimizer=sgd, loss=pooled, aux_loss=pooled) as trainer:
+        assert trainer.step(x, y) == [[pytest.approx(expected[0], rel=1e-5)], [pytest.approx(expected[1], rel=1e-5)]]
