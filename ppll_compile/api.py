@@ -365,13 +365,13 @@ def _heads(a: Analysis, request: StageRequest, saved: SavedPlan | None, policy: 
 def _scores_spec(a: Analysis) -> TensorSpec | None:
     """The tensor of the model's output the last stage's default loss reads (see
     :func:`~ppll_compile.heads.logits_of`): the output itself, an output dict's ``logits``, or the first tensor of a
-    tuple or list; ``None`` when the output holds no tensor."""
+    tuple or list; ``None`` when it finds none."""
     spec = a.output_spec()
     if spec is not None:
         return spec
     out = a.nodes[-1].args[0]
     if isinstance(out, Mapping):
-        out = out["logits"] if isinstance(out.get("logits"), fx.Node) else tuple(out.values())
+        out = out.get("logits")
     if isinstance(out, (tuple, list)):
         out = next((v for v in out if isinstance(v, fx.Node)), None)
     value = out.meta.get(META_KEY) if isinstance(out, fx.Node) else None
@@ -395,7 +395,8 @@ def _output_notes(model: nn.Module, a: Analysis, plan: Plan, num_classes: int | 
     name = type(model).__name__
     spec = _scores_spec(a)
     if spec is None:
-        return [f"{name} returns a structured output holding no tensor of scores: no default loss fits it; "
+        return [f"{name} returns a structured output in which the default loss finds no scores (it reads a "
+                f"tensor, an output's 'logits', or the first tensor of a tuple or list): no default loss fits it; "
                 f"{_WAY_OUT}"]
     shape = tuple(spec.shape)
     if "float" not in spec.dtype or len(shape) not in (1, 2, 3):

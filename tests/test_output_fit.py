@@ -167,6 +167,30 @@ def test_a_scalar_output_fits_no_default_loss():
                       "one score per example with targets of shape [N]); " + WAY_OUT]
 
 
+class Named(nn.Module):
+    """Returns a dict of tensors without ``logits``: the default loss finds no scores in it."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(6, 16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.l1(x))
+        return {"features": h, "out": self.l2(h)}
+
+
+def test_a_dict_without_logits_fits_no_default_loss():
+    x = torch.randn(N, 6)
+    c, caught = compiled(Named(), x, num_classes=3)
+    assert caught == ["Named returns a structured output in which the default loss finds no scores (it reads a "
+                      "tensor, an output's 'logits', or the first tensor of a tuple or list): no default loss fits "
+                      "it; " + WAY_OUT]
+    with c.trainer(optimizer=sgd) as trainer, pytest.raises(StageError, match=re.escape(
+            "stage 1, the last (the model's output), gives immutable_dict scores (not a tensor), and a target of shape (4,) "
+            "and dtype torch.int64 fits no task loss")):
+        trainer.step(x, torch.tensor([0, 1, 2, 0]))
+
+
 @pytest.mark.parametrize("model, x", [
     (Residual(), torch.randn(N, 3, 8, 8)),  # N x C scores
     (DictOut(), torch.randn(N, 4)),  # a dict whose logits are N x C scores
