@@ -425,9 +425,9 @@ def _output_notes(model: nn.Module, a: Analysis, plan: Plan, num_classes: int | 
                  if len(s.boundary[0].shape) >= 2 and s.boundary[0].shape[1] != shape[1]]
         if other:
             which = ", ".join(f"stage {i}'s: {n}" for i, n in other)
-            notes.append(f"the auxiliary heads give per-token scores for the tokens at their cut ({which}), but {name}'s "
-                         f"output has {shape[1]} tokens: labels of shape {labels} fit only the last stage; pass "
-                         f"compiled.trainer(..., aux_loss=fn) with fn(scores, target) -> scalar tensor for the "
+            notes.append(f"the auxiliary heads give per-token scores for the tokens at their cut ({which}), but "
+                         f"{name}'s output has {shape[1]} tokens: labels of shape {labels} fit only the last stage; "
+                         f"pass compiled.trainer(..., aux_loss=fn) with fn(scores, target) -> scalar tensor for the "
                          f"heads, or cut where the output's tokens are")
     return notes
 

@@ -186,8 +186,8 @@ def test_a_dict_without_logits_fits_no_default_loss():
                       "tensor, an output's 'logits', or the first tensor of a tuple or list): no default loss fits "
                       "it; " + WAY_OUT]
     with c.trainer(optimizer=sgd) as trainer, pytest.raises(StageError, match=re.escape(
-            "stage 1, the last (the model's output), gives immutable_dict scores (not a tensor), and a target of shape (4,) "
-            "and dtype torch.int64 fits no task loss")):
+            "stage 1, the last (the model's output), gives immutable_dict scores (not a tensor), and a target of "
+            "shape (4,) and dtype torch.int64 fits no task loss")):
         trainer.step(x, torch.tensor([0, 1, 2, 0]))
 
 

@@ -84,6 +84,6 @@ def test_ppll_plan_show_prints_it_with_flags(tmp_path, capsys):
     line = next(line for line in out.splitlines() if "per training step on" in line)
     assert line.startswith("note: stage ")
     assert line.endswith("ways out: a smaller batch or input (--batch-size B), more devices (--gpus 3 or more; "
-                         "--replicas auto lets stages share a batch), or a faster device (--devices DEV,..., or --hardware "
-                         "NAME to plan for the machine that will train)")
+                         "--replicas auto lets stages share a batch), or a faster device (--devices DEV,..., or "
+                         "--hardware NAME to plan for the machine that will train)")
     assert "per training step on" not in err  # printed once, as a note
