@@ -166,7 +166,7 @@ def _one_plan(model: nn.Module, example_inputs: Sequence[Any] | None, example_kw
         try:
             result, a, policy = _plan_ppll(model, example_inputs, example_kwargs, opts, saved)
         except Exception as e:
-            send_failure(request, e)
+            send_failure(request, e, world)
             raise
         result = dataclasses.replace(result, notes=(*result.notes, shared_note(world)))
         return result, a, policy, send_plan(request, result)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -96,7 +97,16 @@ def train(compiled: Any, runtime: str) -> dict[int, dict[str, torch.Tensor]]:
 
 
 def _failing(out: Path, rank: int) -> None:
-    """Every rank compiles with a memory limit no stage fits: rank 0's planning fails; what each rank raised."""
+    """Every rank compiles with a memory limit no stage fits: rank 0's planning fails; what each rank raised. The
+    last rank reads rank 0's error 3 s late (rank 0 hosts the store: it must not end before every rank has read)."""
+    if rank == 2:
+        import ppll_compile.api as api
+        receive = api.receive_plan
+
+        def late(*args: Any) -> Any:
+            time.sleep(3)
+            return receive(*args)
+        api.receive_plan = late
     try:
         mixed_pipeline(memory_limit=1)
         text = "no error"

@@ -23,6 +23,7 @@ import dataclasses
 import itertools
 import json
 import os
+import time
 import warnings
 from typing import Any
 
@@ -36,6 +37,9 @@ from .group import meeting_store, rank_device
 
 PLAN_TIMEOUT = 1800.0
 """Seconds the ranks wait for rank 0's plan."""
+READ_TIMEOUT = 120.0
+"""Seconds rank 0 waits for the other ranks to read its error before it raises it (rank 0 may host the store, which
+ends with its process)."""
 
 _TORCHRUN = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _EXCHANGES = itertools.count()
@@ -99,9 +103,10 @@ def send_plan(request: dict[str, str], plan: Plan) -> int:
     return seed
 
 
-def send_failure(request: dict[str, str], error: BaseException) -> None:
-    """Rank 0: tell the other ranks why it could not plan (each then raises it as a :class:`PPLLError`)."""
-    _broadcast({"request": request, "error": f"{type(error).__name__}: {error}"})
+def send_failure(request: dict[str, str], error: BaseException, world: int) -> None:
+    """Rank 0: tell the other ``world - 1`` ranks why it could not plan (each then raises it as a
+    :class:`PPLLError`), and wait up to :data:`READ_TIMEOUT` seconds until they have read it."""
+    _broadcast({"request": request, "error": f"{type(error).__name__}: {error}"}, readers=world - 1)
 
 
 def receive_plan(rank: int, request: dict[str, str]) -> tuple[Plan | None, int]:
@@ -132,19 +137,26 @@ def meet(rank: int) -> None:
         meeting_store(PLAN_TIMEOUT)
 
 
-def _broadcast(obj: Any) -> Any:
+def _broadcast(obj: Any, readers: int = 0) -> Any:
     """Rank 0's ``obj`` (a JSON value) on every rank, through the default process group if one is formed, else
-    through torchrun's store; a lost rank (or the wait's timeout) is a :class:`PPLLError`."""
+    through torchrun's store; a lost rank (or the wait's timeout) is a :class:`PPLLError`. Through the store, every
+    other rank counts itself under ``<key>/read`` once it has read the value, and rank 0 waits until ``readers``
+    have (a rank that may end next must not take the store it hosts down before they read)."""
     try:
         if dist.is_initialized():
             box = [obj]
             dist.broadcast_object_list(box, src=0)
             return box[0]
         store, key = meeting_store(PLAN_TIMEOUT)[0], f"plan/{next(_EXCHANGES)}"
-        if obj is not None:
-            store.set(key, json.dumps(obj))
-            return obj
-        return json.loads(store.get(key))
+        if obj is None:
+            got = json.loads(store.get(key))
+            store.add(f"{key}/read", 1)
+            return got
+        store.set(key, json.dumps(obj))
+        deadline = time.monotonic() + READ_TIMEOUT
+        while store.add(f"{key}/read", 0) < readers and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return obj
     except RuntimeError as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         what = "rank 0 sent its plan: see the output of the rank that ended" if obj is not None else \
