@@ -68,6 +68,16 @@ def shapes_at_batch(gm: fx.GraphModule, inputs: Sequence[Any], batch: int, other
     return runner.shapes
 
 
+def _why_not(gm: fx.GraphModule, inputs: Sequence[Any], batch: int, other: int) -> str:
+    """Why the run at batch size ``other`` failed: that size, or fake tensors at all (the graph reads tensor values,
+    or an operation has no fake implementation)."""
+    try:
+        shapes_at_batch(gm, inputs, batch, batch, set())
+    except Exception:  # noqa: BLE001 - the planned batch fails too
+        return "does not run on fake tensors"
+    return f"does not run at batch size {other}"
+
+
 def _stages_asked(opts: PlanOptions | None) -> int | None:
     """The stage count the options fix without split points, or ``None``."""
     if opts is None or opts.split_points is not None or opts.replicas_chosen or isinstance(opts.replicas, tuple):
@@ -94,10 +104,9 @@ def batch_folded(gm: fx.GraphModule, cuts: Sequence[Cut], real_inputs: Sequence[
         later: dict[str, tuple[int, ...]] | None = shapes_at_batch(gm, real_inputs, batch, other,
                                                                    {c.node for c in cuts})
     except Exception as e:  # noqa: BLE001 - a graph that takes one batch size: only the planned batch is checked
-        later = None
-        first = (str(e).splitlines() or [""])[0]
+        later, first = None, (str(e).splitlines() or [""])[0]
         notes.append(f"the cuts were checked for keeping the batch first at the planned batch size only: the graph "
-                     f"does not run at batch size {other} ({type(e).__name__}: {first})")
+                     f"{_why_not(gm, real_inputs, batch, other)} ({type(e).__name__}: {first})")
     nodes = {n.name: n for n in gm.graph.nodes}
     kept, dropped, seen = [], {}, {}
     for c in cuts:
