@@ -19,6 +19,7 @@ from torch import Tensor
 from .cost import META_KEY
 from .cuts import Cut
 from .errors import PlanError
+from .fake_state import on_device
 from .meta import faked, input_device
 from .options import PlanOptions
 from .plan import TensorSpec
@@ -61,7 +62,8 @@ def shapes_at_batch(gm: fx.GraphModule, inputs: Sequence[Any], batch: int, other
     that has ``batch`` rows given ``other`` rows instead; the model's own tensors are not touched."""
     device = input_device(inputs)
     with faked(gm, device) as (mode, _), in_mode(gm, False), torch.no_grad():
-        fakes = [mode.from_tensor(_at(x, batch, other)) if isinstance(x, Tensor) else x for x in inputs]
+        fakes = [on_device(mode.from_tensor(_at(x, batch, other)), device) if isinstance(x, Tensor) else x
+                 for x in inputs]
         with mode:
             runner = _Shapes(gm, names)
             runner.run(*fakes)
