@@ -5,12 +5,14 @@ itself is refused with the exact call that takes it."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
 import torchvision
 from torch import fx, nn
 
+import ppll_compile
 from ppll_compile import TraceError
 from ppll_compile.capture import LIBRARY_NOTE, capture
 from ppll_compile.plan_file import EXPORT_NOTE
@@ -125,14 +127,25 @@ def test_a_branch_on_training_in_forward_names_the_exact_call_and_skips_torch_ex
         capture(RootBranch(), (torch.randn(4, 16),), {})
     assert str(info.value) == ("RootBranch.forward computes differently in train and in eval mode (it branches on "
                                f"self.training around 'mul'), {WAYS_OUT}")
+
+
+@pytest.mark.slow
+def test_googlenet_is_refused_with_the_exact_call_and_that_call_trains(monkeypatch):
+    torch.manual_seed(0)
     model = torchvision.models.googlenet(aux_logits=True, init_weights=False, num_classes=10)
+    x = torch.randn(2, 3, 64, 64)
     with pytest.raises(TraceError) as info:
-        capture(model, (torch.randn(2, 3, 64, 64),), {})
+        ppll_compile.compile(model, 2, example_inputs=(x,))
     assert str(info.value).startswith("GoogLeNet.forward computes differently in train and in eval mode (it branches "
                                       "on self.training around 'adaptive_avg_pool2d', ")
     assert str(info.value).endswith(WAYS_OUT)
-    baked = capture(model, (torch.randn(2, 3, 64, 64),), {}, bake_train_mode=True)  # the way out, taken
-    assert baked.tracer == "fx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled = ppll_compile.compile(model, 2, example_inputs=(x,), bake_train_mode=True, num_classes=10)
+    with compiled.trainer(optimizer=lambda p: torch.optim.SGD(p, lr=0.1), runtime="sequential") as trainer:
+        losses = trainer.step(x, torch.tensor([1, 7]))
+        trainer.finish()
+    assert len(losses) == 2 and all(math.isfinite(v) for ls in losses for v in ls)
 
 
 def _nest():
@@ -160,3 +173,11 @@ def test_timm_nest_is_traced_with_the_helpers_timm_marks_untraceable_kept_whole(
     a = c.gm(x)
     torch.manual_seed(1)
     assert torch.equal(a, model(x))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no CUDA here: the stages run on the CPU
+        compiled = ppll_compile.compile(model, 2, example_inputs=(x,))
+    assert compiled.plan.tracer == "fx" and compiled.plan.notes[0] == c.notes[0]
+    with compiled.trainer(optimizer=lambda p: torch.optim.SGD(p, lr=0.1), runtime="sequential") as trainer:
+        losses = trainer.step(x, torch.tensor([1, 7]))
+        trainer.finish()
+    assert len(losses) == 2 and all(math.isfinite(v) for ls in losses for v in ls)
