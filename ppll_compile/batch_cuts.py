@@ -9,6 +9,7 @@ checked.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,7 +24,7 @@ from .fake_state import on_device
 from .meta import faked, input_device
 from .options import PlanOptions
 from .plan import TensorSpec
-from .trace import in_mode
+from .trace import in_mode, quiet
 
 FOLDED = "their tensor does not carry the batch as its first dimension, which a head reads as the batch"
 """What the note on dropped cuts says of them."""
@@ -61,12 +62,17 @@ def shapes_at_batch(gm: fx.GraphModule, inputs: Sequence[Any], batch: int, other
     """The shapes of the nodes ``names`` when ``gm`` runs on fake tensors (eval mode, no gradients) with every input
     that has ``batch`` rows given ``other`` rows instead; the model's own tensors are not touched."""
     device = input_device(inputs)
-    with faked(gm, device) as (mode, _), in_mode(gm, False), torch.no_grad():
-        fakes = [on_device(mode.from_tensor(_at(x, batch, other)), device) if isinstance(x, Tensor) else x
-                 for x in inputs]
-        with mode:
-            runner = _Shapes(gm, names)
-            runner.run(*fakes)
+    disabled = logging.root.manager.disable  # torch logs a failing fake kernel's traceback; the caller says it
+    logging.disable(max(disabled, logging.ERROR))
+    try:
+        with faked(gm, device) as (mode, _), in_mode(gm, False), torch.no_grad(), quiet():
+            fakes = [on_device(mode.from_tensor(_at(x, batch, other)), device) if isinstance(x, Tensor) else x
+                     for x in inputs]
+            with mode:
+                runner = _Shapes(gm, names)
+                runner.run(*fakes)
+    finally:
+        logging.disable(disabled)
     return runner.shapes
 
 
