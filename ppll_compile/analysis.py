@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
+from .batch_cuts import batch_folded
 from .capture import capture
 from .cost import META_KEY, measure_graph
 from .optimizers import OPTIMIZER_STATES
@@ -428,13 +429,14 @@ def analyse(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwar
         measure_graph(gm, real_inputs)
     with phase("cuts"):
         cuts = legal_cuts(gm)
+        cuts, folded, batch_notes = batch_folded(gm, cuts, real_inputs, model=type(model).__name__, opts=opts)
     nodes = list(gm.graph.nodes)
     analysis = Analysis(
         gm=gm, nodes=nodes, cuts=cuts,
         inputs=tuple(dataclasses.replace(n.meta[META_KEY].value, name=n.name) for n in nodes
                      if n.op == "placeholder"),
         real_inputs=real_inputs, fixed_args=captured.fixed, num_classes=0, tracer=captured.tracer,
-        notes=captured.notes,
+        notes=(*captured.notes, *batch_notes), dropped=folded,
         param_bytes={k: p.numel() * p.element_size() for k, p in gm.named_parameters(remove_duplicate=False)},
         trainable={k for k, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad},
     )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +15,7 @@ from .export import export
 from .fake_state import on_device
 from .meta import faked, input_device, is_meta, unfake
 from .plan_file import EXPORT_NOTE
-from .trace import check_leaf_names, fixed_arguments, trace
+from .trace import ModeBranchError, check_leaf_names, fixed_arguments, library_untraced, trace
 
 BUFFER_OWNERS = "ppll_buffer_owners"
 """``GraphModule.meta`` key: for every buffer the graph reads by attribute, the model's module that holds it and
@@ -65,6 +65,49 @@ def _export(model: nn.Module, tensors: dict[str, Tensor], fixed: dict[str, Any],
     return gm, notes
 
 
+LIBRARY_NOTE = "traced with torch.fx, the functions and modules the model's library marks untraceable kept whole"
+"""The note of a symbolic trace that kept a library's registered untraceable helpers (timm's
+``register_notrace_function``) as single operations."""
+
+
+def _first_line(error: BaseException) -> str:
+    """The first line of ``error``'s message, up to its first ``;`` (what the plan's notes quote of it)."""
+    return str(error).split("\n")[0].split(";")[0]
+
+
+def _fx_error(model: nn.Module, attempt: Callable[[], fx.GraphModule]) -> fx.GraphModule | TraceError:
+    """The graph ``attempt`` traces, or why it failed: its :class:`TraceError`, any other exception as one."""
+    try:
+        return attempt()
+    except TraceError as e:
+        return e
+    except Exception as e:  # noqa: BLE001 - whatever symbolic tracing raises, torch.export is tried next
+        error = TraceError(f"torch.fx cannot trace {type(model).__name__}: {type(e).__name__}: {e}")
+        error.__cause__ = e
+        return error
+
+
+def _symbolic(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dict[str, Any],
+              leaf_modules: tuple[str | type, ...], split_points: Sequence[str] | None,
+              bake_train_mode: bool) -> tuple[fx.GraphModule | None, TraceError | None, tuple[str, ...]]:
+    """Symbolic tracing: the graph and notes, or why it failed. Where plain tracing fails and a loaded model library
+    registers functions or modules as untraceable (:func:`~ppll_compile.trace.library_untraced`), tracing is tried
+    once more with those kept whole."""
+    def attempt(functions: tuple[Any, ...] = (), modules: tuple[type, ...] = ()) -> fx.GraphModule | TraceError:
+        return _fx_error(model, lambda: trace(model, example_inputs=example_inputs, example_kwargs=example_kwargs,
+                                              leaf_modules=(*leaf_modules, *modules), split_points=split_points,
+                                              bake_train_mode=bake_train_mode, autowrap_functions=functions))
+    first = attempt()
+    if isinstance(first, fx.GraphModule):
+        return first, None, ()
+    functions, modules = library_untraced()
+    if functions or modules:
+        again = attempt(functions, modules)
+        if isinstance(again, fx.GraphModule):
+            return again, None, (f"{LIBRARY_NOTE} (plain symbolic tracing cannot take it: {_first_line(first)})",)
+    return None, first, ()
+
+
 @dataclass(frozen=True, kw_only=True)
 class Capture:
     """A model captured as an fx graph over its own parameters, with how its ``forward`` arguments map onto it."""
@@ -89,8 +132,11 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dic
     :class:`~ppll_compile.options.PlanOptions`).
 
     Under ``auto``, symbolic tracing is tried first, except on models known to need ``torch.export`` (Hugging Face
-    ``PreTrainedModel`` subclasses, given no ``leaf_modules`` or ``split_points``), which go to it at once; the
-    notes say why ``torch.export`` was used.
+    ``PreTrainedModel`` subclasses, given no ``leaf_modules`` or ``split_points``), which go to it at once; whatever
+    makes symbolic tracing fail, ``torch.export`` is tried next, and the notes say why it was used (the first line
+    of the tracing error). When both fail, the error gives both causes, each with its ways out. Symbolic tracing
+    that fails is tried once more with the helpers a loaded model library marks untraceable kept whole (timm's
+    ``register_notrace_function``), before ``torch.export``.
     ``leaf_modules`` and ``split_points`` steer symbolic tracing; ``torch.export`` has no opaque modules, so
     ``leaf_modules`` with ``tracer='export'`` is an error. A forward argument ``use_cache`` that is not given is
     captured as ``False`` under ``torch.export`` (a pipeline stage cannot hand a key/value cache back).
@@ -109,15 +155,13 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dic
         except TraceError as e:
             fx_error = e
     elif tracer != "export":
-        try:
-            gm = trace(model, example_inputs=example_inputs, example_kwargs=example_kwargs,
-                       leaf_modules=leaf_modules, split_points=split_points, bake_train_mode=bake_train_mode)
-            gm.meta[BUFFER_OWNERS] = _buffer_owners(model, gm)
-            return Capture(gm=gm, inputs=tuple(values.values()), fixed=fixed, tracer="fx")
-        except TraceError as e:
-            if tracer == "fx":
-                raise
-            fx_error = e
+        traced, fx_error, fx_notes = _symbolic(model, example_inputs, example_kwargs, leaf_modules, split_points,
+                                               bake_train_mode)
+        if traced is not None:
+            traced.meta[BUFFER_OWNERS] = _buffer_owners(model, traced)
+            return Capture(gm=traced, inputs=tuple(values.values()), fixed=fixed, tracer="fx", notes=fx_notes)
+        if fx_error is not None and (tracer == "fx" or isinstance(fx_error, ModeBranchError)):
+            raise fx_error  # a branch on self.training in forward itself: torch.export cannot follow it either
     if tracer == "export" and leaf_modules:
         raise TraceError("leaf_modules keeps modules opaque to torch.fx symbolic tracing; torch.export captures "
                          "every module. Drop leaf_modules, or use tracer='fx'")
@@ -131,6 +175,6 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dic
             raise
         raise TraceError(f"{fx_error}\nThe other front end, torch.export, cannot capture it either: {e}") from e
     gm.meta[BUFFER_OWNERS] = _buffer_owners(model, gm)
-    reason = f" (symbolic tracing cannot take it: {str(fx_error).split(';')[0]})" if fx_error is not None else ""
+    reason = f" (symbolic tracing cannot take it: {_first_line(fx_error)})" if fx_error is not None else ""
     return Capture(gm=gm, inputs=tuple(values.values()), fixed=fixed, tracer="export",
                    notes=(f"{EXPORT_NOTE}{reason}", *notes))

@@ -8,6 +8,7 @@ import functools
 import inspect
 import logging
 import operator
+import sys
 import traceback
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
@@ -112,8 +113,8 @@ class _Tracer(fx.Tracer):
     """fx tracer with ppll-compile's leaf policy and a record of the module being traced when tracing fails."""
 
     def __init__(self, root: nn.Module, leaf_names: set[str], leaf_types: tuple[type, ...],
-                 keep: set[str] | None):
-        super().__init__()
+                 keep: set[str] | None, autowrap_functions: tuple[Any, ...] = ()):
+        super().__init__(autowrap_functions=autowrap_functions)
         self._root = root
         self._leaf_names = leaf_names
         self._leaf_types = leaf_types
@@ -195,7 +196,7 @@ def _user_frame(tb: Any) -> traceback.FrameSummary | None:
 
 def trace(model: nn.Module, *, example_inputs: Sequence[Any] = (), example_kwargs: dict[str, Any] | None = None,
           leaf_modules: Iterable[str | type] = (), split_points: Sequence[str] | None = None,
-          bake_train_mode: bool = False) -> fx.GraphModule:
+          bake_train_mode: bool = False, autowrap_functions: Sequence[Any] = ()) -> fx.GraphModule:
     """Trace ``model`` into a GraphModule that shares its submodules and parameters, in both modes.
 
     ``example_inputs``/``example_kwargs`` say which forward arguments are given; the tensors among them
@@ -206,6 +207,8 @@ def trace(model: nn.Module, *, example_inputs: Sequence[Any] = (), example_kwarg
     With ``split_points`` that are all module names, every module that does not contain a split point is
     kept opaque, which also lets models with untraceable parts be planned. When the model's own ``forward``
     branches on ``self.training``, that is an error unless ``bake_train_mode`` keeps the train branch.
+    ``autowrap_functions`` (functions the model's modules call by their global name) are each recorded as one
+    call, not traced into.
     """
     leaf_names = {m for m in leaf_modules if isinstance(m, str)}
     leaf_types = tuple(m for m in leaf_modules if isinstance(m, type))
@@ -213,14 +216,15 @@ def trace(model: nn.Module, *, example_inputs: Sequence[Any] = (), example_kwarg
     keep = _split_point_ancestors(model, split_points) if split_points else None
     _, concrete = fixed_arguments(model, tuple(example_inputs), dict(example_kwargs or {}), allow_var=False)
     while True:
-        train, eval = (_trace_in(model, mode, concrete, leaf_names, leaf_types, keep) for mode in (True, False))
+        train, eval = (_trace_in(model, mode, concrete, leaf_names, leaf_types, keep, tuple(autowrap_functions))
+                       for mode in (True, False))
         merge = merge_modes(train, eval)
         if not merge.structural:
             return train
         culprits = merge.sources or merge.structural  # where the difference starts, not what reads it
         paths = {module_path(n) for n in culprits}
         if "" in paths and not bake_train_mode:
-            raise TraceError(_root_branches(model, culprits))
+            raise ModeBranchError(_root_branches(model, culprits))
         new = {p for p in paths if p} - leaf_names
         if not new:  # bake_train_mode: the root's own train branch stays, the rest follows the mode
             merge_modes(train, eval, partial=True)
@@ -229,9 +233,10 @@ def trace(model: nn.Module, *, example_inputs: Sequence[Any] = (), example_kwarg
 
 
 def _trace_in(model: nn.Module, training: bool, concrete: dict[str, Any], leaf_names: set[str],
-              leaf_types: tuple[type, ...], keep: set[str] | None) -> fx.GraphModule:
+              leaf_types: tuple[type, ...], keep: set[str] | None,
+              autowrap_functions: tuple[Any, ...] = ()) -> fx.GraphModule:
     """One symbolic trace of ``model`` in the given mode, with the fixed arguments' guards removed."""
-    tracer = _Tracer(model, leaf_names, leaf_types, keep)
+    tracer = _Tracer(model, leaf_names, leaf_types, keep, autowrap_functions)
     with in_mode(model, training), quiet() as caught:
         try:
             graph = tracer.trace(model, concrete_args=concrete or None)
@@ -242,12 +247,29 @@ def _trace_in(model: nn.Module, training: bool, concrete: dict[str, Any], leaf_n
     return gm
 
 
+def library_untraced() -> tuple[tuple[Any, ...], tuple[type, ...]]:
+    """The functions and module types that a loaded model library registers as not to be traced into by torch.fx
+    (timm's ``register_notrace_function`` / ``register_notrace_module``, e.g. a helper that calls ``int()`` on a
+    shape); empty when no such library is loaded."""
+    layers = sys.modules.get("timm.layers")
+    functions = getattr(layers, "get_notrace_functions", lambda: [])()
+    modules = getattr(layers, "get_notrace_modules", lambda: [])()
+    return (tuple(f for f in functions if callable(f)), tuple(m for m in modules if isinstance(m, type)))
+
+
+class ModeBranchError(TraceError):
+    """The model's own ``forward`` branches on ``self.training``: no front end captures one graph that follows
+    both branches, so ``torch.export`` is not tried after it."""
+
+
 def _root_branches(model: nn.Module, nodes: Sequence[fx.Node]) -> str:
     where = ", ".join(repr(n.name) for n in nodes[:4]) + (" ..." if len(nodes) > 4 else "")
     return (f"{type(model).__name__}.forward computes differently in train and in eval mode (it branches on "
-            f"self.training around {where}), so one captured graph cannot behave like the model in both. Ways "
-            f"out: move that branch into a submodule (it then stays opaque and switches with the mode), or pass "
-            f"bake_train_mode=True to keep the train-mode branch in train and eval alike")
+            f"self.training around {where}), so one captured graph cannot behave like the model in both, whichever "
+            f"the tracer. Ways out: keep the train-mode branch in train and eval alike with "
+            f"`ppll_compile.compile(model, ..., bake_train_mode=True)` (ppll_compile.plan takes it too, ppll-plan "
+            f"--bake-train-mode), or move that branch into a submodule (it then stays opaque and switches with the "
+            f"mode)")
 
 
 _GUARDS = {fx._symbolic_trace._assert_is_none, torch._assert, operator.eq}

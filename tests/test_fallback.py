@@ -1,0 +1,183 @@
+"""``tracer='auto'``: whatever makes symbolic tracing fail, ``torch.export`` is tried next and the plan's notes say why;
+a library's registered untraceable helpers are kept whole before that; a branch on ``self.training`` in ``forward``
+itself is refused with the exact call that takes it."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import torchvision
+from torch import fx, nn
+
+import ppll_compile
+from ppll_compile import TraceError
+from ppll_compile.capture import LIBRARY_NOTE, capture
+from ppll_compile.plan_file import EXPORT_NOTE
+from ppll_compile.trace import trace
+
+
+class _Base(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 3)
+
+
+class RaisesFxError(_Base):
+    """Refuses symbolic tracing itself, with torch.fx's own TraceError."""
+
+    def forward(self, x):
+        h = self.a(x)
+        if isinstance(h, fx.Proxy):
+            raise fx.proxy.TraceError("this block cannot be traced symbolically")
+        return self.b(h)
+
+
+class SqrtGrid(_Base):
+    """Reads a shape through ``int(math.sqrt(...))``: torch.fx wraps math.sqrt, and int() of a Proxy fails."""
+
+    def forward(self, x):
+        h = self.a(x)
+        side = int(math.sqrt(h.shape[1]))
+        return self.b(h.reshape(h.shape[0], side, side).flatten(1))
+
+
+class BuiltinLen(_Base):
+    """Calls a Python builtin (len) on a traced value."""
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h) * (len(h) > 0)
+
+
+def _fx_first_line(model: nn.Module, x: torch.Tensor) -> str:
+    with pytest.raises(TraceError) as info:
+        capture(model, (x,), {}, tracer="fx")
+    return str(info.value).splitlines()[0]
+
+
+@pytest.mark.parametrize(("cls", "cause"), [(RaisesFxError, "TraceError: this block cannot be traced symbolically"),
+                                            (SqrtGrid, "TypeError: int() argument must be"),
+                                            (BuiltinLen, "'len' is not supported in symbolic tracing")])
+def test_auto_takes_torch_export_after_any_tracing_failure_and_says_why(cls, cause):
+    model, x = cls().eval(), torch.randn(4, 16)
+    first = _fx_first_line(model, x)
+    assert cause in first and f"torch.fx cannot trace {cls.__name__}: in {cls.__name__}.forward at " in first
+    c = capture(model, (x,), {})
+    assert c.tracer == "export"
+    assert c.notes[0] == f"{EXPORT_NOTE} (symbolic tracing cannot take it: {first.split(';')[0]})"
+    with torch.no_grad():
+        assert torch.equal(c.gm(x)[0] if isinstance(c.gm(x), (tuple, list)) else c.gm(x), model(x))
+
+
+def test_an_error_that_is_not_a_trace_error_also_falls_back(monkeypatch):
+    def boom(*args, **kwargs):
+        raise RuntimeError("tracer broke")
+    monkeypatch.setattr("ppll_compile.capture.trace", boom)
+    c = capture(RaisesFxError(), (torch.randn(4, 16),), {})
+    assert c.tracer == "export"
+    assert c.notes[0] == (f"{EXPORT_NOTE} (symbolic tracing cannot take it: torch.fx cannot trace RaisesFxError: "
+                          f"RuntimeError: tracer broke)")
+    with pytest.raises(TraceError, match="^torch.fx cannot trace RaisesFxError: RuntimeError: tracer broke$"):
+        capture(RaisesFxError(), (torch.randn(4, 16),), {}, tracer="fx")
+
+
+class ValueBranch(_Base):
+    """Branches on a tensor's value: neither front end takes it."""
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h if h.sum() > 0 else -h)
+
+
+def test_when_both_front_ends_fail_the_error_gives_both_causes_and_their_ways_out():
+    x = torch.randn(4, 16)
+    with pytest.raises(TraceError) as fx_only:
+        capture(ValueBranch(), (x,), {}, tracer="fx")
+    with pytest.raises(TraceError) as both:
+        capture(ValueBranch(), (x,), {})
+    text = str(both.value)
+    fx_part, export_part = text.split("\nThe other front end, torch.export, cannot capture it either: ")
+    assert fx_part == str(fx_only.value) and "Ways out: " in fx_part
+    assert export_part.startswith("torch.export cannot capture ValueBranch: ")
+
+
+class RootBranch(_Base):
+    def forward(self, x):
+        h = self.a(x)
+        if self.training:
+            h = h * 2
+        return self.b(h)
+
+
+WAYS_OUT = ("so one captured graph cannot behave like the model in both, whichever the tracer. Ways out: keep the "
+            "train-mode branch in train and eval alike with `ppll_compile.compile(model, ..., bake_train_mode=True)` "
+            "(ppll_compile.plan takes it too, ppll-plan --bake-train-mode), or move that branch into a submodule (it "
+            "then stays opaque and switches with the mode)")
+
+
+def test_a_branch_on_training_in_forward_names_the_exact_call_and_skips_torch_export(monkeypatch):
+    def no_export(*args, **kwargs):
+        raise AssertionError("torch.export was tried")
+    monkeypatch.setattr("ppll_compile.capture.export", no_export)
+    with pytest.raises(TraceError) as info:
+        capture(RootBranch(), (torch.randn(4, 16),), {})
+    assert str(info.value) == ("RootBranch.forward computes differently in train and in eval mode (it branches on "
+                               f"self.training around 'mul'), {WAYS_OUT}")
+
+
+@pytest.mark.slow
+def test_googlenet_is_refused_with_the_exact_call_and_that_call_trains(monkeypatch):
+    torch.manual_seed(0)
+    model = torchvision.models.googlenet(aux_logits=True, init_weights=False, num_classes=10)
+    x = torch.randn(2, 3, 64, 64)
+    with pytest.raises(TraceError) as info:
+        ppll_compile.compile(model, 2, example_inputs=(x,))
+    assert str(info.value).startswith("GoogLeNet.forward computes differently in train and in eval mode (it branches "
+                                      "on self.training around 'adaptive_avg_pool2d', ")
+    assert str(info.value).endswith(WAYS_OUT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled = ppll_compile.compile(model, 2, example_inputs=(x,), bake_train_mode=True, num_classes=10)
+    with compiled.trainer(optimizer=lambda p: torch.optim.SGD(p, lr=0.1), runtime="sequential") as trainer:
+        losses = trainer.step(x, torch.tensor([1, 7]))
+        trainer.finish()
+    assert len(losses) == 2 and all(math.isfinite(v) for ls in losses for v in ls)
+
+
+def _nest():
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    return timm.create_model("nest_tiny", img_size=32, num_classes=10)
+
+
+@pytest.mark.slow
+def test_timm_nest_is_traced_with_the_helpers_timm_marks_untraceable_kept_whole():
+    model, x = _nest(), torch.randn(2, 3, 32, 32)
+    with pytest.raises(TraceError) as info:  # plain symbolic tracing
+        trace(model, example_inputs=(x,))
+    first = str(info.value).splitlines()[0]
+    assert "grid_size = int(math.sqrt(T))" in first
+    c = capture(model, (x,), {})
+    assert c.tracer == "fx"
+    assert c.notes == (f"{LIBRARY_NOTE} (plain symbolic tracing cannot take it: {first.split(';')[0]})",)
+    assert any(n.op == "call_function" and n.target.__name__ == "deblockify" for n in c.gm.graph.nodes)
+    c.gm.eval(), model.eval()
+    with torch.no_grad():
+        assert torch.equal(c.gm(x), model(x))
+    c.gm.train(), model.train()  # drop path follows the mode: the same draws give the same output
+    torch.manual_seed(1)
+    a = c.gm(x)
+    torch.manual_seed(1)
+    assert torch.equal(a, model(x))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no CUDA here: the stages run on the CPU
+        compiled = ppll_compile.compile(model, 2, example_inputs=(x,))
+    assert compiled.plan.tracer == "fx" and compiled.plan.notes[0] == c.notes[0]
+    with compiled.trainer(optimizer=lambda p: torch.optim.SGD(p, lr=0.1), runtime="sequential") as trainer:
+        losses = trainer.step(x, torch.tensor([1, 7]))
+        trainer.finish()
+    assert len(losses) == 2 and all(math.isfinite(v) for ls in losses for v in ls)
