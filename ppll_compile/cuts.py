@@ -206,6 +206,16 @@ def _read_on(n: fx.Node, at: int, order: dict[fx.Node, int], output: fx.Node) ->
     return len(later) >= 2 or output in n.users
 
 
+def _parameter_free(nodes: Sequence[fx.Node]) -> set[fx.Node]:
+    """The inputs and the values computed from them without a parameter or a submodule's call."""
+    free: set[fx.Node] = set()
+    for n in nodes:
+        if n.op == "placeholder" or (n.op in ("call_function", "call_method")
+                                     and all(a in free for a in n.all_input_nodes)):
+            free.add(n)
+    return free
+
+
 def _stream_cuts(nodes: Sequence[fx.Node], side: set[fx.Node], eligible: Sequence[fx.Node],
                  order: dict[fx.Node, int], found: set[fx.Node], max_side_values: int) -> list[fx.Node]:
     """Cuts whose side values are chosen per cut rather than for the whole graph, for models of two streams such
@@ -216,17 +226,17 @@ def _stream_cuts(nodes: Sequence[fx.Node], side: set[fx.Node], eligible: Sequenc
     are live after it, each an input or a value read at least twice (a mask, a bias, the encoder's output), and
     ``v`` dominates the output with those values' later uses left out (:func:`_dominates_after`), and no value
     travelling is one ``v`` derives from alone (a skip connection)."""
-    # only past the first cut found for the whole graph: before it the main value may be a mask with the inputs
-    # not yet read travelling beside it
-    first = min((order[v] for v in found), default=len(nodes))
+    # values computed from the inputs by no parameter (masks, shifted target tokens) may travel however often they
+    # are read; the main value must have met a parameter (a mask is no stream of its own)
+    plain = _parameter_free(nodes)
     out: list[fx.Node] = []
     carried: set[fx.Node] = set()
     idom: dict[Any, Any] | None = None
     for v, live in zip(eligible, _live_sets(nodes, [order[v] for v in eligible])):
         travel = {n for n in live if n is not v and n not in side}
-        if v in found or not travel or len(travel) > max_side_values or order[v] < first:
+        if v in found or not travel or len(travel) > max_side_values or v in plain:
             continue
-        if not all(_is_tensor(n) and (n.op == "placeholder" or _read_on(n, order[v], order, nodes[-1])) for n in travel):
+        if not all(_is_tensor(n) and (n in plain or _read_on(n, order[v], order, nodes[-1])) for n in travel):
             continue
         if idom is None:
             idom = _input_dominators(nodes, side)
@@ -236,11 +246,11 @@ def _stream_cuts(nodes: Sequence[fx.Node], side: set[fx.Node], eligible: Sequenc
             out.append(v)
             carried |= travel
     # a second stream is one whose cuts carry another cut's main value (the encoder's output) beside their own, a
-    # cut that carries no computed tensor beside it (the end of the first stream); other models keep the cuts of
+    # cut that carries nothing but inputs beside it (the end of the first stream); other models keep the cuts of
     # their one set of side values
     ends = sorted(carried & (found | set(out)), key=lambda n: order[n])
     for x, live in zip(ends, _live_sets(nodes, [order[n] for n in ends])):
-        if all(n is x or n in side or n.op == "placeholder" for n in live):
+        if all(n is x or n in side or n in plain for n in live):
             return out
     return []
 
