@@ -82,7 +82,7 @@ def _train(name: str, runtime: str, steps: int = 3) -> tuple[list[torch.Tensor],
     with compiled.trainer(optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), runtime=runtime, seed=0,
                           **options) as trainer:
         for step in range(steps):
-            x = _batch(step)
+            x = _batch(step % 2)  # two batches in turn: random targets are learnt by heart
             for stage, done in enumerate(trainer.step(x, x["labels"])):
                 losses[stage] += done
         for stage, done in enumerate(trainer.finish()):
@@ -99,8 +99,8 @@ def test_threads_train_as_sequential_and_every_stage_loss_falls(name, one_thread
     ours, our_losses = _train(name, "threads", steps=6)
     assert len(ours) == len(ref) and all(torch.equal(p, q) for p, q in zip(ours, ref))
     assert our_losses == ref_losses
-    for stage, ls in enumerate(ref_losses):  # the same batches cycle: 6 distinct ones, losses on the first three
-        assert len(ls) == 6 and ls[-1] < ls[0], (stage, ls)
+    for stage, ls in enumerate(ref_losses):
+        assert len(ls) == 6 and ls[4] + ls[5] < ls[0] + ls[1], (stage, ls)
 
 
 def test_an_encoder_stage_head_predicts_every_target_token_from_its_mean_scores():
