@@ -111,3 +111,50 @@ def test_an_encoder_stage_head_predicts_every_target_token_from_its_mean_scores(
     torch.testing.assert_close(got, scores.mean(1, keepdim=True).expand(2, 3, 7), rtol=0, atol=0)
     assert to_target_length(scores, torch.randint(0, 7, (2, 5))) is scores  # positions line up: unchanged
     assert to_target_length(scores, torch.randn(2, 3)) is scores  # a float target is no token target
+
+
+# ---- sequence classification: pooling at the last end-of-sequence token -------------------------------------------
+
+def _classifier(name: str) -> tuple[torch.nn.Module, int]:
+    """A 3-class classifier and its end-of-sequence token id."""
+    torch.manual_seed(0)
+    config = (_t5 if name == "t5" else _bart)().config
+    config.num_labels = 3
+    cls = transformers.T5ForSequenceClassification if name == "t5" else transformers.BartForSequenceClassification
+    return cls(config), config.eos_token_id
+
+
+def _sentences(seed: int, eos: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(3, VOCAB, (BATCH, SOURCE), generator=torch.Generator().manual_seed(seed))
+    ids[:, -1] = eos  # one end-of-sequence token a row, last
+    return {"input_ids": ids}
+
+
+@pytest.mark.slow  # captures with torch.export and trains two pipelines
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_sequence_classifier_equals_the_model_and_trains_the_same_under_threads(name, one_thread_quietly):
+    model, eos = _classifier(name)
+    results = []
+    for runtime in ("sequential", "threads"):
+        copied = copy.deepcopy(model)
+        torch.manual_seed(1)
+        compiled = ppll_compile.compile(copied, gpus=2, example_kwargs=_sentences(0, eos), tied="untie")
+        compiled.eval()
+        model.eval()
+        with torch.no_grad():
+            x = _sentences(7, eos)
+            assert float((compiled(**x).logits - model(**x).logits).abs().max()) <= 1e-6
+        options = {"threads_per_stage": 1} if runtime == "threads" else {}
+        with compiled.trainer(optimizer=lambda p: torch.optim.SGD(p, lr=0.05), runtime=runtime, seed=0,
+                              **options) as trainer:
+            for step in range(3):
+                trainer.step(_sentences(step, eos), torch.tensor([0, 1, 2, 1]))
+        results.append([p.detach().clone() for i in range(2) for p in compiled.stage_parameters(i)])
+    assert len(results[0]) == len(results[1]) and all(torch.equal(p, q) for p, q in zip(*results))
+    assert any(not torch.equal(p, q) for p, q in zip(results[0], model.parameters()))
+    # the model's check that every example holds as many end-of-sequence tokens stays
+    uneven = _sentences(3, eos)
+    uneven["input_ids"][0, 2] = eos
+    with pytest.raises((RuntimeError, ValueError), match="same number of <eos> tokens"):
+        with torch.no_grad():
+            compiled(**uneven)
