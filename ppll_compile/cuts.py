@@ -225,7 +225,7 @@ def _stream_cuts(nodes: Sequence[fx.Node], side: set[fx.Node], eligible: Sequenc
     one and a side value in the other. A position qualifies when at most ``max_side_values`` tensors besides ``v``
     are live after it, each an input or a value read at least twice (a mask, a bias, the encoder's output), and
     ``v`` dominates the output with those values' later uses left out (:func:`_dominates_after`), and no value
-    travelling is one ``v`` derives from alone (a skip connection)."""
+    travelling that a parameter computed is one ``v`` derives from alone (a skip connection; the inputs may be)."""
     # values computed from the inputs by no parameter (masks, shifted target tokens) may travel however often they
     # are read; the main value must have met a parameter (a mask is no stream of its own)
     plain = _parameter_free(nodes)
@@ -240,7 +240,7 @@ def _stream_cuts(nodes: Sequence[fx.Node], side: set[fx.Node], eligible: Sequenc
             continue
         if idom is None:
             idom = _input_dominators(nodes, side)
-        if any(_dominated(v, n, idom) for n in travel):  # a skip connection: v derives from n alone
+        if any(n not in plain and _dominated(v, n, idom) for n in travel):  # a skip connection: v derives from n
             continue
         if _dominates_after(nodes, v, travel, side, order):
             out.append(v)
