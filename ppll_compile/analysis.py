@@ -266,7 +266,7 @@ class Analysis:
         logits of a Hugging Face output), else ``None``."""
         arg = self.nodes[-1].args[0]
         if self.tracer == "export" and isinstance(arg, (tuple, list)) and arg:
-            arg = arg[0]
+            arg = _first_scores(arg)
         if isinstance(arg, fx.Node):
             value = arg.meta[META_KEY].value
             return value if isinstance(value, TensorSpec) else None
@@ -322,6 +322,16 @@ class Analysis:
         before = [c.node for c in self.cuts if c.position < pos][-1:]
         after = [c.node for c in self.cuts if c.position > pos][:1]
         return " or ".join(repr(c) for c in before + after) or "none"
+
+
+def _first_scores(values: Sequence[Any]) -> Any:
+    """The first of a flattened output's values that is not a 0-D tensor: a Hugging Face output given ``labels``
+    starts with its own scalar loss, and the logits (what heads and the default loss read) follow it."""
+    for v in values:
+        spec = v.meta[META_KEY].value if isinstance(v, fx.Node) else None
+        if not (isinstance(spec, TensorSpec) and len(spec.shape) == 0):
+            return v
+    return values[0]
 
 
 def _crossing(spans: list[tuple[int, int, tuple[str, ...]]], cuts: Sequence[Cut]) -> list[str]:

@@ -16,6 +16,9 @@ from .plan import TensorSpec
 MAX_SIDE_VALUES = 3
 """At most this many side tensors (an attention mask; a rotary embedding's cos and sin) may travel with the main
 tensor across a cut."""
+STREAM_SIDE_VALUES = 3
+"""How many more side tensors a cut inside one stream of a two-stream model may carry: a T5 decoder layer reads the
+encoder's output, the encoder's mask, its own causal mask, two position biases and the target tokens."""
 _GROUP_POOL = 6  # the most used candidates, tried in groups
 
 _SOURCE = "__ppll_source__"
@@ -146,6 +149,112 @@ class _Trials:
                 chain)
 
 
+def _dominates_after(nodes: Sequence[fx.Node], v: fx.Node, travel: set[fx.Node], side: set[fx.Node],
+                     order: dict[fx.Node, int]) -> bool:
+    """``v`` dominates the output once the values in ``travel`` cross the cut after ``v`` beside it: their uses
+    after ``v`` (and every use of the scalar ``side`` values) are left out, their uses before ``v`` kept. Only the
+    inputs feed the source: values computed from no input can be recomputed on either side of a cut."""
+    g = nx.DiGraph()
+    g.add_node(_SOURCE)
+    at = order[v]
+    for n in nodes:
+        if n.op == "get_attr":
+            continue
+        g.add_node(n)
+        if n.op == "placeholder":
+            g.add_edge(_SOURCE, n)
+        for a in n.all_input_nodes:
+            if a.op != "get_attr" and a not in side and not (a in travel and order[n] > at):
+                g.add_edge(a, n)
+    if not nx.has_path(g, _SOURCE, nodes[-1]):
+        return False
+    idom = nx.immediate_dominators(g, _SOURCE)
+    u = idom[nodes[-1]]
+    while u != _SOURCE and u is not v:
+        u = idom[u]
+    return u is v
+
+
+def _input_dominators(nodes: Sequence[fx.Node], side: set[fx.Node]) -> dict[Any, Any]:
+    """Immediate dominators of the data-flow graph fed by the inputs only (scalar ``side`` values' edges left
+    out)."""
+    g = nx.DiGraph()
+    g.add_node(_SOURCE)
+    for n in nodes:
+        if n.op != "get_attr":
+            g.add_node(n)
+            g.add_edges_from((a, n) for a in n.all_input_nodes if a.op != "get_attr" and a not in side)
+            if n.op == "placeholder":
+                g.add_edge(_SOURCE, n)
+    return nx.immediate_dominators(g, _SOURCE)
+
+
+def _dominated(v: fx.Node, n: fx.Node, idom: dict[Any, Any]) -> bool:
+    """``n`` dominates ``v``: every path from the inputs to ``v`` passes through ``n``."""
+    u = idom.get(v)
+    while u is not None and u != _SOURCE:
+        if u is n:
+            return True
+        u = idom.get(u)
+    return False
+
+
+def _read_on(n: fx.Node, at: int, order: dict[fx.Node, int], output: fx.Node) -> bool:
+    """``n`` is read on past position ``at`` as a mask or an encoder's output is: by two or more later nodes, or
+    by the output (a residual's skip value is read once, by its add)."""
+    later = [u for u in n.users if order[u] > at]
+    return len(later) >= 2 or output in n.users
+
+
+def _parameter_free(nodes: Sequence[fx.Node]) -> set[fx.Node]:
+    """The inputs and the values computed from them without a parameter or a submodule's call."""
+    free: set[fx.Node] = set()
+    for n in nodes:
+        if n.op == "placeholder" or (n.op in ("call_function", "call_method")
+                                     and all(a in free for a in n.all_input_nodes)):
+            free.add(n)
+    return free
+
+
+def _stream_cuts(nodes: Sequence[fx.Node], side: set[fx.Node], eligible: Sequence[fx.Node],
+                 order: dict[fx.Node, int], found: set[fx.Node], max_side_values: int) -> list[fx.Node]:
+    """Cuts whose side values are chosen per cut rather than for the whole graph, for models of two streams such
+    as an encoder-decoder: inside the encoder the target tokens (a decoder input) and the encoder's masks travel
+    beside its hidden state; inside the decoder the encoder's output and the decoder's masks travel beside the
+    decoder's hidden state. No one set of side values serves both, since the encoder's output is the main value in
+    one and a side value in the other. A position qualifies when at most ``max_side_values`` tensors besides ``v``
+    are live after it, each an input or a value read at least twice (a mask, a bias, the encoder's output), and
+    ``v`` dominates the output with those values' later uses left out (:func:`_dominates_after`), and no value
+    travelling that a parameter computed is one ``v`` derives from alone (a skip connection; the inputs may be)."""
+    # values computed from the inputs by no parameter (masks, shifted target tokens) may travel however often they
+    # are read; the main value must have met a parameter (a mask is no stream of its own)
+    plain = _parameter_free(nodes)
+    out: list[fx.Node] = []
+    carried: set[fx.Node] = set()
+    idom: dict[Any, Any] | None = None
+    for v, live in zip(eligible, _live_sets(nodes, [order[v] for v in eligible])):
+        travel = {n for n in live if n is not v and n not in side}
+        if v in found or not travel or len(travel) > max_side_values or v in plain:
+            continue
+        if not all(_is_tensor(n) and (n in plain or _read_on(n, order[v], order, nodes[-1])) for n in travel):
+            continue
+        if idom is None:
+            idom = _input_dominators(nodes, side)
+        if any(n not in plain and _dominated(v, n, idom) for n in travel):  # a skip connection: v derives from n
+            continue
+        if _dominates_after(nodes, v, travel, side, order):
+            out.append(v)
+            carried |= travel
+    # a second stream is one whose cuts carry another cut's main value (the encoder's output) beside their own, a
+    # cut that carries nothing but inputs beside it (the end of the first stream); other models keep the cuts of
+    # their one set of side values
+    ends = sorted(carried & (found | set(out)), key=lambda n: order[n])
+    for x, live in zip(ends, _live_sets(nodes, [order[n] for n in ends])):
+        if all(n is x or n in side or n in plain for n in live):
+            return out
+    return []
+
+
 def legal_cuts(gm: fx.GraphModule, *, max_side_values: int = MAX_SIDE_VALUES) -> list[Cut]:
     """The legal cuts of a measured GraphModule, in graph order.
 
@@ -199,6 +308,9 @@ def legal_cuts(gm: fx.GraphModule, *, max_side_values: int = MAX_SIDE_VALUES) ->
             if len(trial) > len(best):
                 chosen, best = set(group), trial
 
+    if max_side_values >= MAX_SIDE_VALUES:  # a lower limit asks for the one set of side values only
+        stream = _stream_cuts(nodes, side, eligible, order, set(best), max_side_values + STREAM_SIDE_VALUES)
+        best = sorted(set(best) | set(stream), key=lambda n: order[n])
     cuts = []
     for v, live in zip(best, _live_sets(nodes, [order[v] for v in best])):
         rest = sorted((n for n in live if n is not v), key=lambda n: order[n])

@@ -122,9 +122,72 @@ def _graph_module(model: nn.Module, ep: torch.export.ExportedProgram, names: Seq
         raise TraceError(f"torch.export took inputs {[n.target for n in placeholders]}, expected {list(names)}: "
                          "pass the model's tensor inputs as top-level arguments, not inside lists or dicts")
     attrs = {n.target: _attr(model, unlifted, n.target) for n in graph.nodes if n.op == "get_attr"}
+    _static_last_marked(graph)
     gm = fx.GraphModule(attrs, graph, class_name=type(model).__name__)
     gm.meta[OUTPUT_SPEC] = unlifted._out_spec
     return gm
+
+
+_ATEN = torch.ops.aten
+
+
+def _is(n: Any, op: Any) -> bool:
+    return isinstance(n, fx.Node) and n.op == "call_function" and n.target == op
+
+
+def _descendants(roots: Sequence[fx.Node]) -> list[fx.Node]:
+    seen: dict[fx.Node, None] = {}
+    todo = list(roots)
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen[n] = None
+            todo.extend(n.users)
+    return list(seen)
+
+
+def _static_last_marked(graph: fx.Graph) -> None:
+    """Rewrite the end-of-sequence pooling of Hugging Face's encoder-decoder classifiers (BART's, T5's:
+    ``h[eos_mask, :].view(N, -1, D)[:, -1, :]`` after checking with ``unique_consecutive`` that every example
+    holds as many end-of-sequence tokens) into operators of static shape, which planning can measure on fake
+    tensors: the position of each row's last marked token is the first maximum of the mask's running count
+    (``argmax(cumsum(mask))``), and ``take_along_dim`` reads the hidden state there. Equal counts make the two the
+    same; the check stays, as an assertion on the counts (``_assert_async``, a no-op on fake tensors)."""
+    for index in [n for n in graph.nodes if _is(n, _ATEN.index.Tensor)]:
+        h, indices = index.args
+        if not (isinstance(indices, (list, tuple)) and len(indices) == 1 and isinstance(indices[0], fx.Node)):
+            continue
+        mask = indices[0]
+        view = next((u for u in index.users if _is(u, _ATEN.view.default)), None)
+        tail = next((u for u in view.users if _is(u, _ATEN.slice.Tensor)), None) if view is not None else None
+        select = next((u for u in tail.users if _is(u, _ATEN.select.int) and u.args[1:] == (1, -1)), None) \
+            if tail is not None else None
+        value = mask.meta.get("val")
+        if select is None or value is None or value.dtype != torch.bool or value.dim() != 2:
+            continue
+        counts = next((a for u in mask.users if _is(u, _ATEN.sum.dim_IntList) for a in [u]), None)
+        checks = [u for u in counts.users if _is(u, _ATEN.unique_consecutive.default)] if counts is not None else []
+        with graph.inserting_before(select):
+            last = graph.call_function(_ATEN.argmax.default, (graph.call_function(_ATEN.cumsum.default, (mask, 1)),
+                                                              1, True))
+            at = graph.call_function(_ATEN.unsqueeze.default, (last, -1))
+            pooled = graph.call_function(_ATEN.select.int, (graph.call_function(torch.take_along_dim, (h, at, 1)),
+                                                            1, 0))
+        select.replace_all_uses_with(pooled)
+        if checks:
+            with graph.inserting_before(checks[0]):
+                first = graph.call_function(_ATEN.slice.Tensor, (counts, 0, 0, 1))
+                same = graph.call_function(_ATEN.all.default, (graph.call_function(_ATEN.eq.Tensor, (counts, first)),))
+                graph.call_function(_ATEN._assert_async.msg, (same, "All examples must have the same number of "
+                                                                    "<eos> tokens."))
+        dead = _descendants([index, *checks])
+        while dead:
+            gone = [n for n in dead if not n.users]
+            if not gone:
+                break
+            for n in gone:
+                graph.erase_node(n)
+            dead = [n for n in dead if n not in gone]
 
 
 def _free_dims(t: torch.Tensor) -> int:

@@ -50,7 +50,7 @@ class AuxHead(nn.Module):
     def scored_loss(self, h: Tensor, target: Tensor, input: Tensor | None = None, *, loss: Loss | None = None,
                     regression: Loss | None = None, where: str = "the head") -> tuple[Tensor, Tensor]:
         """The head's scores for ``h`` and the weighted local loss :meth:`loss` takes of them."""
-        scores = self(h)
+        scores = to_target_length(self(h), target)
         term = loss(scores, target) if loss is not None else task_loss(scores, target, regression, where=where)
         return scores, self.classification_weight * term
 
@@ -181,6 +181,20 @@ def task_of(scores: Any, target: Any) -> str | None:
     if scores.shape[0] == target.shape[0] and scores.numel() == target.numel():
         return "regression" if floating else "multilabel"
     return None
+
+
+def to_target_length(scores: Any, target: Any) -> Any:
+    """Per-token scores N x S x C for a per-token target N x T of another length: the head sits on an encoder's
+    stage of a sequence-to-sequence model, whose S source positions do not line up with the T target ones. Each
+    target token is then predicted from the mean of the S positions' scores, the same for every target position:
+    the stage learns to encode which tokens the target holds (a bag of tokens), which needs no attention to the
+    target and no target length at build time. Other scores pass unchanged (with S == T the positions are taken
+    to line up, as in a causal LM)."""
+    if (isinstance(scores, Tensor) and isinstance(target, Tensor) and scores.dim() == 3 and target.dim() == 2
+            and not target.is_floating_point() and scores.shape[0] == target.shape[0]
+            and scores.shape[1] != target.shape[1]):
+        return scores.mean(1, keepdim=True).expand(-1, target.shape[1], -1)
+    return scores
 
 
 def task_loss(scores: Any, target: Any, loss: Loss | None = None, *, where: str = "the head",
