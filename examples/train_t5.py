@@ -100,10 +100,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--quick", action="store_true", help="a short demo: 60 steps of 16 sequences of 8 tokens")
     p.add_argument("--runtime", choices=["sequential", "threads"], default="threads", help="PPLL runtime")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's; 1 is faster on a busy machine)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads of the end-to-end run (default 1: each PPLL stage trains on one thread too)")
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if args.threads < 1:
+        p.error(f"--threads must be >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads)
     if args.quick:
         args.steps, args.length, args.batch_size = 60, 8, 16
     if min(args.steps, args.length, args.batch_size) < 2 or args.vocab <= SPECIAL + 1 or args.lr <= 0:
