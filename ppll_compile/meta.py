@@ -55,17 +55,27 @@ def faked(model: nn.Module, device: torch.device) -> Iterator[tuple[FakeTensorMo
     on ``device`` (a kernel's meta implementation may lay its output out unlike the device's). Yields the fake mode
     (for the inputs) and, by id of each fake, the model's own tensor, which :func:`unfake` puts back in a graph."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    named = (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False))
     fakes: dict[int, Tensor] = {}
-    tensors: dict[str, Tensor] = {}
-    for k, t in named:
-        f = fakes.get(id(t))
-        if f is None:
-            f = fakes[id(t)] = on_device(mode.from_tensor(t), device)
-        tensors[k] = f
-    own = {id(f): t for k, t in named for f in (tensors[k],)}
-    with torch.nn.utils.stateless._reparametrize_module(model, tensors):
+    own: dict[int, Tensor] = {}
+    swapped: list[tuple[dict[str, Any], str, Tensor]] = []
+    try:
+        # each module once, however many names it has (a module shared by several parents is put back once, with
+        # its own tensors: swapping name by name would put a shared module's fakes back as its originals)
+        for m in model.modules():
+            for table in (m._parameters, m._buffers):
+                for k, t in table.items():
+                    if t is None:
+                        continue
+                    f = fakes.get(id(t))
+                    if f is None:
+                        f = fakes[id(t)] = on_device(mode.from_tensor(t), device)
+                        own[id(f)] = t
+                    swapped.append((table, k, t))
+                    table[k] = f
         yield mode, own
+    finally:
+        for table, k, t in reversed(swapped):
+            table[k] = t
 
 
 def unfake(gm: fx.GraphModule, own: dict[int, Tensor]) -> None:
