@@ -1,16 +1,18 @@
 """The zoo sweep: one small model per timm family and per Hugging Face causal-LM or sequence-classification type.
 
-A timm family is one of timm's model modules (``timm.list_modules()``); its entry is its smallest variant (fewest
-parameters at 10 classes), random weights, 10 classes, the smallest square input it runs on (``img_size`` passed
-where the model takes one). A Hugging Face type is a key of transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``
-(the causal LM) or, for the types without one, of ``MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES`` (3 labels);
-its config is the type's default one shrunk in code (:func:`shrink`: width 32, 2 layers, 2 heads, vocabulary 128,
-...) with the overrides of :data:`HF_OVERRIDES`. Each model is checked at 2 stages, batch 2, ``compile()``'s
-defaults: **transparency** (``compiled.eval()`` gives the model's eval output) and **threads == sequential**
-(:data:`SWEEP_STEPS` SGD steps, every stage and head parameter equal bit for bit).
+A timm family is one of timm's model modules (``timm.list_modules()``); its entry is a small variant (the fewest
+parameters of the 4 whose names say atto, femto, ..., tiny, small), random weights, 10 classes, the smallest square
+input it runs on (``img_size`` passed where the model takes one). A Hugging Face type is a key of transformers'
+``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (the causal LM) or, for the types without one, of
+``MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES`` (3 labels); its config is the type's default one shrunk in code
+(:func:`shrink`: width 32, 2 layers, 2 heads, vocabulary 128, ...) with the overrides of :data:`HF_OVERRIDES`. Each
+model is checked at 2 stages, batch 2, ``compile()``'s defaults: **transparency** (``compiled.eval()`` gives the
+model's eval output) and **threads == sequential** (:data:`SWEEP_STEPS` SGD steps, every stage and head parameter
+equal bit for bit).
 
 What the compiler refuses is listed, with the reason, in :data:`REFUSED` (name -> text its error contains); what
-cannot be built from a small config at all is in :data:`NOT_BUILT`. ``tests/test_zoo_families.py`` holds both
+cannot be built from a small config at all is in :data:`NOT_BUILT`; both, with the families' models and the
+overrides, live in ``benchmarks/zoo_lists.py``. ``tests/test_zoo_families.py`` holds both
 lists to the code: a listed model must fail with its reason, every other one must pass.
 
 ``python -m benchmarks.zoo_sweep [--only NAME,...] [--shard I/N] [--out FILE]`` runs the sweep and prints the
@@ -34,10 +36,11 @@ import torch
 from torch import nn
 
 from .zoo import Entry, all_equal, batches, build, call, compile_entry, logits, trained_parameters
+from .zoo_lists import HF_OVERRIDES, NOT_BUILT, REFUSED, TESTED, TIMM_FAMILIES
 
 __all__ = ["SWEEP_BATCH", "SWEEP_STEPS", "SWEEP_STAGES", "TIMM_FAMILIES", "HF_OVERRIDES", "REFUSED", "NOT_BUILT",
            "SWEEP", "TESTED", "built", "shrink", "hf_types", "sweep_batches", "check", "run_one", "sweep", "summary",
-           "markdown", "suggested", "main"]
+           "markdown", "suggested", "disagreements", "main"]
 
 SWEEP_BATCH = 2
 SWEEP_STEPS = 2
@@ -49,9 +52,6 @@ TIMEOUT_S = 300
 """A model whose checks take longer is a ``timeout`` row of the sweep (not of the test)."""
 
 # ---- timm --------------------------------------------------------------------------------------------------------
-
-TIMM_FAMILIES: dict[str, tuple[str, int, dict[str, Any]]] = {}
-"""timm family -> (its smallest model, the input's side, extra ``create_model`` options); ``--discover`` prints it."""
 
 
 def _timm_make(model: str, kwargs: dict[str, Any]) -> Callable[[bool], nn.Module]:
@@ -67,40 +67,45 @@ def _images(size: int) -> Callable[[int, torch.Generator], tuple[Any, torch.Tens
     return batch
 
 
+_SMALL_NAMES = ["atto", "femto", "pico", "zepto", "nano", "xxxs", "xxs", "xs", "micro", "tiny", "mini", "small", "s0",
+                "b0", "t0", "a0", "t", "s", "m0", "b1", "lite0", "002", "004", "18", "10", "11", "14", "26"]
+"""Name parts of small variants, smallest first: :func:`_discover_family` weighs the 4 best-named variants."""
+
+
+def _name_rank(name: str) -> tuple[int, int]:
+    parts = name.replace("-", "_").replace(".", "_").split("_")
+    return min((_SMALL_NAMES.index(p) for p in parts if p in _SMALL_NAMES), default=len(_SMALL_NAMES)), len(name)
+
+
 def _discover_family(family: str) -> tuple[str, int, dict[str, Any]] | str:
-    """(smallest model, input side, options) of a timm family, or why none of its models builds."""
+    """(small model, input side, options) of a timm family, or why none of its models runs: of the 4 variants whose
+    names rank first (:data:`_SMALL_NAMES`), the one with the fewest parameters (counted on the meta device) that
+    runs at the smallest of 32, 64, ..., 256 (``img_size`` passed where the model takes it)."""
     import inspect
 
     import timm
-    sizes: list[tuple[int, str]] = []
-    for name in timm.list_models(module=family):
+    sized = []
+    for name in sorted(timm.list_models(module=family), key=_name_rank)[:4]:
         try:
             with torch.device("meta"):
-                sizes.append((sum(p.numel() for p in timm.create_model(name, num_classes=10).parameters()), name))
+                model = timm.create_model(name, num_classes=10)
+            sized.append((sum(p.numel() for p in model.parameters()), name,
+                          "img_size" in inspect.signature(type(model)).parameters))
         except Exception:  # noqa: BLE001 - a variant that does not build is not a candidate
             continue
     errors = []
-    for _, name in sorted(sizes)[:3]:
-        entrypoint = timm.models.model_entrypoint(name)
-        cls_params: set[str] = set()
-        try:
-            with torch.device("meta"):
-                cls_params = set(inspect.signature(type(timm.create_model(name, num_classes=10))).parameters)
-        except Exception:  # noqa: BLE001
-            pass
-        del entrypoint
+    for _, name, takes_size in sorted(sized)[:2]:
         for side in (32, 64, 96, 128, 160, 224, 256):
-            kwargs = {"img_size": side} if "img_size" in cls_params else {}
+            kwargs = {"img_size": side} if takes_size else {}
             try:
                 torch.manual_seed(0)
-                model = timm.create_model(name, num_classes=10, **kwargs).eval()
                 with torch.no_grad():
-                    out = model(torch.randn(2, 3, side, side))
+                    out = timm.create_model(name, num_classes=10, **kwargs).eval()(torch.randn(2, 3, side, side))
                 if tuple(out.shape) == (2, 10):
                     return name, side, kwargs
             except Exception as e:  # noqa: BLE001
-                errors.append(f"{name} at {side}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
-    return "; ".join(errors[-1:]) or "no model of the family builds"
+                errors.append(f"{name} at {side}: {_first_line(e)[:120]}")
+    return errors[-1] if errors else "no model of the family builds"
 
 
 # ---- Hugging Face --------------------------------------------------------------------------------------------
@@ -127,14 +132,6 @@ _SMALL: dict[str, int] = {
 }
 """The attributes :func:`shrink` sets wherever a config (or a sub-config) has them."""
 _TOKENS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id", "cls_token_id")
-
-HF_OVERRIDES: dict[str, dict[str, Any]] = {
-    "diffllama": {"num_key_value_heads": 2},  # differential attention splits the values along an even head count
-    "mamba2": {"num_heads": 4},  # heads x head size = the expanded width (2 x 32)
-    "reformer": {"axial_pos_shape": (4, 16), "axial_pos_embds_dim": (16, 16)},  # axial widths sum to the width
-    "t5": {"decoder_start_token_id": 0},
-}
-"""Per type: config attributes set after :func:`shrink` (where the generic small config does not build)."""
 
 
 def shrink(config: Any) -> Any:
@@ -236,19 +233,6 @@ def _catalogue() -> dict[str, Entry]:
 SWEEP: dict[str, Entry] = _catalogue()
 
 
-# ---- what is refused and what is not built ----------------------------------------------------------------
-
-REFUSED: dict[str, str] = {}
-"""Model -> a text its error contains: the compiler refuses it (or a check fails) at 2 stages, batch 2."""
-
-NOT_BUILT: dict[str, str] = {}
-"""Model -> a text its error contains: it does not build, or does not run by itself, from the small config."""
-
-
-TESTED: tuple[str, ...] = ()
-"""The representative subset that ``tests/test_zoo_families.py`` runs (the whole sweep is too long for the suite)."""
-
-
 # ---- the checks ---------------------------------------------------------------------------------------------
 
 class _Timeout(Exception):
@@ -290,7 +274,10 @@ def check(entry: Entry, model: nn.Module | None = None) -> dict[str, Any]:
         raise AssertionError(f"compiled.eval() differs from the model's eval output: {gap}")
     start = time.perf_counter()
     twin = copy.deepcopy(compiled)  # the same stages and heads: one compile serves both runtimes
+    before = trained_parameters(compiled)
     ref, ours = _train(compiled, "sequential", data), _train(twin, "threads", data)
+    if all_equal(ref, before):
+        raise AssertionError("training changed no parameter")
     if not all_equal(ours, ref):
         raise AssertionError("threads training differs from sequential training")
     figures["train_s"] = time.perf_counter() - start
@@ -310,8 +297,8 @@ def _alarm(signum: int, frame: Any) -> None:
 
 
 def _first_line(e: BaseException) -> str:
-    lines = [line for line in f"{type(e).__name__}: {e}".splitlines() if line.strip()]
-    return lines[0][:300]
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
 
 
 def run_one(name: str, timeout_s: int = TIMEOUT_S) -> dict[str, Any]:
@@ -327,14 +314,14 @@ def run_one(name: str, timeout_s: int = TIMEOUT_S) -> dict[str, Any]:
         except _Timeout:
             raise
         except Exception as e:  # noqa: BLE001 - a model that does not build is a row of the table
-            row.update(status="not built", error=_first_line(e))
+            row.update(status="not built", error=_first_line(e), detail=str(e)[:2000])
             return row
         row["parameters"] = sum(p.numel() for p in model.parameters())
         row.update(check(entry, model), status="ok")
     except _Timeout as e:
         row.update(status="timeout", error=str(e))
     except Exception as e:  # noqa: BLE001
-        row.update(status="refused", error=_first_line(e))
+        row.update(status="refused", error=_first_line(e), detail=str(e)[:2000])
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
@@ -407,8 +394,8 @@ def suggested(rows: list[dict[str, Any]]) -> str:
     parts = []
     for title, status in (("REFUSED", "refused"), ("NOT_BUILT", "not built")):
         lines = [f"{title}: dict[str, str] = {{"]
-        lines += [f"    {r['name']!r}: {r['error'][:80]!r}," for r in rows if r["status"] in (status, "timeout")
-                  and (status == "refused" or r["status"] == status)]
+        lines += [f"    {r['name']!r}: {r['error'].split(': ', 1)[-1][:70]!r},  # {r['error'].split(':')[0]}"
+                  for r in rows if r["status"] == status or (status == "refused" and r["status"] == "timeout")]
         parts.append("\n".join(lines) + "\n}")
     return "\n\n".join(parts) + "\n"
 
@@ -436,7 +423,22 @@ def main(argv: list[str] | None = None) -> int:
         rows = sweep(names, args.out)
     print(markdown(rows))
     print(suggested(rows))
+    for line in disagreements(rows):
+        print(line)
     return 0
+
+
+def disagreements(rows: list[dict[str, Any]]) -> list[str]:
+    """The rows whose outcome the lists do not say: a listed model that passed, or failed for another reason, or an
+    unlisted one that failed."""
+    out = []
+    for r in rows:
+        listed = REFUSED.get(r["name"]) if r["status"] != "not built" else NOT_BUILT.get(r["name"])
+        if r["status"] == "ok" and (r["name"] in REFUSED or r["name"] in NOT_BUILT):
+            out.append(f"{r['name']}: listed, but passes: remove it")
+        elif r["status"] != "ok" and (listed is None or listed not in r.get("detail", r["error"])):
+            out.append(f"{r['name']}: {r['status']} ({r['error'][:100]}), not as listed: {listed!r}")
+    return out
 
 
 def _discover() -> int:
