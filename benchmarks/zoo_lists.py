@@ -99,6 +99,15 @@ TIMM_FAMILIES: dict[str, tuple[str, int, dict[str, Any]]] = {
     'vgg': ('vgg11', 32, {}),
     'visformer': ('visformer_tiny', 32, {'img_size': 32}),
     'vision_transformer': ('vit_tiny_patch16_224', 32, {'img_size': 32}),
+    'vision_transformer_hybrid': ('vit_tiny_r_s16_p8_224', 32, {'img_size': 32}),
+    'vision_transformer_relpos': ('test_vit_relpos', 32, {'img_size': 32}),
+    'vision_transformer_sam': ('samvit_base_patch16_224', 32, {'img_size': 32}),
+    'vitamin': ('vitamin_small_224', 32, {'img_size': 32}),
+    'volo': ('volo_d1_224', 32, {'img_size': 32}),
+    'vovnet': ('vovnet39a', 32, {}),
+    'xception': ('legacy_xception', 32, {}),
+    'xception_aligned': ('xception41p', 32, {}),
+    'xcit': ('xcit_nano_12_p8_224', 32, {'img_size': 32}),
 }
 """timm family -> (its smallest model, the input's side, extra ``create_model`` options); ``--discover`` prints it."""
 
