@@ -332,6 +332,8 @@ def run_one(name: str, timeout_s: int = TIMEOUT_S) -> dict[str, Any]:
 def sweep(names: list[str], out: Path | None = None) -> list[dict[str, Any]]:
     """Every row; with ``out``, one JSON line per model appended as it finishes (rows found there are kept)."""
     done = {}
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
     if out is not None and out.exists():
         done = {r["name"]: r for r in map(json.loads, out.read_text().splitlines()) if r.get("name") in names}
     rows = []
