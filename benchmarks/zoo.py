@@ -12,7 +12,8 @@ parameter equal bit for bit; the last batch smaller). Then a Pipe-BD pair from e
 step under ``sequential`` and ``threads`` with equal student parameters. A check that raises is a ``FAIL`` row
 with the error's first line; the section itself does not fail.
 
-The catalogue (:data:`ZOO`, :data:`PAIRS`) and the helpers here are also what ``tests/test_zoo.py`` runs.
+The catalogue (:data:`ZOO`, :data:`PAIRS`) and the helpers here are also what ``tests/test_zoo.py`` runs. The section
+ends with the sweep of ``benchmarks/zoo_sweep.py`` (one model per timm family and Hugging Face type).
 """
 
 from __future__ import annotations
@@ -38,10 +39,7 @@ __all__ = ["ZOO", "PAIRS", "Entry", "Pair", "Trained", "build", "compile_entry",
            "parameter_sharing", "batches", "train_sizes", "trained_parameters", "train", "changed", "compile_pair",
            "train_pair", "all_equal", "section", "main"]
 
-BATCH = 4
-SEQ = 16
-VOCAB = 128
-STEPS = 3
+BATCH, SEQ, VOCAB, STEPS = 4, 16, 128, 3
 LAST_BATCH = 3
 """The last training batch is smaller: only the batch size may vary."""
 TIMM_DROP = {"drop_rate": 0.1, "drop_path_rate": 0.1}
@@ -85,8 +83,7 @@ def _sentences(classes: int) -> Callable[[int, torch.Generator], tuple[Any, torc
     return batch
 
 
-def _tokens(n: int, g: torch.Generator) -> tuple[Any, torch.Tensor]:
-    """Causal LM: N x L token ids, N x L labels with the first 3 positions ignored (-100)."""
+def _tokens(n: int, g: torch.Generator) -> tuple[Any, torch.Tensor]:  # N x L labels, the first 3 ignored (-100)
     ids = torch.randint(1, VOCAB, (n, SEQ), generator=g)
     labels = torch.randint(0, VOCAB, (n, SEQ), generator=g)
     labels[:, :3] = -100
@@ -222,9 +219,8 @@ def build(entry: Entry, drop: bool = False, seed: int = 0) -> nn.Module:
 
 
 def _compile_args(inputs: Any) -> dict[str, Any]:
-    if isinstance(inputs, dict):
-        return {"example_kwargs": inputs}
-    return {"example_inputs": inputs if isinstance(inputs, tuple) else (inputs,)}
+    return {"example_kwargs": inputs} if isinstance(inputs, dict) else \
+        {"example_inputs": inputs if isinstance(inputs, tuple) else (inputs,)}
 
 
 def compile_entry(entry: Entry, model: nn.Module, stages: int, inputs: Any, seed: int | None = None,
@@ -239,9 +235,8 @@ def compile_entry(entry: Entry, model: nn.Module, stages: int, inputs: Any, seed
 
 def call(module: Any, inputs: Any) -> Any:
     """``module`` (a model or a compiled pipeline) called on a tensor, a tuple or a dict of keyword inputs."""
-    if isinstance(inputs, dict):
-        return module(**inputs)
-    return module(*inputs) if isinstance(inputs, tuple) else module(inputs)
+    return module(**inputs) if isinstance(inputs, dict) else \
+        module(*inputs) if isinstance(inputs, tuple) else module(inputs)
 
 
 def logits(out: Any) -> torch.Tensor:
@@ -430,16 +425,12 @@ def zoo(stages: tuple[int, ...], train_stages: int) -> dict[str, Any]:
 def _status(row: dict[str, Any]) -> str:
     if row.get("compile_s") is None:
         return f"compile FAIL {row.get('error')}"
-    parts = [f"{row['compile_s']:.2f} s", f"eval {'ok' if row['eval_exact'] else 'FAIL'}"]
-    if "threads_equal" in row:
-        parts.append(f"threads {'ok' if row['threads_equal'] else 'FAIL'}")
-    return ", ".join(parts)
+    threads = [f"threads {'ok' if row['threads_equal'] else 'FAIL'}"] if "threads_equal" in row else []
+    return ", ".join([f"{row['compile_s']:.2f} s", f"eval {'ok' if row['eval_exact'] else 'FAIL'}", *threads])
 
 
 def _mark(row: dict[str, Any], key: str) -> str:
-    if key not in row:
-        return "-"
-    return "pass" if row[key] else "**FAIL**"
+    return "-" if key not in row else "pass" if row[key] else "**FAIL**"
 
 
 def _markdown(r: dict[str, Any]) -> str:
@@ -488,13 +479,23 @@ def section(*, quick: bool, out: Path) -> Section:
         results: dict[str, Any] = {"batch": BATCH, "steps": STEPS, "train_batches": train_sizes(),
                                    "stages": list(stages), "train_stages": stages[-1], "threads": 1,
                                    **zoo(stages, stages[-1])}
+        sweep_md = _sweep(quick, out, results)
     results["seconds"] = time.perf_counter() - start
     s = Section(key="zoo", title="Model zoo: timm and Hugging Face models compiled unmodified", results=results,
-                markdown=_markdown(results))
+                markdown=_markdown(results) + sweep_md)
     out.mkdir(parents=True, exist_ok=True)  # as a standalone run writes them, under `python -m benchmarks` too
     (out / "zoo.json").write_text(json.dumps({"environment": environment(), **results}, indent=2))
     (out / "zoo.md").write_text(s.report())
     return s
+
+
+def _sweep(quick: bool, out: Path, results: dict[str, Any]) -> str:
+    """The zoo sweep (``--quick``: its tested subset): rows kept in ``zoo_sweep.jsonl``, the table in markdown."""
+    from . import zoo_sweep
+    (out / "zoo_sweep.jsonl").unlink(missing_ok=True)  # a fresh sweep (the file keeps rows as they finish)
+    rows = zoo_sweep.sweep(list(zoo_sweep.TESTED if quick else zoo_sweep.SWEEP), out / "zoo_sweep.jsonl")
+    results["sweep"] = zoo_sweep.summary(rows)
+    return "\nThe sweep (`python -m benchmarks.zoo_sweep`):\n\n" + zoo_sweep.markdown(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
