@@ -339,7 +339,11 @@ def train_pair(pair: Pair, runtime: str, steps: int = 2, stages: int = 2) -> lis
 
 
 def all_equal(ours: list[torch.Tensor], ref: list[torch.Tensor]) -> bool:
-    return len(ours) == len(ref) and all(torch.equal(p, q) for p, q in zip(ours, ref))
+    """Bit for bit, NaN where the other has NaN (a model that diverges must diverge alike)."""
+    def same(p: torch.Tensor, q: torch.Tensor) -> bool:
+        return torch.equal(p, q) or (p.shape == q.shape and torch.equal(p.isnan(), q.isnan())
+                                     and torch.equal(p.nan_to_num(0.0), q.nan_to_num(0.0)))
+    return len(ours) == len(ref) and all(same(p, q) for p, q in zip(ours, ref))
 
 
 # ---- the benchmark ------------------------------------------------------------------------------------
