@@ -426,9 +426,10 @@ def _output_notes(model: nn.Module, a: Analysis, plan: Plan, num_classes: int | 
         if other:
             which = ", ".join(f"stage {i}'s: {n}" for i, n in other)
             notes.append(f"the auxiliary heads give per-token scores for the tokens at their cut ({which}), but "
-                         f"{name}'s output has {shape[1]} tokens: labels of shape {labels} fit only the last stage; "
-                         f"pass compiled.trainer(..., aux_loss=fn) with fn(scores, target) -> scalar tensor for the "
-                         f"heads, or cut where the output's tokens are")
+                         f"{name}'s output has {shape[1]} tokens: by default a head scores each of the {shape[1]} "
+                         f"labels from the mean of its tokens' scores (as on the encoder of a sequence-to-sequence "
+                         f"model); for another rule pass compiled.trainer(..., aux_loss=fn) with fn(scores, target) "
+                         f"-> scalar tensor, or cut where the output's tokens are")
     return notes
 
 

@@ -50,9 +50,11 @@ class AuxHead(nn.Module):
     def scored_loss(self, h: Tensor, target: Tensor, input: Tensor | None = None, *, loss: Loss | None = None,
                     regression: Loss | None = None, where: str = "the head") -> tuple[Tensor, Tensor]:
         """The head's scores for ``h`` and the weighted local loss :meth:`loss` takes of them."""
-        scores = to_target_length(self(h), target)
-        term = loss(scores, target) if loss is not None else task_loss(scores, target, regression, where=where)
-        return scores, self.classification_weight * term
+        scores = self(h)
+        if loss is not None:  # the user's aux_loss= reads the head's own scores
+            return scores, self.classification_weight * loss(scores, target)
+        scores = to_target_length(scores, target)
+        return scores, self.classification_weight * task_loss(scores, target, regression, where=where)
 
 
 class InfoProHead(AuxHead):

@@ -117,25 +117,27 @@ def test_per_token_heads_that_read_other_tokens_than_the_output_are_named_and_au
     x = tokens_x()
     c, caught = compiled(Pooled(), x, split_points=["l1"])
     assert caught == ["the auxiliary heads give per-token scores for the tokens at their cut (stage 0's: 8), but "
-                      "Pooled's output has 4 tokens: labels of shape [4, 4] fit only the last stage; pass "
-                      "compiled.trainer(..., aux_loss=fn) with fn(scores, target) -> scalar tensor for the heads, or "
-                      "cut where the output's tokens are"]
+                      "Pooled's output has 4 tokens: by default a head scores each of the 4 labels from the mean of "
+                      "its tokens' scores (as on the encoder of a sequence-to-sequence model); for another rule pass "
+                      "compiled.trainer(..., aux_loss=fn) with fn(scores, target) -> scalar tensor, or cut where the "
+                      "output's tokens are"]
     y = torch.randint(0, 5, (N, 4), generator=torch.Generator().manual_seed(1))
-    with c.trainer(optimizer=sgd) as trainer, pytest.raises(StageError, match=re.escape(
-            "stage 0's auxiliary head gives scores of shape (4, 8, 5), and a target of shape (4, 4) and dtype "
-            "torch.int64 fits no task loss")):
-        trainer.step(x, y)
+
+    def mean_rule(scores, target):  # every label scored by the mean of the head's 8 tokens' scores
+        return F.cross_entropy(scores.mean(1, keepdim=True).expand(-1, 4, -1).flatten(0, 1), target.flatten())
 
     def pairs(scores, target):  # a head's 8 tokens scored against the 4 labels of their pairs
         return F.cross_entropy(scores.flatten(0, 1), target.repeat_interleave(2, dim=1).flatten())
 
-    c, _ = compiled(Pooled(), x, split_points=["l1"])
-    with torch.no_grad():
-        h = c.stages[0](x)
-        expected = [float(pairs(c.heads[0](h[0]), y)), float(F.cross_entropy(c.stages[1](*h).flatten(0, 1),
-                                                                             y.flatten()))]
-    with c.trainer(optimizer=sgd, aux_loss=pairs) as trainer:
-        assert trainer.step(x, y) == [[pytest.approx(expected[0], rel=1e-6)], [pytest.approx(expected[1], rel=1e-6)]]
+    for rule, options in ((mean_rule, {}), (pairs, {"aux_loss": pairs})):
+        c, _ = compiled(Pooled(), x, split_points=["l1"])
+        with torch.no_grad():
+            h = c.stages[0](x)
+            expected = [float(rule(c.heads[0](h[0]), y)), float(F.cross_entropy(c.stages[1](*h).flatten(0, 1),
+                                                                               y.flatten()))]
+        with c.trainer(optimizer=sgd, **options) as trainer:
+            assert trainer.step(x, y) == [[pytest.approx(expected[0], rel=1e-6)],
+                                          [pytest.approx(expected[1], rel=1e-6)]]
 
 
 def test_a_dense_map_fits_no_default_loss_the_first_step_says_so_and_loss_trains_it():
@@ -216,9 +218,10 @@ def test_timm_gemma4_vision_encoder_is_named_as_features_and_its_way_out_trains(
         "train it on class labels give it a classifier (for a timm model, num_classes=C where it has one, else e.g. "
         "a pooling and nn.Linear(768, C) after it), or " + WAY_OUT,
         "the auxiliary heads give per-token scores for the tokens at their cut (stage 0's: 36), but "
-        "Gemma4VitEncoder's output has 4 tokens: labels of shape [2, 4] fit only the last stage; pass "
-        "compiled.trainer(..., aux_loss=fn) with fn(scores, target) -> scalar tensor for the heads, or cut where "
-        "the output's tokens are"]
+        "Gemma4VitEncoder's output has 4 tokens: by default a head scores each of the 4 labels from the mean of its "
+        "tokens' scores (as on the encoder of a sequence-to-sequence model); for another rule pass "
+        "compiled.trainer(..., aux_loss=fn) with fn(scores, target) -> scalar tensor, or cut where the output's "
+        "tokens are"]
     y = torch.tensor([3, 1])
     with c.trainer(optimizer=sgd) as trainer, pytest.raises(StageError, match=re.escape(
             "stage 0's auxiliary head gives scores of shape (2, 36, 768), and a target of shape (2,) and dtype "
