@@ -120,17 +120,37 @@ HF_OVERRIDES: dict[str, dict[str, Any]] = {
 """Per type: config attributes set after :func:`shrink` (where the generic small config does not build)."""
 
 REFUSED: dict[str, str] = {
-    # forward(*args, **kwargs), so torch.fx cannot trace it, and torch.export cannot capture it either: the
-    # DeepSeek-V3 style group-limited expert routing fails under export at the shrunk config ("Attempting to
-    # broadcast a dimension of length 4 at -1 ... [s72, 4] ... [s72, 2]": the per-group scores against a batch left
-    # dynamic), while the model runs eagerly
-    "hf:axk1": "Attempting to broadcast a dimension of length 4",
-    "hf:bailing_hybrid": "Attempting to broadcast a dimension of length 4",
-    "hf:deepseek_v3": "Attempting to broadcast a dimension of length 4",
-    # torch.fx cannot trace forward(*args, **kwargs), and torch.export refuses a branch on self.training in the
-    # named modules; the error's ways out (tracer='fx' with those leaf_modules, or bake_train_mode=True) take them
+    # torch.fx cannot trace forward(*args, **kwargs), and torch.export fails too: the error's second part says why
+    # (the DeepSeek-V3 style group-limited routers of deepseek_v3, sarvam_mla, axk1 and bailing_hybrid: "Attempting to
+    # broadcast a dimension of length 4 ... [s72, 4] ... [s72, 2]", their per-group scores against the batch left
+    # dynamic; the model runs eagerly)
+    'hf:axk1': 'AXK1ForCausalLM.forward takes *args or **kwargs, which torch.fx cannot',  # TraceError
+    'hf:bailing_hybrid': 'BailingHybridForCausalLM.forward takes *args or **kwargs, which torch.',  # TraceError
+    'hf:deepseek_v3': 'DeepseekV3ForCausalLM.forward takes *args or **kwargs, which torch.fx ',  # TraceError
+    'hf:glm4_moe_lite': 'Glm4MoeLiteForCausalLM.forward takes *args or **kwargs, which torch.fx',  # TraceError
+    'hf:granitemoe': 'GraniteMoeForCausalLM.forward takes *args or **kwargs, which torch.fx ',  # TraceError
+    'hf:granitemoe_swa': 'GraniteMoeSWAForCausalLM.forward takes *args or **kwargs, which torch.',  # TraceError
+    'hf:granitemoeshared': 'GraniteMoeSharedForCausalLM.forward takes *args or **kwargs, which tor',  # TraceError
+    'hf:ibert': 'IBertForSequenceClassification.forward takes *args or **kwargs, which ',  # TraceError
+    'hf:kimi_linear': 'KimiLinearForCausalLM.forward takes *args or **kwargs, which torch.fx ',  # TraceError
+    'hf:longformer': 'LongformerForSequenceClassification.forward takes *args or **kwargs, w',  # TraceError
+    'hf:minicpm3': 'MiniCPM3ForCausalLM.forward takes *args or **kwargs, which torch.fx ca',  # TraceError
+    'hf:moss_transcribe_diarize': 'MossTranscribeDiarizeForConditionalGeneration.forward takes *args or *',
+    'hf:phimoe': 'PhimoeForCausalLM.forward takes *args or **kwargs, which torch.fx cann',  # TraceError
+    'hf:rwkv': 'RwkvForCausalLM.forward takes *args or **kwargs, which torch.fx cannot',  # TraceError
+    'hf:sarvam_mla': 'DeepseekV3ForCausalLM.forward takes *args or **kwargs, which torch.fx ',  # TraceError
+    'hf:youtu': 'YoutuForCausalLM.forward takes *args or **kwargs, which torch.fx canno',  # TraceError
+    # torch.export refuses a branch on self.training in the named modules (torch.fx cannot trace their
+    # forward(*args, **kwargs)); the error's ways out (tracer='fx' with those leaf_modules, or bake_train_mode=True)
+    # take them
     "hf:reformer": "computes differently in train and in eval mode",
     "hf:xlnet": "computes differently in train and in eval mode",
+    # the planning pass on fake tensors stops at a data-dependent check the export kept (JetMoE's router, T5Gemma 2's
+    # batched masks)
+    'hf:jetmoe': 'the model does not run on the example inputs (input_ids (2, 16)): node',  # PlanError
+    'hf:t5gemma2': 'the model does not run on the example inputs (input_ids (2, 16)): node',  # PlanError
+    # compiles, but compiled.eval() differs from the model's eval output by about 1e-3 (not found yet why)
+    'hf:dory': "compiled.eval() differs from the model's eval output: 0.00106209050863",  # AssertionError
 }
 """Model -> a text its error contains: the compiler refuses it (or a check fails) at 2 stages, batch 2.
 
@@ -140,53 +160,53 @@ NOT_BUILT: dict[str, str] = {
     # the shrunk default config does not build or run by itself: a per-layer attribute the generic shrink cannot set
     # (Gemma 4, dots3), a hybrid whose 2 kept layers hold no attention layer, a size the shrink leaves large, an
     # external package (detectron2), or a model that needs a language id (X-MOD)
-    'hf:axk2': 'The size of tensor a (2) must match the size',  # RuntimeError
-    'hf:bamba': '`get_mask_sizes` can only be called on Attent',  # ValueError
-    'hf:blt': "'BltConfig' object has no attribute 'num_hidd",  # AttributeError
+    'hf:layoutlmv2': 'LayoutLMv2Model requires the detectron2 library but it was not found i',  # ImportError
+    'hf:gemma4_text': "'head_dim' is a per-layer attribute and may vary across layers. Access",
+    'hf:axk2': 'The size of tensor a (2) must match the size of tensor b (4) at non-si',  # RuntimeError
+    'hf:bamba': '`get_mask_sizes` can only be called on Attention layers, and the curre',  # ValueError
+    'hf:blt': "'BltConfig' object has no attribute 'num_hidden_layers'",  # AttributeError
     'hf:cohere_compass_text': "'full_attention'",  # KeyError
-    'hf:dbrx': "'DbrxAttentionConfig' object has no attribute",  # AttributeError
-    'hf:deepseek_v2': "topk(): argument 'k' must be int, not NoneTyp",  # TypeError
-    'hf:deepseek_v32': 'The size of tensor a (2) must match the size',  # RuntimeError
-    'hf:dots1': 'empty() takes 1 positional argument but 3 wer',  # TypeError
-    'hf:dots3_note': "'num_attention_heads' is a per-layer attribut",  # AmbiguousGlobalPerLayerAttributeError
-    'hf:dots3_note_text': "'num_attention_heads' is a per-layer attribut",  # AmbiguousGlobalPerLayerAttributeError
-    'hf:esm': "empty(): argument 'size' (position 1) must be",  # TypeError
-    'hf:esmc': 'Given normalized_shape=[32], expected input w',  # RuntimeError
-    'hf:falcon_h1': "shape '[2, 16, 4, 16]' is invalid for input o",  # RuntimeError
-    'hf:gemma3n': 'The set of layer types producing a cache is d',  # ValueError
-    'hf:gemma3n_text': 'The set of layer types producing a cache is d',  # ValueError
-    'hf:gemma4': "'head_dim' is a per-layer attribute and may v",  # AmbiguousGlobalPerLayerAttributeError
-    'hf:gemma4_assistant': "Class validation error for validator 'validat",  # StrictDataclassClassValidationError
-    'hf:gemma4_text': "'head_dim' is a per-layer attribute and may v",  # AmbiguousGlobalPerLayerAttributeError
-    'hf:gemma4_unified': "'head_dim' is a per-layer attribute and may v",  # AmbiguousGlobalPerLayerAttributeError
-    'hf:gemma4_unified_assistant': "'head_dim' is a per-layer attribute and may v",
-    'hf:gemma4_unified_text': "'head_dim' is a per-layer attribute and may v",  # AmbiguousGlobalPerLayerAttributeError
-    'hf:glm_moe_dsa': 'The size of tensor a (2) must match the size',  # RuntimeError
-    'hf:granitemoehybrid': '`get_mask_sizes` can only be called on Attent',  # ValueError
+    'hf:dbrx': "'DbrxAttentionConfig' object has no attribute 'rope_theta'",  # AttributeError
+    'hf:deepseek_v2': "topk(): argument 'k' must be int, not NoneType",  # TypeError
+    'hf:deepseek_v32': 'The size of tensor a (2) must match the size of tensor b (4) at non-si',  # RuntimeError
+    'hf:dots1': 'empty() takes 1 positional argument but 3 were given',  # TypeError
+    'hf:dots3_note': "'num_attention_heads' is a per-layer attribute and may vary across lay",
+    'hf:dots3_note_text': "'num_attention_heads' is a per-layer attribute and may vary across lay",
+    'hf:esm': "empty(): argument 'size' (position 1) must be tuple of ints, but found",  # TypeError
+    'hf:esmc': 'Given normalized_shape=[32], expected input with shape [*, 32], but go',  # RuntimeError
+    'hf:falcon_h1': "shape '[2, 16, 4, 16]' is invalid for input of size 32768",  # RuntimeError
+    'hf:gemma3n': 'The set of layer types producing a cache is different than the set of ',  # ValueError
+    'hf:gemma3n_text': 'The set of layer types producing a cache is different than the set of ',  # ValueError
+    'hf:gemma4': "'head_dim' is a per-layer attribute and may vary across layers. Access",
+    'hf:gemma4_assistant': "Class validation error for validator 'validate_architecture':",
+    'hf:gemma4_unified': "'head_dim' is a per-layer attribute and may vary across layers. Access",
+    'hf:gemma4_unified_assistant': "'head_dim' is a per-layer attribute and may vary across layers. Access",
+    'hf:gemma4_unified_text': "'head_dim' is a per-layer attribute and may vary across layers. Access",
+    'hf:glm_moe_dsa': 'The size of tensor a (2) must match the size of tensor b (4) at non-si',  # RuntimeError
+    'hf:granitemoehybrid': '`get_mask_sizes` can only be called on Attention layers, and the curre',  # ValueError
     'hf:hrm_text': 'list index out of range',  # IndexError
-    'hf:hunyuan_v1_dense': 'unsupported operand type(s) for ** or pow():',  # TypeError
-    'hf:hunyuan_v1_moe': 'unsupported operand type(s) for ** or pow():',  # TypeError
-    'hf:hy_v4': 'The size of tensor a (2) must match the size',  # RuntimeError
-    'hf:jamba': '`get_mask_sizes` can only be called on Attent',  # ValueError
+    'hf:hunyuan_v1_dense': "unsupported operand type(s) for ** or pow(): 'NoneType' and 'float'",  # TypeError
+    'hf:hunyuan_v1_moe': "unsupported operand type(s) for ** or pow(): 'NoneType' and 'float'",  # TypeError
+    'hf:hy_v4': 'The size of tensor a (2) must match the size of tensor b (4) at non-si',  # RuntimeError
+    'hf:jamba': '`get_mask_sizes` can only be called on Attention layers, and the curre',  # ValueError
     'hf:kolibri1_1': "'4'",  # KeyError
-    'hf:layoutlmv2': 'LayoutLMv2Model requires the detectron2 libra',  # ImportError
-    'hf:layoutlmv3': 'The size of tensor a (32) must match the size',  # RuntimeError
+    'hf:layoutlmv3': 'The size of tensor a (32) must match the size of tensor b (768) at non',  # RuntimeError
     'hf:lfm2_moe': "'NoneType' object is not subscriptable",  # TypeError
-    'hf:lilt': 'mat1 and mat2 shapes cannot be multiplied (32',  # RuntimeError
-    'hf:longcat_flash': 'split_with_sizes expects split_sizes to sum e',  # RuntimeError
-    'hf:ministral': 'unsupported operand type(s) for ** or pow():',  # TypeError
-    'hf:mistral4': 'The size of tensor a (4) must match the size',  # RuntimeError
-    'hf:musicgen': "'MusicgenConfig' object has no attribute 'dro",  # AttributeError
-    'hf:musicgen_melody': "'MusicgenMelodyConfig' object has no attribut",  # AttributeError
-    'hf:nemotron': "unsupported operand type(s) for //: 'int' and",  # TypeError
-    'hf:qwen4_exp': "unsupported operand type(s) for //: 'NoneType",  # TypeError
-    'hf:qwen4_exp_text': "unsupported operand type(s) for //: 'NoneType",  # TypeError
-    'hf:recurrent_gemma': '`get_mask_sizes` can only be called on Attent',  # ValueError
-    'hf:t5gemma': 'mat1 and mat2 shapes cannot be multiplied (32',  # RuntimeError
-    'hf:xlstm': 'The size of tensor a (4096) must match the si',  # RuntimeError
-    'hf:xmod': 'Input language unknown. Please call `XmodPreT',  # ValueError
-    'hf:zamba': 'There is an issue with your definition of `ti',  # ValueError
-    'hf:zamba2': "shape '[2, 16, 8, 640]' is invalid for input",  # RuntimeError
+    'hf:lilt': 'mat1 and mat2 shapes cannot be multiplied (32x30 and 32x8)',  # RuntimeError
+    'hf:longcat_flash': 'split_with_sizes expects split_sizes to sum exactly to 192 (input tens',  # RuntimeError
+    'hf:ministral': "unsupported operand type(s) for ** or pow(): 'NoneType' and 'float'",  # TypeError
+    'hf:mistral4': 'The size of tensor a (4) must match the size of tensor b (2) at non-si',  # RuntimeError
+    'hf:musicgen': "'MusicgenConfig' object has no attribute 'dropout'",  # AttributeError
+    'hf:musicgen_melody': "'MusicgenMelodyConfig' object has no attribute 'dropout'",  # AttributeError
+    'hf:nemotron': "unsupported operand type(s) for //: 'int' and 'NoneType'",  # TypeError
+    'hf:qwen4_exp': "unsupported operand type(s) for //: 'NoneType' and 'NoneType'",  # TypeError
+    'hf:qwen4_exp_text': "unsupported operand type(s) for //: 'NoneType' and 'NoneType'",  # TypeError
+    'hf:recurrent_gemma': '`get_mask_sizes` can only be called on Attention layers, and the curre',  # ValueError
+    'hf:t5gemma': 'mat1 and mat2 shapes cannot be multiplied (32x32 and 2304x16)',  # RuntimeError
+    'hf:xlstm': 'The size of tensor a (4096) must match the size of tensor b (32) at no',  # RuntimeError
+    'hf:xmod': 'Input language unknown. Please call `XmodPreTrainedModel.set_default_l',  # ValueError
+    'hf:zamba': 'There is an issue with your definition of `tie_weights_keys` for ^laye',  # ValueError
+    'hf:zamba2': "shape '[2, 16, 8, 640]' is invalid for input of size 2048",  # RuntimeError
 }
 """Model -> a text its error contains: it does not build, or does not run by itself, from the small config."""
 
