@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
 import json
 import os
 import signal
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 __all__ = ["BATCH", "CONV_X", "IMG", "sgd", "free_port", "quiet", "image_batches", "compiled_residual",
            "seeded_batches", "stage_state", "train_residual", "on_first_stage", "assert_same_parameters", "heads_policy",
            "compile_quietly", "momentum_pipeline", "recording_sgd", "synthetic_plan", "lane", "run_gloo_workers",
-           "run_torchrun"]
+           "run_torchrun", "example_module"]
 
 BATCH = 8
 """Batch size of :func:`image_batches` and of the example input of :func:`compiled_residual`."""
@@ -297,3 +298,11 @@ def run_torchrun(flags: list[str], script: Path, args: list[str], timeout: float
         pytest.fail(f"the torchrun job was still going after {timeout} s (killed):\n{proc.communicate()[0][-4000:]}")
     assert proc.returncode == 0, text[-4000:]
     return text
+
+
+def example_module(name: str) -> Any:
+    """``examples/<name>.py`` loaded as a module (the examples folder is no package the tests import from)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -1,28 +1,19 @@
 """The causal-LM example: ``train_lm.py --quick`` trains end to end and by PPLL (K=2, 4) and lowers every perplexity."""
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
-import torch
+
+from tests.helpers import example_module
 
 pytestmark = pytest.mark.slow  # an example runs end to end
 
 pytest.importorskip("transformers")
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_lm.py"
-
 
 @pytest.fixture
-def train_lm():
-    spec = importlib.util.spec_from_file_location("train_lm", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a model this small runs as fast on one thread, and a busy machine slows it less
-    yield module
-    torch.set_num_threads(threads)
+def train_lm(one_thread):  # a model this small runs as fast on one thread, and a busy machine slows it less
+    return example_module("train_lm")
 
 
 def test_train_lm_quick_lowers_every_perplexity(train_lm, capsys):

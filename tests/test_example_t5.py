@@ -1,28 +1,18 @@
 """The seq2seq example: ``train_t5.py --quick`` fine-tunes a small T5 end to end and by PPLL (K=2) from the same
 weights on the same batches, and both loss curves fall."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-import torch
+
+from tests.helpers import example_module
 
 pytestmark = pytest.mark.slow  # an example runs end to end
 
 pytest.importorskip("transformers")
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_t5.py"
-
 
 @pytest.fixture
-def train_t5():
-    spec = importlib.util.spec_from_file_location("train_t5", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield module
-    torch.set_num_threads(threads)
+def train_t5(one_thread):
+    return example_module("train_t5")
 
 
 def test_train_t5_quick_lowers_both_losses_from_the_same_start(train_t5, capsys):
