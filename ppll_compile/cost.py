@@ -69,7 +69,7 @@ def tensor_spec(name: str, value: Any) -> TensorSpec | None:
                           dtype=str(value.dtype).removeprefix("torch."),
                           bytes=value.numel() * value.element_size())
     if isinstance(value, (int, float, bool)):
-        return TensorSpec(name=name, shape=(), dtype=type(value).__name__, bytes=0)
+        return TensorSpec(name=name, shape=(), dtype=type(value).__name__, bytes=0, scalar=True)
     return None
 
 

@@ -23,7 +23,6 @@ _GROUP_POOL = 6  # the most used candidates, tried in groups
 
 _SOURCE = "__ppll_source__"
 _COMPUTE = ("call_module", "call_function", "call_method")
-_SCALARS = ("int", "float", "bool")  # TensorSpec dtypes of Python scalars
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,7 @@ def _is_tensor(node: fx.Node) -> bool:
     """The node's output is one tensor (not a Python scalar, a structure, or an unknown object; a ``bool``
     tensor such as a mask is a tensor)."""
     value = _value(node)
-    return isinstance(value, TensorSpec) and not (value.dtype in _SCALARS and value.shape == () and value.bytes == 0)
+    return isinstance(value, TensorSpec) and not value.scalar
 
 
 def _live_sets(nodes: Sequence[fx.Node], positions: Sequence[int]) -> list[list[fx.Node]]:

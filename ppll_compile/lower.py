@@ -159,7 +159,7 @@ def lower_ppll(model: nn.Module, plan: Plan, a: Analysis, policy: Policy, *, unt
         if materialize is None:
             st.to(sp.device)
         elif st.index in here:
-            materialize_stage(model, st, st.index, torch.device(sp.device), materialize)
+            materialize_stage(model, st, st.index, torch.device(sp.device), materialize, tied=plan.untied)
     heads: list[nn.Module | None] = []
     for i, sp in enumerate(plan.stages):
         if sp.is_last:

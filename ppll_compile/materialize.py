@@ -16,6 +16,7 @@ stage's tensors and its head get the same values whichever process builds them a
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -94,21 +95,55 @@ def local_stages(plan: Plan, given: Iterable[int] | None) -> frozenset[int] | No
 
 
 def materialize_stage(model: nn.Module, stage: Stage, index: int, device: torch.device,
-                      how: Materialization) -> None:
-    """Allocate ``stage``'s meta tensors on ``device`` (the model then holds the same new tensors) and fill them."""
+                      how: Materialization, tied: Sequence[str] = ()) -> None:
+    """Allocate ``stage``'s meta tensors on ``device`` (the model then holds the same new tensors) and fill them.
+
+    ``tied``: the plan's untied parameters (``Plan.untied``: each tensor's names joined by `` = ``). Each stage that
+    holds one (the model's tensor, or a later stage's copy of it) gets the same values in every process: the state
+    dict's under any of its names, else the draw of :func:`_tied_values`, so that every copy starts equal to the
+    model's tensor as it does in a model built normally.
+    """
     names = _model_names(model)
     fresh = _allocate(stage, device)
     _repoint(model, fresh)
     with seeded_init(how.seed, index, "stage", device):
-        if how.hook is not None:
+        if how.hook is not None:  # the hook fills every tensor of the stage, tied copies included
             how.hook(stage, index, device)
         else:
-            given = _fetch(model, index, names, fresh, how.state_dict) if how.state_dict is not None else {}
+            given = _fetch(model, stage, index, names, fresh, how.state_dict) if how.state_dict is not None else {}
             _initialise(model, stage, index, fresh, set(given))
-            with torch.no_grad():  # the loaded values win over the initialisation of their modules
-                for key, (new, value) in given.items():
+            with torch.no_grad():
+                if tied and how.state_dict is None:
+                    _fill_tied(model, stage, {id(n) for _, n in fresh.values()}, tied, device, how.seed)
+                for key, (new, value) in given.items():  # the loaded values win over the initialisation
                     new.copy_(value)
     stage.to(device)  # any tensor that was not on meta
+
+
+def _fill_tied(model: nn.Module, stage: Stage, allocated: set[int], tied: Sequence[str], device: torch.device,
+               seed: int | None) -> None:
+    """Give every tensor of ``stage`` just allocated under a name of an untied parameter its :func:`_tied_values`."""
+    group = {name: names for names in (entry.split(" = ") for entry in tied) for name in names}
+    for name, t in (*stage.module.named_parameters(remove_duplicate=False),
+                    *stage.module.named_buffers(remove_duplicate=False)):
+        if id(t) in allocated and name in group:
+            t.copy_(_tied_values(model, group[name][0], device, seed))
+
+
+def _tied_values(model: nn.Module, name: str, device: torch.device, seed: int | None) -> Tensor:
+    """The initial values of the model's tensor ``name`` drawn by its own module's initialisation on a fresh copy of
+    that module, from the generators seeded by (``seed``, ``name``): the same whichever stage or process asks, so a
+    stage's untied copy equals the model's tensor that another process holds."""
+    path, _, attr = name.rpartition(".")
+    owner = model.get_submodule(path)
+    fresh = copy.deepcopy(owner).to_empty(device=device, recurse=False)
+    hf_init = getattr(model, "_init_weights", None)
+    with seeded_init(seed, 0, f"tied/{name}", device):
+        if callable(hf_init):
+            hf_init(fresh)
+        elif callable(getattr(fresh, "reset_parameters", None)):
+            fresh.reset_parameters()
+    return getattr(fresh, attr).detach()
 
 
 def init_seed(seed: int, stage: int, part: str) -> int:
@@ -199,11 +234,13 @@ def _initialise(model: nn.Module, stage: Stage, index: int, fresh: dict[int, tup
                         f"{MATERIALIZE_HELP}")
 
 
-def _fetch(model: nn.Module, index: int, names: dict[int, list[str]], fresh: dict[int, tuple[Tensor, Tensor]],
-           source: StateDictSource) -> dict[int, tuple[Tensor, Tensor]]:
+def _fetch(model: nn.Module, stage: Stage, index: int, names: dict[int, list[str]],
+           fresh: dict[int, tuple[Tensor, Tensor]], source: StateDictSource) -> dict[int, tuple[Tensor, Tensor]]:
     """The state dict's value for each of the stage's new tensors, by the id of the old one: (new, value). A
-    parameter or persistent buffer it lacks, or a value of another shape, is an error."""
-    wanted = {id(old): names.get(id(old), []) for old, _ in fresh.values()}
+    parameter or persistent buffer it lacks, or a value of another shape, is an error. A stage's own copy of an
+    untied parameter (not the model's tensor) is asked for by the name the stage reads it under."""
+    in_stage = _model_names(stage.module)
+    wanted = {id(old): names.get(id(old)) or in_stage.get(id(new), []) for old, new in fresh.values()}
     keys = sorted(k for ks in wanted.values() for k in ks)
     values = source(index, keys) if callable(source) else {k: source[k] for k in keys if k in source}
     persistent = _persistent(model)

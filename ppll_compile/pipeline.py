@@ -15,9 +15,10 @@ from torch import nn
 from .errors import PolicyError, PPLLError, TraceError
 from .head_types import head_type_for
 from .lowered import Lowered, Stage
-from .plan import Plan
+from .plan import Plan, TensorSpec
 from .policy import load_policy
 from .runtime import Trainer
+from .runtime.messages import dtype_of
 
 
 class CompiledPipeline:
@@ -262,7 +263,7 @@ class Replanner:
                                    "tracer": plan.tracer}
         if plan.tracer == "fx":
             options["leaf_modules"] = sorted({str(n.target) for n in gm.graph.nodes if n.op == "call_module"})
-        values = [_example(s.shape, s.dtype, i) for i, s in enumerate(plan.inputs)]
+        values = [_example(s, i) for i, s in enumerate(plan.inputs)]
         params = binder.signature.parameters
         by_name = len(binder.names) == len(values) and all(
             n in params and params[n].kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
@@ -275,11 +276,11 @@ class Replanner:
         return options
 
 
-def _example(shape: Sequence[int], dtype: str, index: int) -> Any:
-    """An example value of an input of ``shape`` and ``dtype`` (a TensorSpec's): normal floats, zero integers."""
-    kind = getattr(torch, dtype, None)
-    if not isinstance(kind, torch.dtype) or dtype in ("int", "float", "bool"):
-        return {"int": 0, "float": 0.0, "bool": False}.get(dtype, 0)
+def _example(spec: TensorSpec, index: int) -> Any:
+    """An example value of an input of ``spec``: normal floats, zero integers, a zero Python number."""
+    kind = dtype_of(spec)
+    if kind is None:
+        return {"int": 0, "float": 0.0, "bool": False}[spec.dtype]
     if kind.is_floating_point:
-        return torch.randn(tuple(shape), dtype=kind, generator=torch.Generator().manual_seed(index))
-    return torch.zeros(tuple(shape), dtype=kind)
+        return torch.randn(tuple(spec.shape), dtype=kind, generator=torch.Generator().manual_seed(index))
+    return torch.zeros(tuple(spec.shape), dtype=kind)

@@ -99,7 +99,7 @@ class Plan(PlanTable, PlanFile):
     """The front end that captured the model (the student under ``pipebd``): ``fx`` or ``export``."""
     untied: tuple[str, ...] = ()
     """Parameters the stages train their own copies of (``tied='untie'``, or ``tied='auto'`` where no plan kept them in
-    one stage): per tensor, its names joined by ``=``."""
+    one stage): per tensor, its names joined by `` = ``."""
     notes: tuple[str, ...] = field(default=())
     """Human-readable remarks gathered while planning (e.g. CPU fallback, multi-tensor boundaries)."""
 

@@ -7,6 +7,9 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+PYTHON_SCALARS = ("int", "float", "bool")
+"""The ``TensorSpec.dtype`` names of Python numbers that cross a cut beside the tensors."""
+
 
 class FrozenDict(Mapping[str, Any]):
     """A read-only, hashable mapping: a head or loss config inside a frozen plan (nested mappings frozen too)."""
@@ -76,15 +79,31 @@ class TensorSpec:
     layout: str = ""
     """How the dimensions are laid out where the rank does not say it: ``channels_last`` for an
     ``N x H x W x C`` map (found from the graph); ``""`` for the rank's usual meaning."""
+    scalar: bool | None = None
+    """Whether the value is a Python number (``dtype`` ``int``, ``float`` or ``bool``) rather than a tensor, as the
+    captured graph produced it (so a ``bool`` tensor, a mask, is never taken for a Python ``bool``). ``None`` (a spec
+    written by hand, or a plan file without the field): a Python number exactly when it has no shape and 0 bytes,
+    since a tensor has at least one element's bytes."""
+
+    def __post_init__(self) -> None:
+        if self.scalar is None:
+            object.__setattr__(self, "scalar", self.dtype in PYTHON_SCALARS and not self.shape and not self.bytes)
+        if self.scalar and (self.dtype not in PYTHON_SCALARS or self.shape or self.bytes):
+            raise ValueError(f"boundary value {self.name!r} is marked a Python scalar but has dtype {self.dtype!r}, "
+                             f"shape {list(self.shape)} and {self.bytes} bytes; a Python scalar has a dtype of "
+                             f"{', '.join(PYTHON_SCALARS)}, no shape and 0 bytes")
 
     def to_dict(self) -> dict[str, Any]:
-        d = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "bytes": self.bytes}
-        return {**d, "layout": self.layout} if self.layout else d
+        d: dict[str, Any] = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "bytes": self.bytes}
+        if self.layout:
+            d["layout"] = self.layout
+        return {**d, "scalar": True} if self.scalar else d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TensorSpec:
-        return cls(name=str(d["name"]), shape=tuple(int(s) for s in d["shape"]),
-                   dtype=str(d["dtype"]), bytes=int(d["bytes"]), layout=str(d.get("layout", "")))
+        return cls(name=str(d["name"]), shape=tuple(int(s) for s in d["shape"]), dtype=str(d["dtype"]),
+                   bytes=int(d["bytes"]), layout=str(d.get("layout", "")),
+                   scalar=bool(d["scalar"]) if "scalar" in d else None)
 
 
 @dataclass(frozen=True, kw_only=True)

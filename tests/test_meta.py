@@ -158,6 +158,37 @@ def test_a_hugging_face_model_initialises_itself_by_default(one_thread_quietly):
     assert compiled.eval()(input_ids=IDS).logits.isfinite().all()
 
 
+
+def _tied_gpt2(meta: bool) -> nn.Module:
+    """A 2-layer GPT-2, whose output projection is tied to its token embedding (untied at 2 stages)."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=256, n_positions=16, n_embd=32, n_layer=2, n_head=4, use_cache=False)
+    with torch.device("meta") if meta else torch.device("cpu"):
+        return transformers.GPT2LMHeadModel(config)
+
+
+def _copies(compiled: ppll_compile.CompiledPipeline) -> list[torch.Tensor]:
+    """Every stage's tensor under the tied name ``lm_head.weight`` (the model's, or a stage's own copy)."""
+    return [dict(s.module.named_parameters())["lm_head.weight"] for s in compiled.stages]
+
+
+def test_an_untied_copy_of_a_meta_model_starts_equal_to_the_models_tensor_in_every_process(one_thread_quietly):
+    compiled = ppll_compile.compile(_tied_gpt2(True), gpus=2, example_kwargs={"input_ids": IDS})
+    assert compiled.plan.untied == ("lm_head.weight = transformer.wte.weight",)
+    first, copy = _copies(compiled)
+    assert first is not copy and torch.equal(first, copy)
+    assert 0.015 < float(copy.std()) < 0.025  # initializer_range 0.02, not the memory empty_like left
+    alone = ppll_compile.compile(_tied_gpt2(True), gpus=2, example_kwargs={"input_ids": IDS}, local_stages=[1])
+    assert _copies(alone)[0].is_meta and torch.equal(_copies(alone)[1], copy)  # as rank 1 of torchrun builds it
+
+
+def test_an_untied_copy_of_a_meta_model_loads_from_the_state_dict_under_the_name_its_stage_reads(
+        one_thread_quietly):
+    weights = _tied_gpt2(False).state_dict()
+    compiled = ppll_compile.compile(_tied_gpt2(True), gpus=2, example_kwargs={"input_ids": IDS},
+                                    state_dict=weights)
+    assert all(torch.equal(t, weights["lm_head.weight"]) for t in _copies(compiled))
+
 def test_a_stage_left_on_meta_is_refused_with_the_way_out(one_thread_quietly):
     model = _meta(Residual)
     compiled = ppll_compile.compile(model, gpus=2, example_inputs=(X,), policy="dgl", local_stages=[1])

@@ -210,8 +210,40 @@ def test_only_int_float_and_bool_scalars_travel_beside_tensors(value, found):
     with pytest.raises(PPLLError) as e:
         _wire(stage=1).pack(msg, TRAIN, SPECS)
     assert str(e.value) == (
-        f"stage 1 sends 'count' as {found}; the plan says it is a Python int, and only int, float and bool scalars "
-        f"can travel between processes beside tensors; cut elsewhere (split_points=...)")
+        f"stage 1 sends 'count' as {found}; the plan recorded a Python int there when the model was captured, so "
+        f"the model computes another kind of value now than it did when it was compiled: compile again with example "
+        f"inputs like the batches you train on, or cut elsewhere (split_points=...)")
+
+
+MASK = TensorSpec(name="expand_2", shape=(PLANNED, 1, 5, 5), dtype="bool", bytes=PLANNED * 25, scalar=False)
+POSITIONS = TensorSpec(name="positions", shape=(1, 5), dtype="int64", bytes=40)
+ROTARY = TensorSpec(name="freqs_cis", shape=(5, 2), dtype="complex64", bytes=80)
+ZERO_D = TensorSpec(name="flag", shape=(), dtype="bool", bytes=1)  # a 0-d bool tensor: 1 byte, not a Python bool
+
+
+def test_side_tensors_of_every_dtype_travel_as_tensors(link):
+    """A causal LM's boolean mask, integer positions and a complex rotary table come back as the tensors sent."""
+    specs = (H, MASK, POSITIONS, ROTARY, ZERO_D)
+    g = torch.Generator().manual_seed(0)
+    values = (torch.randn(3, 6, generator=g), torch.rand(3, 1, 5, 5, generator=g) > 0.5, torch.arange(5)[None],
+              torch.randn(5, 2, dtype=torch.complex64, generator=g), torch.tensor(True))
+    sent = Message(index=1, values=values, kind=TRAIN, target=torch.zeros(3, dtype=torch.long), raw=None)
+    link.send(0, _wire(specs, stage=0).pack(sent, TRAIN, specs))
+    _assert_same(_wire(specs).receive([0]), sent)
+    assert [s.scalar for s in specs] == [False] * 5 and all(s.scalar for s in (COUNT, SCALE, FLAG))
+
+
+def test_the_kind_of_a_side_value_is_recorded_from_the_captured_graph_and_kept_by_plan_files():
+    from ppll_compile.cost import tensor_spec
+    mask, flag = tensor_spec("mask", torch.ones(2, 3, dtype=torch.bool)), tensor_spec("flag", True)
+    assert (mask.scalar, mask.dtype, flag.scalar, flag.dtype) == (False, "bool", True, "bool")
+    assert [TensorSpec.from_dict(s.to_dict()) for s in (mask, flag, ZERO_D)] == [mask, flag, ZERO_D]
+    old_file = {"name": "flag", "shape": [], "dtype": "bool", "bytes": 0}  # written before the kind was recorded
+    assert TensorSpec.from_dict(old_file).scalar and not TensorSpec.from_dict(MASK.to_dict()).scalar
+    with pytest.raises(ValueError, match=r"^boundary value 'm' is marked a Python scalar but has dtype 'bool', "
+                                         r"shape \[2\] and 2 bytes; a Python scalar has a dtype of int, float, bool, "
+                                         r"no shape and 0 bytes$"):
+        TensorSpec(name="m", shape=(2,), dtype="bool", bytes=2, scalar=True)
 
 
 def test_a_target_that_is_not_one_tensor_is_refused_with_the_way_out():

@@ -113,7 +113,7 @@ class DistributedRuntime(Runtime):
         backend = str(dist.get_backend())
         comm = self.device if self.device.type == "cuda" and "nccl" in backend else torch.device("cpu")
         in_specs = plan.inputs if p.fed else plan.stages[self.stage - 1].boundary if self.stage > 0 else ()
-        raw_spec = next((s for s in plan.inputs if dtype_of(s.dtype) is not None), None)
+        raw_spec = next((s for s in plan.inputs if dtype_of(s) is not None), None)
         wire = Wire(stage=self.stage, planned=plan.batch_size, in_specs=in_specs, raw_spec=raw_spec, comm=comm)
         wire.receiving_from = p.upstream[0] if p.upstream else 0
         receivers = p.feeds + p.downstream  # rank 0's further replicas of stage 0, then the next stage

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import warnings
@@ -48,8 +49,16 @@ def init_group(stages: int, timeout: float) -> bool:
         return True
     else:
         store, rank, world = meeting_store(timeout, keep=False)
+    # each group this process forms publishes its addresses under keys of its own: a trainer built after another
+    # one's group was released must not read the addresses of that group (torchrun's store outlives it)
+    store = dist.PrefixStore(f"group_{next(_GROUPS)}/", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
     return True
+
+
+_GROUPS = itertools.count()
+"""Process groups formed so far by this process on torchrun's store: every rank builds its trainers in the same
+order, so the n-th group of every rank meets under the prefix ``group_<n>/``."""
 
 
 _MET: list[tuple[Any, int, int]] = []

@@ -22,7 +22,7 @@ def check_inputs(specs: Sequence[TensorSpec], values: Sequence[Any]) -> int:
     """The batch size of ``values``, after checking each tensor against its spec (any dimension 0); 1 if none."""
     batch = None
     for spec, v in zip(specs, values):
-        dtype = dtype_of(spec.dtype)
+        dtype = dtype_of(spec)
         if dtype is None:
             continue
         if not isinstance(v, Tensor):

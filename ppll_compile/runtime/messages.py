@@ -9,6 +9,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..errors import PPLLError
+from ..plan import TensorSpec
+
 TRAIN, EVAL = "train", "eval"
 
 
@@ -39,12 +42,15 @@ class Message:
         return int(self.target.shape[0]) if isinstance(self.target, Tensor) and self.target.dim() else 1
 
 
-def dtype_of(name: str) -> torch.dtype | None:
-    """The torch dtype a TensorSpec names, or ``None`` for a Python scalar (``int``, ``float``, ``bool``)."""
-    if name in ("int", "float", "bool"):  # getattr(torch, "int") would be torch.int32
+def dtype_of(spec: TensorSpec) -> torch.dtype | None:
+    """The torch dtype of a tensor ``spec``, or ``None`` for a Python scalar (``spec.scalar``)."""
+    if spec.scalar:  # its dtype names a Python type: getattr(torch, "bool") would be torch.bool
         return None
-    dtype = getattr(torch, name, None)
-    return dtype if isinstance(dtype, torch.dtype) else None
+    dtype = getattr(torch, spec.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise PPLLError(f"boundary value {spec.name!r} has dtype {spec.dtype!r}, which names no torch dtype; a plan "
+                        f"file must spell tensor dtypes as torch does (e.g. float32, bool, int64)")
+    return dtype
 
 
 def add_counts(total: Any, more: Any) -> Any:

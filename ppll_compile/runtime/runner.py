@@ -144,7 +144,7 @@ class Runner:
             else contextlib.nullcontext
         self.scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
         """The stage's gradient scaler under float16 autocast (``None``: bfloat16 keeps float32's range)."""
-        self._out_dtypes = tuple(dtype_of(t.dtype) for t in self.plan.boundary)
+        self._out_dtypes = tuple(dtype_of(t) for t in self.plan.boundary)
         self._net: nn.Module = trainable
         self._rng = StageRNG(device)
         if group is not None:

@@ -86,7 +86,7 @@ def check_splittable(plan: Plan) -> None:
     k = plan.num_stages
     for j, specs in ((j, plan.stages[j - 1].boundary if j else plan.inputs) for j in range(k)):
         cut = plan.stages[j].replicas > 1 or (j > 0 and plan.stages[j - 1].replicas > 1)
-        if cut and any(dtype_of(t.dtype) is None for t in specs):
+        if cut and any(dtype_of(t) is None for t in specs):
             raise PPLLError(f"stage {j} is replicated (or follows a replicated stage), but its input carries a "
                             f"Python scalar, which cannot be split by rows; compile with replicas=False or "
                             f"cut elsewhere")
@@ -144,12 +144,13 @@ class Wire:
         return [t.detach().to(self.comm).contiguous() for t in (header, *payload)]
 
     def _value(self, v: Any, spec: TensorSpec, batch: int) -> Tensor:
-        if dtype_of(spec.dtype) is not None:
+        if dtype_of(spec) is not None:
             return self._checked(v, spec, batch, f"boundary value {spec.name!r}")
-        if isinstance(v, Tensor) or not isinstance(v, (int, float, bool)) or spec.dtype not in _SCALARS:
-            raise PPLLError(f"stage {self.stage} sends {spec.name!r} as {type(v).__name__}; the plan says it is a "
-                            f"Python {spec.dtype}, and only int, float and bool scalars can travel between "
-                            f"processes beside tensors; cut elsewhere (split_points=...)")
+        if isinstance(v, Tensor) or not isinstance(v, (int, float, bool)):
+            raise PPLLError(f"stage {self.stage} sends {spec.name!r} as {type(v).__name__}; the plan recorded a "
+                            f"Python {spec.dtype} there when the model was captured, so the model computes "
+                            f"another kind of value now than it did when it was compiled: compile again with "
+                            f"example inputs like the batches you train on, or cut elsewhere (split_points=...)")
         return torch.tensor([v], dtype=_SCALARS[spec.dtype])
 
     @staticmethod
@@ -165,7 +166,7 @@ class Wire:
 
     def _checked(self, v: Any, spec: TensorSpec, batch: int, what: str) -> Tensor:
         want = _expected(spec, self.planned, batch)
-        dtype = dtype_of(spec.dtype)
+        dtype = dtype_of(spec)
         if not isinstance(v, Tensor) or tuple(v.shape) != want or v.dtype != dtype:
             found = f"shape {shape_text(v.shape)} {str(v.dtype).removeprefix('torch.')}" if isinstance(v, Tensor) \
                 else type(v).__name__
@@ -217,7 +218,7 @@ class Wire:
         if h[5]:
             assert self.raw_spec is not None
             raw = torch.empty(_expected(self.raw_spec, self.planned, batch),
-                              dtype=dtype_of(self.raw_spec.dtype), device=self.comm)
+                              dtype=dtype_of(self.raw_spec), device=self.comm)
             dist.recv(raw, src)
         if self.comm.type == "cuda":
             torch.cuda.current_stream(self.comm).synchronize()  # the trainer reads them on its own thread
@@ -225,7 +226,7 @@ class Wire:
                        kind=TRAIN if kind == _TRAIN else EVAL, whole=h[7] or None)
 
     def _receive_value(self, spec: TensorSpec, batch: int, src: int) -> Any:
-        dtype = dtype_of(spec.dtype)
+        dtype = dtype_of(spec)
         if dtype is None:
             buf = torch.empty(1, dtype=_SCALARS[spec.dtype], device=self.comm)
             dist.recv(buf, src)
