@@ -48,4 +48,6 @@ def test_the_model_trained_under_torchrun_equals_sequential(trained, name, build
     differ = [k for k in reference if not torch.equal(got[k], reference[k])]
     assert not differ, f"{len(differ)} of {len(reference)} tensors differ from sequential, e.g. {differ[:3]}"
     for i, stage in enumerate(compiled.stages):  # every stage trained: the equality holds of trained models
-        assert any(not torch.equal(v, before[i][k]) for k, v in stage.state_dict().items()), f"stage {i}"
+        trains = [k for k, v in stage.module.named_parameters() if v.requires_grad]  # a 1-node stage may hold none
+        assert not trains or any(not torch.equal(v, before[i][k]) for k, v in stage.state_dict().items()), \
+            f"stage {i}"
