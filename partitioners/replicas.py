@@ -190,7 +190,6 @@ class _Search:
         cost = _cost(t, a5, b5, np.minimum(r, most)[None, None, None], p5)
         ok = fits[:, :width, None, None, None] & (r <= most)[None, None, None]
         self.cost = np.where(ok, cost, math.inf)  # (start, length - 1, first phase, k, s)
-        self.r = r.astype(float)
         phase = np.arange(g)
         self.s_of = (phase[None, :] - phase[:, None] - 1) % g  # s - 1 of a stage from phase p to phase q
         self.problem, self.n, self.g, self.width = problem, n, g, width
