@@ -398,8 +398,11 @@ def idle_note(layout: StageLayout, costs: Costs, opts: PlanOptions, devices: int
         why = (f"its {r} replicas train on one example each of the batch of {costs.batch} (a replica needs an "
                f"example of its own); plan a larger batch (batch_size=...) to put more devices to work")
     else:
-        why = ("no layout that gives them work has a faster slowest stage (more replicas of it add more all-reduce "
-               "and send time than they save)")
+        near = sum(c >= 0.95 * layout.costs[j] for c in layout.costs)  # stages about as slow
+        why = "no layout that gives them work has a faster slowest stage " + (
+            f"({near} stages take within 5% of its time, more than the {devices - used} idle devices could each "
+            f"speed up)" if near > devices - used else
+            "(more replicas of it add more all-reduce and send time than they save)")
     g = opts.gpus_per_node
     nodes = f" ({used // g} whole node(s) of {g})" if g and used % g == 0 else \
         f" (no layout that fits fills whole nodes of {g})" if g else ""

@@ -12,7 +12,8 @@ from torch import nn
 
 import ppll_compile
 from ppll_compile import Plan, PlanError
-from ppll_compile.partition import Costs, fewest_devices
+from ppll_compile.options import PlanOptions
+from ppll_compile.partition import Costs, StageLayout, fewest_devices, idle_note
 from ppll_compile.partitioners.batch import most_replicas, split_refusal
 from ppll_compile.runtime.messages import Message
 from ppll_compile.runtime.wire import split
@@ -112,3 +113,13 @@ def test_the_fewest_devices_that_fit_are_whole_nodes() -> None:
     assert fewest_devices(_costs([4] * 6), 5, gpus_per_node=4) == 8
     assert fewest_devices(_costs([4] * 6), 5, gpus_per_node=4, spread=False) is None  # 8 stages need 8 segments
     assert fewest_devices(_costs([4] * 6), 3) is None
+
+
+def test_idle_devices_beside_many_slow_stages_are_explained() -> None:
+    layout = StageLayout(ends=(1, 2, 3), replicas=(1, 1, 1), speeds=(1.0,) * 3, partitioner="exact-replicas",
+                         costs=(7.66, 7.6, 7.5))
+    assert idle_note(layout, _costs([0] * 3), PlanOptions(), 4) == (
+        "1 of the 4 devices are left idle: the plan uses 3; its slowest stage, stage 0 (7.66 s a step on 1 "
+        "device(s)), is no faster on more: no layout that gives them work has a faster slowest stage (3 stages take "
+        "within 5% of its time, more than the 1 idle devices could each speed up)")
+    assert idle_note(layout, _costs([0] * 3), PlanOptions(), 3) is None
