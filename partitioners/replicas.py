@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .batch import most_replicas
 from .errors import InfeasibleMemoryError, PartitionError
 from .objective import Links, Segments
 from .problem import check_ends, check_gpus_per_node, format_bytes, vector
@@ -57,6 +58,9 @@ class ReplicaProblem:
     """Devices available; the replicas of all stages together use at most this many."""
     max_replicas: int | None = None
     """Cap on each stage's replica count (1 disables replication); ``None`` means ``devices``."""
+    batch: int | None = None
+    """Examples per training step; a stage runs on at most this many replicas (one example each at least,
+    :func:`partitioners.batch.most_replicas`), or ``None`` for no such cap."""
     stages: int | None = None
     """Exact number of stages, or ``None`` to let the solver choose any from 1 to ``min(n, devices)``."""
     split_compute: Sequence[Sequence[float]] | None = None
@@ -102,6 +106,9 @@ class ReplicaProblem:
             )
         if not (_is_whole(self.devices) and self.devices >= 1):
             raise PartitionError(f"ReplicaProblem.devices is {self.devices!r}; expected a whole number of devices >= 1")
+        if self.batch is not None and not (_is_whole(self.batch) and self.batch >= 1):
+            raise PartitionError(f"ReplicaProblem.batch is {self.batch!r}; expected a whole number of examples >= 1, "
+                                 "or None for no cap on replicas by the batch")
         if self.max_replicas is not None and not (_is_whole(self.max_replicas) and self.max_replicas >= 1):
             raise PartitionError(
                 f"ReplicaProblem.max_replicas is {self.max_replicas!r}; expected a whole number >= 1 "
@@ -144,109 +151,123 @@ class Layout:
 
 
 def solve_replicated(problem: ReplicaProblem) -> Layout:
-    """The layout with the fastest slowest stage, then the fewest devices, then the fewest stages.
+    """The layout that fills whole nodes if any can, then has the fastest slowest stage, then the fewest devices,
+    then the fewest stages.
 
     Every candidate bottleneck is some stage's cost, so a binary search over the sorted stage costs finds the
-    optimum exactly: a threshold is feasible when the fewest devices over layouts whose stages all cost at most
-    it (a DP over stages and segments, giving each stage its smallest sufficient replica count) is within
-    ``devices``. At the optimum the same DP yields the fewest devices, then the fewest stages.
-    Raises ``InfeasibleMemoryError`` (with the smallest memory limit that would work) when no layout fits.
+    optimum exactly: a threshold is feasible when the fewest devices over layouts whose stages all cost at most it
+    is within ``devices``. The fewest devices come from a DP over (segment, first free device modulo
+    ``gpus_per_node``) that gives each stage the fewest replicas that meet the threshold in every residue (the rest
+    of a layout depends on that state alone; 1 without nodes). Only stages that fit the memory cap are spans of the
+    DP, and each on at most ``max_replicas`` (the batch's examples, :mod:`partitioners.batch`), so time and memory
+    grow as segments x longest fitting stage x replicas x ``gpus_per_node``, not as segments squared x devices.
+    With ``gpus_per_node``, a layout whose devices are a whole number of nodes is preferred to any other (a
+    cluster runs whole nodes); when none exists, the best of the others. Raises ``InfeasibleMemoryError`` (with
+    the smallest memory limit that would work) when no layout fits.
     """
     t = _Tables.of(problem)
+    min_limit = _min_memory(t, problem)
+    if not min_limit <= t.limit:
+        raise _infeasible(problem, min_limit)
+    return _Search(problem, t).solve()
+
+
+class _Search:
+    """The threshold search of :func:`solve_replicated` over one problem's stage costs."""
+
+    def __init__(self, problem: ReplicaProblem, t: _Tables) -> None:
+        n, most = len(t.memory_top), t.max_replicas
+        g = int(t.links.gpus_per_node or 1)
+        a, d = np.arange(n)[:, None], np.arange(1, n + 1)[None, :]
+        b = np.minimum(a + d, n)
+        fits = (a + d <= n) & (_memory(t, a, b) <= t.limit)
+        width = int(np.flatnonzero(fits.any(axis=0)).max()) + 1  # the longest stage that fits
+        steps = -(-most // g)  # replicas r = k g + s, k < steps, s in 1 .. g
+        k, s = np.arange(steps)[:, None], np.arange(1, g + 1)[None, :]
+        r = k * g + s  # (steps, g)
+        a5, b5 = a[:, :, None, None, None], b[:, :width, None, None, None]
+        p5 = np.arange(g)[None, None, :, None, None]
+        cost = _cost(t, a5, b5, np.minimum(r, most)[None, None, None], p5)
+        ok = fits[:, :width, None, None, None] & (r <= most)[None, None, None]
+        self.cost = np.where(ok, cost, math.inf)  # (start, length - 1, first phase, k, s)
+        phase = np.arange(g)
+        self.s_of = (phase[None, :] - phase[:, None] - 1) % g  # s - 1 of a stage from phase p to phase q
+        self.problem, self.n, self.g, self.width = problem, n, g, width
+        self.fixed = problem.stages
+        self.layers = 1 if self.fixed is None else self.fixed + 1
+        self.candidates = np.unique(self.cost[np.isfinite(self.cost)])
+        self.finals = [0]
+        every = self.fewest(self.candidates[-1])
+        if self._devices(every[0], [0])[0] > problem.devices:  # no layout fills whole nodes: the best of the others
+            self.finals = list(range(g))
+
+    def fewest(self, limit: float) -> tuple[np.ndarray, np.ndarray]:
+        """``best[layer, b, q]``: fewest devices (then stages; ``layer`` stages when fixed) of stages ending at ``b``
+        that leave the next free device at phase ``q``, and (start, phase, replicas) of the last of them."""
+        n, g, layers, fixed = self.n, self.g, self.layers, self.fixed
+        ok = self.cost <= limit
+        has = ok.any(axis=3)  # (start, length - 1, p, s)
+        least = np.where(has, ok.argmax(axis=3) * g + np.arange(1, g + 1), math.inf)
+        phase = np.arange(g)
+        least = least[:, :, phase[:, None], self.s_of]  # (start, length - 1, p, q): fewest replicas from p to q
+        step = least * (n + 1) + 1 if fixed is None else least
+        best = np.full((layers, n + 1, g), math.inf)
+        best[0, 0, 0] = 0.0
+        back = np.zeros((layers, n + 1, g, 3), dtype=np.int64)
+        for end in range(1, n + 1):
+            first = max(0, end - self.width)
+            starts = np.arange(first, end)
+            moves = step[starts, end - 1 - starts]  # (m, p, q)
+            prior = best[:, first:end] if fixed is None else best[:-1, first:end]  # (layers', m, p)
+            value = (prior[..., None] + moves[None]).reshape(prior.shape[0], -1, g)  # (layers', m p, q)
+            pick = value.argmin(axis=1)  # (layers', q)
+            low = np.take_along_axis(value, pick[:, None, :], axis=1)[:, 0]
+            m, p = np.divmod(pick, g)
+            row = np.stack([starts[m], p, least[starts[m], end - 1 - starts[m], p, phase[None, :]]], axis=-1)
+            if fixed is None:
+                best[0, end], back[0, end] = low[0], np.nan_to_num(row[0], posinf=0).astype(np.int64)
+            else:
+                best[1:, end], back[1:, end] = low, np.nan_to_num(row, posinf=0).astype(np.int64)
+        return best, back
+
+    def _devices(self, best: np.ndarray, finals: list[int]) -> tuple[float, int]:
+        """The fewest devices of a whole layout ending at one of the phases ``finals``, and that phase."""
+        keys = best[-1, self.n, finals]
+        q = finals[int(keys.argmin())]
+        key = best[-1, self.n, q]
+        return (key if self.fixed is not None else key // (self.n + 1) if math.isfinite(key) else key), q
+
+    def solve(self) -> Layout:
+        """The optimum layout (see :func:`solve_replicated`)."""
+        candidates = self.candidates
+        lo, hi = 0, len(candidates) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            fits = self._devices(self.fewest(candidates[mid])[0], self.finals)[0] <= self.problem.devices
+            lo, hi = (lo, mid) if fits else (mid + 1, hi)
+        best, back = self.fewest(candidates[lo])
+        _, q = self._devices(best, self.finals)
+        ends, replicas, end, layer = [], [], self.n, self.layers - 1
+        while end > 0:
+            start, q, count = (int(x) for x in back[layer, end, q])
+            ends.append(end)
+            replicas.append(count)
+            end, layer = start, layer if self.fixed is None else layer - 1
+        return _layout(_Tables.of(self.problem), ends[::-1], replicas[::-1])
+
+
+def _min_memory(t: _Tables, problem: ReplicaProblem) -> float:
+    """The smallest per-device memory cap that some layout of ``problem`` fits (a replica holds its whole stage)."""
     n, counts = len(t.memory_top), _stage_counts(problem)
     a, b = np.arange(n + 1)[:, None], np.arange(n + 1)[None, :]
     memory = np.where(a < b, _memory(t, a, np.maximum(b, 1)), math.inf)
-    min_limit = float(min(_layers(memory, np.maximum, max(counts))[s, n] for s in counts))
-    if not min_limit <= t.limit:
-        raise _infeasible(problem, min_limit)
-    fits = (a < b) & (memory <= t.limit)
-    if t.links.gpus_per_node is not None:
-        return _on_nodes(problem, t, fits)
-    r = np.arange(1, t.max_replicas + 1)
-    costs = np.where(fits[..., None], _cost(t, a[..., None], np.maximum(b, 1)[..., None], r), math.inf)
-
-    def fewest(limit: float) -> tuple[np.ndarray, np.ndarray, int]:
-        """Smallest replica count per stage span, DP table of fewest devices, and the best stage count."""
-        ok = costs <= limit
-        least = np.where(ok.any(-1), ok.argmax(-1) + 1.0, math.inf)
-        table = _layers(least, np.add, max(counts))
-        return least, table, min(counts, key=lambda s: (table[s, n], s))
-
-    candidates = np.unique(costs[fits])
-    lo, hi = 0, len(candidates) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        _, table, s = fewest(candidates[mid])
-        lo, hi = (lo, mid) if table[s, n] <= problem.devices else (mid + 1, hi)
-    least, table, count = fewest(candidates[lo])
-    ends, replicas, end = [], [], n
-    for s in range(count, 0, -1):
-        start = int(np.flatnonzero(table[s - 1] + least[:, end] == table[s, end])[0])
-        ends.append(end)
-        replicas.append(int(least[start, end]))
-        end = start
-    return _layout(t, ends[::-1], replicas[::-1])
-
-
-def _on_nodes(problem: ReplicaProblem, t: _Tables, fits: np.ndarray) -> Layout:
-    """:func:`solve_replicated` on nodes: a stage's cost depends on its first device modulo ``gpus_per_node``
-    (whether its send crosses nodes, whether its replicas span them), so the threshold search's DP runs over
-    (segment, first free device modulo ``gpus_per_node``), keeping the fewest devices then stages (or, for a fixed
-    stage count, the fewest devices per count): the rest of a layout depends on that state alone."""
-    n, g, most = len(t.memory_top), int(t.links.gpus_per_node), t.max_replicas
-    phase, r = np.arange(g)[:, None], np.arange(1, most + 1)[None, :]
-    kind = 2 * t.links.crosses(phase, r).astype(int) + t.links.spans(phase, r).astype(int)  # (g, most)
-    first = np.full((most, 4), -1)  # a first device of each kind of placement, per replica count
-    first[np.broadcast_to(r - 1, kind.shape), kind] = np.broadcast_to(phase, kind.shape)
-    a, b = np.arange(n + 1)[:, None, None, None], np.arange(n + 1)[None, :, None, None]
-    costs = _cost(t, a, np.maximum(b, 1), np.arange(1, most + 1)[:, None], np.maximum(first, 0))
-    costs = np.where(fits[..., None, None] & (first >= 0), costs, math.inf)  # (n + 1, n + 1, most, 4)
-    fixed = problem.stages
-    nxt = (phase + r) % g
-    moves = [np.nonzero(nxt == q) for q in range(g)]  # (phase, replicas - 1) of the stages that leave phase q
-    layers, step = (1, (n + 1) * r[0] + 1.0) if fixed is None else (fixed + 1, r[0] * 1.0)
-
-    def fewest(limit: float) -> tuple[np.ndarray, np.ndarray]:
-        """``best[s, b, q]``: fewest devices (then stages; ``s`` stages when fixed) of stages ending at ``b`` that
-        leave the next free device at phase ``q``, and the (start, phase, replicas) of the last of them."""
-        ok = costs <= limit
-        best = np.full((layers, n + 1, g), math.inf)
-        best[0, 0, 0] = 0.0
-        back = np.zeros((layers, n + 1, g, 3), dtype=int)
+    if problem.stages is None and max(counts) == n:  # any stage count: one pass, not one per count
+        best = np.full(n + 1, math.inf)
+        best[0] = 0.0
         for end in range(1, n + 1):
-            allowed = ok[:end, end][:, r[0] - 1, kind]  # (end, g, most)
-            value = np.where(allowed, best[:, :end, :, None] + step, math.inf)  # (layers, end, g, most)
-            for q, (ps, rs) in enumerate(moves):
-                sub = value[:, :, ps, rs].reshape(layers, -1)
-                pick = sub.argmin(axis=1)
-                start, which = np.divmod(pick, len(ps))
-                row = np.stack([start, ps[which], rs[which] + 1], axis=1)
-                if fixed is None:
-                    best[0, end, q], back[0, end, q] = sub[0, pick[0]], row[0]
-                else:
-                    best[1:, end, q], back[1:, end, q] = sub[np.arange(layers), pick][:-1], row[:-1]
-        return best, back
-
-    def devices(best: np.ndarray) -> tuple[float, int]:
-        """The fewest devices of a whole layout, and the phase it ends at."""
-        q = int(best[-1, n].argmin())
-        key = best[-1, n, q]
-        return (key if fixed is not None else key // (n + 1) if math.isfinite(key) else key), q
-
-    candidates = np.unique(costs[np.isfinite(costs)])
-    lo, hi = 0, len(candidates) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if devices(fewest(candidates[mid])[0])[0] <= problem.devices else (mid + 1, hi)
-    best, back = fewest(candidates[lo])
-    _, q = devices(best)
-    ends, replicas, end, layer = [], [], n, layers - 1
-    while end > 0:
-        start, q, count = back[layer, end, q]
-        ends.append(end)
-        replicas.append(int(count))
-        end, layer = int(start), layer if fixed is None else layer - 1
-    return _layout(t, ends[::-1], replicas[::-1])
+            best[end] = np.maximum(best[:end], memory[:end, end]).min()
+        return float(best[n])
+    return float(min(_layers(memory, np.maximum, max(counts))[s, n] for s in counts))
 
 
 def solve_fixed_replicas(problem: ReplicaProblem, replicas: Sequence[int]) -> Layout:
@@ -281,10 +302,11 @@ def solve_fixed_replicas(problem: ReplicaProblem, replicas: Sequence[int]) -> La
 
 
 def brute_force_replicated(problem: ReplicaProblem) -> Layout:
-    """Reference layout found by trying every stage split and every replica assignment; for small problems and tests."""
+    """Reference layout found by trying every stage split and every replica assignment (the order of
+    :func:`solve_replicated`: whole nodes, bottleneck, devices, stages); for small problems and tests."""
     t = _Tables.of(problem)
     n = len(t.memory_top)
-    best: tuple[tuple[float, int, int], Layout] | None = None
+    best: tuple[tuple[bool, float, int, int], Layout] | None = None
     min_limit = math.inf
     for k in _stage_counts(problem):
         for cuts in itertools.combinations(range(1, n), k - 1):
@@ -295,12 +317,17 @@ def brute_force_replicated(problem: ReplicaProblem) -> Layout:
                 continue
             for replicas in _assignments(k, problem.devices - k, t.max_replicas):
                 layout = _layout(t, [b for _, b in spans], list(replicas))
-                key = (layout.bottleneck, layout.devices, k)
+                key = (not _whole(layout.devices, problem.gpus_per_node), layout.bottleneck, layout.devices, k)
                 if best is None or key < best[0]:
                     best = key, layout
     if best is None:
         raise _infeasible(problem, min_limit)
     return best[1]
+
+
+def _whole(devices: int, gpus_per_node: int | None) -> bool:
+    """Whether ``devices`` fill a whole number of nodes (always, on one node)."""
+    return gpus_per_node is None or devices % gpus_per_node == 0
 
 
 def layout_costs(problem: ReplicaProblem, ends: Sequence[int], replicas: Sequence[int]) -> list[float]:
@@ -315,7 +342,7 @@ def layout_costs(problem: ReplicaProblem, ends: Sequence[int], replicas: Sequenc
         if not (_is_whole(r) and 1 <= r <= t.max_replicas):
             raise PartitionError(
                 f"replicas[{j}] is {r!r}; expected a whole number from 1 to {t.max_replicas} "
-                "(max_replicas, at most devices)"
+                "(max_replicas, at most devices and the batch's examples)"
             )
     if sum(replicas) > problem.devices:
         raise PartitionError(
@@ -352,6 +379,8 @@ class _Tables:
         cap = min(problem.max_replicas or problem.devices, problem.devices)
         if split is not None:
             cap = min(cap, len(split) + 1)
+        if problem.batch is not None:
+            cap = min(cap, most_replicas(problem.batch))
         return cls(
             segments=Segments.of(problem.compute, head=problem.head, comm=problem.comm, start=problem.start,
                                  grad_bytes=problem.grad_bytes, head_grad_bytes=problem.head_grad_bytes, split=split,

@@ -27,7 +27,7 @@ from .meta import PLANNED_ON_META, is_meta
 from .output_head import NoOutputProjection
 from .options import SavedPlan, check_no_blocks, read_saved_plan, resolve_mode, resolve_options
 from .options import PlanOptions
-from .partition import StageRequest, ppll_layout, segment_costs, slow_stage_note, stage_request, time_layout
+from .partition import StageRequest, idle_note, ppll_layout, segment_costs, slow_stage_note, stage_request, time_layout
 from .pipebd.build import compile_pipebd, plan_pipebd
 from .pipeline import CompiledPipeline
 from .plan import Plan, TensorSpec
@@ -190,6 +190,7 @@ def _plan_ppll(model: nn.Module, example_inputs: Sequence[Any] | None, example_k
     devices = sum(opts.replicas) if isinstance(opts.replicas, tuple) else opts.gpus or request.stages
     costs, figures, notes = segment_costs(a, heads, head_costs, policy, opts, devices)
     layout = ppll_layout(costs, request, opts)
+    notes += tuple(n for n in (idle_note(layout, costs, opts, devices),) if n is not None)
     measured = None
     if opts.profile == "time":
         search = request.manual is None and not opts.replicas_chosen and not isinstance(opts.replicas, tuple)

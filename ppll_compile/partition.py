@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ppll_compile import partitioners
+from ppll_compile.partitioners.batch import most_replicas, split_refusal
 from ppll_compile.partitioners.objective import Links, Segments
 from ppll_compile.partitioners.replicas import Layout, ReplicaProblem, layout_costs, solve_fixed_replicas, solve_replicated
 
@@ -61,6 +62,9 @@ class Costs:
     """``ppll``: parameter count (the ``params`` baseline partitioner balances it)."""
     split: list[list[float]] | None = None
     """Measured seconds at each share of the batch that ``2, 3, ...`` replicas train on (``profile="time"``)."""
+    batch: int | None = None
+    """Examples per training step (the plan's ``batch_size``): no stage runs on more replicas
+    (:func:`~ppll_compile.partitioners.batch.most_replicas`); ``None``: no such cap."""
 
     def replica_problem(self, opts: PlanOptions, devices: int, cap: int | None) -> ReplicaProblem:
         """The exact replica partitioner's problem over ``devices``, each stage on at most ``cap`` of them, its sends
@@ -71,7 +75,7 @@ class Costs:
                               grad_bytes=self.grad_bytes,
                               head_grad_bytes=self.head_grad_bytes, allreduce_bandwidth=links.intra,
                               memory=self.memory, head_memory=self.head_memory, memory_limit=opts.memory_limit,
-                              devices=devices, max_replicas=cap, split_compute=self.split,
+                              devices=devices, max_replicas=cap, split_compute=self.split, batch=self.batch,
                               cross_comm=links.across(self.comm), gpus_per_node=links.gpus_per_node,
                               inter_node_bandwidth=links.inter if links.gpus_per_node else None)
 
@@ -159,7 +163,24 @@ def segment_costs(a: Analysis, heads: Mapping[int, HeadSpec], head_costs: Mappin
         memory=[s.memory for s in seg], grad_bytes=[s.grad_bytes for s in seg],
         head_memory=[heads[i].memory_bytes if i in heads else 0 for i in range(n)],
         head_grad_bytes=[heads[i].param_count * 4 if i in heads else 0 for i in range(n)],  # float32 heads
-        params=[s.param_count for s in seg]), figures, notes
+        params=[s.param_count for s in seg], batch=planned_batch(a)), figures, notes
+
+
+def planned_batch(a: Analysis) -> int | None:
+    """The examples a training step of the analysed model feeds (its first input's first dimension), or ``None``
+    when it has no tensor input."""
+    return int(a.inputs[0].shape[0]) if a.inputs and a.inputs[0].shape else None
+
+
+def check_batch_split(costs: Costs, replicas: Sequence[int], why: str) -> None:
+    """Raise unless every stage's replicas (given by hand: ``why`` says where) can split the batch
+    (:func:`~ppll_compile.partitioners.batch.split_refusal`, the runtime's rule)."""
+    for j, r in enumerate(replicas):
+        refusal = None if costs.batch is None else split_refusal(costs.batch, r)
+        if refusal is not None:
+            raise ValueError(f"stage {j} of {why} runs on {r} replicas, but {refusal} (each replica trains on its "
+                             f"own examples): give stage {j} at most {most_replicas(costs.batch or 1)} replicas, "
+                             f"or plan a larger batch (batch_size=...)")
 
 
 SLOW_STAGE_SECONDS = 60.0
@@ -306,42 +327,57 @@ def _stage_count(opts: PlanOptions, manual: list[int] | None, fixed: tuple[int, 
 
 
 def _solved(solve: Callable[[], Any], costs: Costs | None = None, opts: PlanOptions | None = None,
-            devices: int = 0) -> Any:
+            devices: int = 0, *, spread: bool = True) -> Any:
     """``solve()``, timed as the ``partition`` phase (its errors are the package's own, ``min_limit`` kept); with
     ``hardware=``, a layout on ``devices`` devices that no memory cap fits is refused with the fewest devices
-    that fit it (:func:`fewest_devices`) and the cap that would work."""
+    that fit it (:func:`fewest_devices`; ``spread``: the replica partitioner places the stages, else one stage per
+    device) and the cap that would work."""
     with phase("partition"):
         try:
             return solve()
         except InfeasibleMemoryError as e:
             if costs is None or opts is None or opts.hardware is None or opts.memory_limit is None:
                 raise
-            raise _refused(e, costs, opts, devices) from None
+            raise _refused(e, costs, opts, devices, spread) from None
 
 
-def fewest_devices(costs: Costs, memory_limit: float) -> int | None:
-    """The fewest stages (one device each) whose every stage fits ``memory_limit`` bytes, by the exact partitioner
-    (a replica holds its whole stage, so replicas do not help); ``None`` when not even one segment per stage
-    fits. The scan starts where the stages' caps add up to the segments' memory (no fewer stages can hold it)."""
+def fewest_devices(costs: Costs, memory_limit: float, gpus_per_node: int | None = None,
+                   spread: bool = True) -> int | None:
+    """The fewest devices, a whole number of nodes of ``gpus_per_node`` (any number without), on which a layout
+    fits ``memory_limit`` bytes per device; ``None`` when none does. A replica holds its whole stage, so the fewest
+    stages that fit (one device each, by the exact partitioner) decide: with ``spread`` (the replica partitioner
+    places the stages, leaving devices idle where it must) that many devices rounded up to whole nodes; without
+    it (one stage per device) the fewest whole nodes of stages that fit. The scan starts where the stages' caps
+    add up to the segments' memory (no fewer stages can hold it)."""
+    g = gpus_per_node or 1
     first = max(1, math.ceil(sum(costs.memory) / memory_limit))
     for k in range(first, len(costs.compute) + 1):
-        try:
-            partitioners.solve(costs.problem(None, memory_limit), k, "exact")
-        except InfeasibleMemoryError:
-            continue
-        return k
+        if (spread or k % g == 0) and _fits(costs, memory_limit, k):
+            return -(-k // g) * g
     return None
 
 
-def _refused(e: InfeasibleMemoryError, costs: Costs, opts: PlanOptions, devices: int) -> InfeasibleMemoryError:
+def _fits(costs: Costs, memory_limit: float, stages: int) -> bool:
+    """Whether ``stages`` stages, one device each, can fit ``memory_limit`` bytes per device."""
+    try:
+        partitioners.solve(costs.problem(None, memory_limit), stages, "exact")
+    except InfeasibleMemoryError:
+        return False
+    return True
+
+
+def _refused(e: InfeasibleMemoryError, costs: Costs, opts: PlanOptions, devices: int,
+             spread: bool) -> InfeasibleMemoryError:
     """The error for stages that cannot fit the memory of ``opts.hardware``'s devices on ``devices`` of them."""
     cap = opts.memory_limit
     assert cap is not None
-    fewest = fewest_devices(costs, cap)
+    fewest = fewest_devices(costs, cap, opts.gpus_per_node, spread)
     where = f"the memory of hardware={opts.hardware!r} ({format_bytes(cap)} per device)" \
         if cap == load_hardware(str(opts.hardware)).memory_bytes else \
         f"memory_limit={format_bytes(cap)} per device (hardware={opts.hardware!r})"
-    more = (f"the fewest devices that fit it is {fewest} (gpus={fewest})" if fewest is not None else
+    nodes = f", {fewest // opts.gpus_per_node} whole node(s) of {opts.gpus_per_node}" \
+        if opts.gpus_per_node and fewest is not None else ""
+    more = (f"the fewest devices that fit it is {fewest}{nodes} (gpus={fewest})" if fewest is not None else
             "no number of devices fits it (a single segment needs more), so only a larger cap works")
     return InfeasibleMemoryError(
         f"the stages cannot fit {where} on {devices} device(s): {more}; on {devices} device(s) the "
@@ -349,10 +385,37 @@ def _refused(e: InfeasibleMemoryError, costs: Costs, opts: PlanOptions, devices:
         f"with more memory)", min_limit=e.min_limit)
 
 
+def idle_note(layout: StageLayout, costs: Costs, opts: PlanOptions, devices: int) -> str | None:
+    """The plan's note when ``layout`` leaves some of the ``devices`` asked for idle: how many, and why more
+    devices cannot make its slowest stage faster (``None`` when every device works, or the cuts were given by
+    hand)."""
+    used = sum(layout.replicas)
+    if used >= devices or not layout.costs:
+        return None
+    j = max(range(len(layout.costs)), key=layout.costs.__getitem__)
+    r = layout.replicas[j]
+    if costs.batch is not None and r >= most_replicas(costs.batch):
+        why = (f"its {r} replicas train on one example each of the batch of {costs.batch} (a replica needs an "
+               f"example of its own); plan a larger batch (batch_size=...) to put more devices to work")
+    else:
+        near = sum(c >= 0.95 * layout.costs[j] for c in layout.costs)  # stages about as slow
+        why = "no layout that gives them work has a faster slowest stage " + (
+            f"({near} stages take within 5% of its time, more than the {devices - used} idle devices could each "
+            f"speed up)" if near > devices - used else
+            "(more replicas of it add more all-reduce and send time than they save)")
+    g = opts.gpus_per_node
+    nodes = f" ({used // g} whole node(s) of {g})" if g and used % g == 0 else \
+        f" (no layout that fits fills whole nodes of {g})" if g else ""
+    return (f"{devices - used} of the {devices} devices are left idle: the plan uses {used}{nodes}; its slowest "
+            f"stage, stage {j} ({layout.costs[j]:.3g} s a step on {r} device(s)), is no faster on more: {why}")
+
+
 def ppll_layout(costs: Costs, request: StageRequest, opts: PlanOptions) -> StageLayout:
     """The ``ppll`` stages: cut by hand, by the replica partitioner (``replicas`` on), or by the named solver."""
     n = len(costs.compute)
     fixed = opts.replicas if isinstance(opts.replicas, tuple) else None
+    if fixed is not None:
+        check_batch_split(costs, fixed, f"replicas={list(fixed)}")
     if request.manual is not None:
         opts.check_nodes(sum(fixed or (1,) * request.stages))
         return StageLayout(ends=tuple(c + 1 for c in request.manual) + (n,),
@@ -369,7 +432,7 @@ def ppll_layout(costs: Costs, request: StageRequest, opts: PlanOptions) -> Stage
     opts.check_nodes(request.stages)
     problem = costs.problem(request.speeds, opts.memory_limit, opts.links())
     ends = _solved(lambda: partitioners.solve(problem, request.stages, opts.partitioner), costs, opts,
-                   request.stages)
+                   request.stages, spread=False)
     return StageLayout(ends=ends, replicas=(1,) * request.stages, speeds=request.speeds,  # type: ignore[arg-type]
                        partitioner=opts.partitioner, costs=tuple(partitioners.stage_costs(problem, ends)))
 
@@ -392,6 +455,8 @@ def block_layout(costs: Costs, manual: list[int] | None, opts: PlanOptions, gpus
     if devices is None:
         raise ValueError("say how many devices to plan for: gpus=N (or devices=[...], replicas=(...))")
     cap = 1 if r is False else int(r) if opts.replicas_chosen and r is not True else None
+    if fixed is not None:
+        check_batch_split(costs, fixed, f"replicas={list(fixed)}")
     problem = costs.replica_problem(opts, devices, cap)
     if manual is not None:
         reps = tuple(fixed or [1] * len(manual))

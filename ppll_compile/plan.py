@@ -12,7 +12,7 @@ import torch
 from ppll_compile.partitioners.objective import Links, allreduce_seconds
 
 from .errors import PlanError
-from .plan_file import PLAN_VERSION, PlanFile
+from .plan_file import PLAN_VERSION, PlanFile, unrunnable_stage
 from .plan_specs import BlockPlan, FrozenDict, StagePlan, TensorSpec
 from .plan_table import PlanTable, format_bytes
 
@@ -198,6 +198,9 @@ class Plan(PlanTable, PlanFile):
         for i, s in enumerate(self.stages):
             if not (isinstance(s.replicas, int) and s.replicas >= 1):
                 raise PlanError(f"stage {i}: replicas must be a positive integer, got {s.replicas!r}")
+            if isinstance(self.batch_size, int) and self.batch_size >= 1 and \
+                    (why := unrunnable_stage(i, s.replicas, self.batch_size)) is not None:
+                raise PlanError(why)
             if s.index != i:
                 raise PlanError(f"stage {i} has index {s.index}; stages must be numbered 0..{len(self.stages) - 1}")
             if (problem := device_problem(s.device)) is not None:

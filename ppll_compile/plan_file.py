@@ -10,6 +10,8 @@ from typing import Any, TypeVar
 
 import yaml
 
+from ppll_compile.partitioners.batch import most_replicas, split_refusal
+
 from .errors import PlanError
 from .head_registry import LARGEST_DEVICE, LARGEST_DEVICE_BYTES
 from .plan_specs import BlockPlan, FrozenDict, StagePlan, TensorSpec, required
@@ -192,6 +194,17 @@ def read_plan_document(path: str | Path) -> Any:
     return d
 
 
+def unrunnable_stage(index: int, replicas: int, batch: int) -> str | None:
+    """Why stage ``index`` on ``replicas`` replicas cannot run at ``batch`` examples a step (the runtime splits a
+    batch by rows, :func:`~ppll_compile.partitioners.batch.split_refusal`), with the way out; ``None`` when it can."""
+    why = split_refusal(batch, replicas)
+    if why is None:
+        return None
+    return (f"stage {index} runs on {replicas} replicas, but {why} (each replica trains on examples of its own), "
+            f"so the plan cannot run; set stages[{index}].replicas to at most {most_replicas(batch)}, or re-create "
+            f"the plan (`ppll-plan MODEL.py --yaml plan.yaml`: replicas never exceed the batch)")
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -251,8 +264,11 @@ def check_plan_sizes(d: Any) -> None:
     for i, s in enumerate(stages):
         if not isinstance(s, dict):
             continue
-        devices += _count(s.get("replicas", 1), f"stages[{i}].replicas", 1, MAX_DEVICES,
+        replicas = _count(s.get("replicas", 1), f"stages[{i}].replicas", 1, MAX_DEVICES,
                           "the most devices a plan may use")
+        devices += replicas
+        if "batch_size" in given and (why := unrunnable_stage(i, replicas, d["batch_size"])) is not None:
+            raise PlanError(why)
         for j, t in enumerate(s.get("boundary") or ()):
             _check_tensor(t, f"stages[{i}].boundary[{j}]")
     if devices > MAX_DEVICES:

@@ -57,7 +57,8 @@ def _stage_memory(problem: ReplicaProblem, layout: Layout) -> list[float]:
 
 def _check_valid(problem: ReplicaProblem, layout: Layout) -> None:
     """Assert that ``layout`` obeys every constraint of ``problem`` and reports its costs exactly."""
-    n, cap = len(problem.compute), min(problem.max_replicas or problem.devices, problem.devices)
+    n, cap = len(problem.compute), min(problem.max_replicas or problem.devices, problem.devices,
+                                       problem.batch or problem.devices)
     assert layout.ends[-1] == n and list(layout.ends) == sorted(set(layout.ends)) and layout.ends[0] >= 1
     assert len(layout.replicas) == len(layout.ends) and all(1 <= r <= cap for r in layout.replicas)
     assert layout.devices <= problem.devices
@@ -287,7 +288,8 @@ def test_layout_costs_validates_the_layout() -> None:
         ((1, 3), (2, 3), "replicas (2, 3) use 5 devices but the problem has 4; expected at most that many in total "
          "(use fewer replicas or more devices)"),
         ((1, 3), (1,), "1 replica counts for 2 stages; expected one replica count per stage"),
-        ((1, 3), (0, 1), "replicas[0] is 0; expected a whole number from 1 to 4 (max_replicas, at most devices)"),
+        ((1, 3), (0, 1), "replicas[0] is 0; expected a whole number from 1 to 4 (max_replicas, at most devices and "
+         "the batch's examples)"),
         ((2, 1), (1, 1), "stage ends (2, 1) do not partition 3 segments"),
     ]
     for ends, replicas, expected in cases:
@@ -387,9 +389,49 @@ def test_solver_matches_brute_force_on_nodes(group: int) -> None:
             assert caught.value.min_limit == error.min_limit, f"seed {seed}"
             continue
         layout = solve_replicated(problem)
-        key = (layout.bottleneck, layout.devices, len(layout.ends))
-        assert key == (expected.bottleneck, expected.devices, len(expected.ends)), f"seed {seed}: {problem}"
+        assert _key(problem, layout) == _key(problem, expected), f"seed {seed}: {problem}"
         _check_valid(problem, layout)
+
+
+def _key(problem: ReplicaProblem, layout: Layout) -> tuple[bool, float, int, int]:
+    """What the solvers minimise: a layout that is not a whole number of nodes, the bottleneck, devices, stages."""
+    g = problem.gpus_per_node
+    return bool(g) and layout.devices % g != 0, layout.bottleneck, layout.devices, len(layout.ends)
+
+
+@pytest.mark.parametrize("group", range(3))
+def test_solver_matches_brute_force_with_a_batch(group: int) -> None:
+    """With ``batch``, no stage runs on more replicas than the batch has examples; still exact, on nodes or not."""
+    capped = 0
+    for seed in range(100 * group, 100 * group + 100):
+        problem = _random_problem(seed)
+        problem = dataclasses.replace(_on_nodes(problem, seed) if seed % 2 else problem,
+                                      batch=random.Random(seed).choice([1, 2, 3]))
+        try:
+            expected = brute_force_replicated(problem)
+        except InfeasibleMemoryError as error:
+            with pytest.raises(InfeasibleMemoryError) as caught:
+                solve_replicated(problem)
+            assert caught.value.min_limit == error.min_limit, f"seed {seed}"
+            continue
+        layout = solve_replicated(problem)
+        assert _key(problem, layout) == _key(problem, expected), f"seed {seed}: {problem}"
+        _check_valid(problem, layout)
+        assert max(layout.replicas) <= problem.batch and max(expected.replicas) <= problem.batch
+        free = solve_replicated(dataclasses.replace(problem, batch=None))
+        capped += max(free.replicas) > problem.batch
+    assert capped >= 5  # the cap binds in many
+
+
+def test_whole_nodes_are_preferred_to_a_faster_layout() -> None:
+    # one segment, 2 devices a node, 3 devices: 3 replicas are fastest (4/3) but leave a node part-used; 2 fill one
+    problem = ReplicaProblem(compute=[4.0], devices=3, gpus_per_node=2)
+    assert (solve_replicated(problem).replicas, solve_replicated(problem).bottleneck) == ((2,), 2.0)
+    assert brute_force_replicated(problem).replicas == (2,)
+    # no layout fills whole nodes when the batch allows one replica of one segment: the best of the others
+    lone = dataclasses.replace(problem, batch=1)
+    assert solve_replicated(lone).replicas == brute_force_replicated(lone).replicas == (1,)
+    assert solve_replicated(dataclasses.replace(problem, gpus_per_node=None)).replicas == (3,)
 
 
 def test_random_problems_on_nodes_cover_the_interesting_cases() -> None:

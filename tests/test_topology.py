@@ -89,7 +89,9 @@ def test_replicas_all_reduce_over_the_links_they_span() -> None:
     assert layout_costs(problem, (1, 2), (3, 1)) == [8 / 3 + 2 * 2 / 3 * 4 / 1 + 2 / 3, 8.0]
     one_node = dataclasses.replace(problem, gpus_per_node=None)
     assert layout_costs(one_node, (1, 2), (1, 3)) == [10.0, 8 / 3 + 2 * 2 / 3 * 4 / 4]
-    assert (solve_replicated(problem).replicas, solve_replicated(problem).bottleneck) == ((2, 1), 8.0)  # a 4th device
+    # (2, 1) on 3 devices is as fast (8.0), but a plan fills whole nodes when one can: the 4th device is used
+    assert (solve_replicated(problem).replicas, solve_replicated(problem).bottleneck) == ((2, 2), 8.0)
+    assert (brute_force_replicated(problem).replicas, brute_force_replicated(problem).bottleneck) == ((2, 2), 8.0)
     assert (solve_replicated(one_node).replicas, solve_replicated(one_node).bottleneck) == ((2, 2), 6.0)  # buys nothing
 
 

@@ -16,7 +16,7 @@ from ..errors import CutError, PolicyError
 from ..lower import model_inputs, split_stages
 from ..lowered import Lowered, Stage
 from ..options import PlanOptions
-from ..partition import Costs, block_layout, plan_figures
+from ..partition import Costs, block_layout, idle_note, plan_figures, planned_batch
 from ..pipeline import DistillPipeline
 from ..plan import BlockPlan, Plan, TensorSpec
 from ..plan_specs import HeadSpec
@@ -99,7 +99,8 @@ def _block_costs(b: Blocks, summaries: list[tuple[Summary, Summary]], teacher: l
     comm = [sum(v.bytes for v in b.teacher.boundary(c)) / opts.links().intra for c in b.cuts(0)] + [0.0]
     return Costs(compute=compute, comm=comm, step=step,
                  memory=[ts.param_bytes + ss.memory for ts, ss in summaries],
-                 grad_bytes=[ss.grad_bytes for _, ss in summaries], split=split or None), figures, note
+                 grad_bytes=[ss.grad_bytes for _, ss in summaries], split=split or None,
+                 batch=planned_batch(b.student)), figures, note
 
 
 def _block_plans(b: Blocks, summaries: list[tuple[Summary, Summary]], costs: Costs, losses: list[dict[str, Any]],
@@ -192,7 +193,8 @@ def plan_pipebd(student: nn.Module, teacher: nn.Module, example_inputs: Sequence
                           step_cost=sum(costs.step[start:end]) / r if costs.step else 0.0,
                           comm_cost=float(send), cost=float(compute + send), blocks=tuple(range(start, end)))
 
-    notes = tuple(n for n in (why, *b.notes, costed) if n is not None)
+    idle = idle_note(layout, costs, opts, gpus or sum(layout.replicas))
+    notes = tuple(n for n in (why, *b.notes, costed, idle) if n is not None)
     plan = assemble(layout, devices, parts, analysis=s, opts=opts, model=type(student).__name__, policy=rules.name,
                     sequential=sum(costs.compute), notes=notes, figures=figures, mode="pipebd",
                     teacher=type(teacher).__name__,

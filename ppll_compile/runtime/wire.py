@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..partitioners.batch import split_refusal
 from ..errors import PPLLError
 from ..plan import Plan, TensorSpec
 from .messages import EVAL, TRAIN, Message, dtype_of, shape_text
@@ -63,9 +64,8 @@ def split(msg: Message, specs: tuple[TensorSpec, ...], planned: int, parts: int)
     """``msg`` cut by rows into ``parts`` near-equal slices, one per replica (other values go to each whole)."""
     if parts == 1:
         return [msg]
-    if msg.size < parts:
-        raise PPLLError(f"a batch of {msg.size} example(s) cannot be split over {parts} replicas; feed batches of "
-                        f"at least {parts} examples")
+    if (why := split_refusal(msg.size, parts)) is not None:
+        raise PPLLError(f"{why}; feed batches of at least {parts} examples")
 
     def cut(v: Any, rows: bool) -> Any:
         return v.tensor_split(parts) if rows else [v] * parts
