@@ -25,9 +25,6 @@ from ..lowered import Lowered
 from ..plan import Plan
 from .base import Runtime
 
-__all__ = ["GatherStats", "TensorInfo", "Sink", "gather_stages"]
-
-
 @dataclass(frozen=True, kw_only=True)
 class TensorInfo:
     """One entry of the model's state as the gather announces it before any tensor travels."""

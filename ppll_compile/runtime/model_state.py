@@ -1,6 +1,6 @@
 """The trained model back from a trainer: the whole model's parameters and buffers, gathered from every stage's
-process (:meth:`ModelState.model_state_dict`), written as one file or one file per stage (:meth:`ModelState.save_model`),
-or handed on stage by stage (:meth:`ModelState.stream_model_state`).
+process (:meth:`ModelState.model_state_dict`), written as one file or one file per stage
+(:meth:`ModelState.save_model`), or handed on stage by stage (:meth:`ModelState.stream_model_state`).
 
 Which process holds what: the stages train the model's own parameter objects, so under ``sequential``, ``threads`` and
 the DNA baselines the model itself is trained in place. Under ``distributed`` every process trains only its own
