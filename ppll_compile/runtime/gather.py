@@ -212,11 +212,7 @@ def gather_stages(rt: Runtime, model: nn.Module, plan: Plan, lowered: Lowered, s
                 if rank == me:
                     _send(rt, tensors[j], comm)
             continue
-        part: dict[str, Tensor] = {}
-        for rank, j, keys in route.by_stage.get(s, []):
-            info = route.info(rank, j, keys[0])
-            t = tensors[j].detach().to("cpu", copy=True) if rank == me else _receive(rt, rank, info, comm)
-            part.update((k, t) for k in keys)
+        part = _take_part(rt, route, s, tensors, comm)
         if s == 0:
             part.update((k, v) for k, v in leftovers.items() if isinstance(v, Tensor))
         held = sum(t.numel() * t.element_size() for t in {id(t): t for t in part.values()}.values())
@@ -227,6 +223,18 @@ def gather_stages(rt: Runtime, model: nn.Module, plan: Plan, lowered: Lowered, s
             sink.take(s, ordered)
         del ordered
     return GatherStats(parts=plan.num_stages, total_bytes=total, peak_bytes=peak) if writer else None
+
+
+def _take_part(rt: Runtime, route: _Route, stage: int, tensors: list[Tensor], comm: torch.device
+               ) -> dict[str, Tensor]:
+    """On the writer: the tensors of ``stage`` by name, received from their process or copied from its own."""
+    me = getattr(rt, "rank", 0)
+    part: dict[str, Tensor] = {}
+    for rank, j, keys in route.by_stage.get(stage, []):
+        t = tensors[j].detach().to("cpu", copy=True) if rank == me else \
+            _receive(rt, rank, route.info(rank, j, keys[0]), comm)
+        part.update((k, t) for k in keys)
+    return part
 
 
 def _send(rt: Runtime, tensor: Tensor, comm: torch.device) -> None:

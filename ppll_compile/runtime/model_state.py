@@ -133,7 +133,13 @@ class ModelState:
         else:
             rt.finish()
         guard = _Guarded(sink) if rt.is_main_writer else None
-        self.gather_stats = gather_stages(rt, model, self.plan, self.lowered, guard)
+        self.gather_stats = None
+        try:
+            self.gather_stats = gather_stages(rt, model, self.plan, self.lowered, guard)
+        except BaseException:  # another process failed midway (or the gather refused the state): nothing is written
+            if guard is not None:
+                guard.sink.discard()
+            raise
         Checkpointer(rt).agree(doing, guard.finish if guard is not None else lambda: None, here=guard is not None)
 
 
