@@ -192,3 +192,16 @@ def test_a_sharded_llama_loads_with_from_pretrained(tmp_path):
     assert len(set(index["weight_map"].values())) == 3
     with torch.no_grad():
         torch.testing.assert_close(loaded.eval()(ids[0]).logits, model.eval()(ids[0]).logits, rtol=0, atol=0)
+
+
+def test_a_tensor_no_stage_trains_still_on_meta_is_refused_by_name(tmp_path):
+    compiled = compiled_residual()
+    compiled.model.register_buffer("lost", torch.empty(3, device="meta"))  # no stage trains it
+    with _trained(compiled) as trainer:
+        for call in (trainer.model_state_dict, lambda: trainer.save_model(tmp_path / "out", sharded=True)):
+            with pytest.raises(PPLLError) as info:
+                call()
+            assert str(info.value) == (
+                "the model's state holds 1 tensor(s) that no stage trains and that are still on the meta device "
+                "(lost); give them values in the model before compiling it, or leave them out of the model")
+    assert list(tmp_path.iterdir()) == []
