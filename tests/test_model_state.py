@@ -197,27 +197,39 @@ def test_a_write_that_fails_midway_leaves_the_previous_file(tmp_path, monkeypatc
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt"]
 
 
-# ---- torchrun: the whole model from both processes, equal to sequential --------------------------------------
+# ---- torchrun: the whole model from every process, stage by stage, equal to sequential ---------------------------
 
-def _torchrun(out: Path, timeout: float) -> str:
-    return run_torchrun(["--nproc-per-node=2", f"--master-port={free_port()}"], HERE / "model_state_worker.py",
-                        [str(out)], timeout)
+def _torchrun(out: Path, processes: int, timeout: float) -> str:
+    return run_torchrun([f"--nproc-per-node={processes}", f"--master-port={free_port()}"],
+                        HERE / "model_state_worker.py", [str(out)], timeout)
+
+
+def _load_sharded(folder: Path) -> tuple[dict, dict]:
+    """The tensors of a sharded save (every shard the index names) and its index."""
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    loaded = {}
+    for file in sorted(set(index["weight_map"].values())):
+        part = safetensors_torch.load_file(str(folder / file))
+        assert all(index["weight_map"][k] == file for k in part)
+        loaded.update(part)
+    return loaded, index
 
 
 @pytest.mark.slow
-def test_under_torchrun_rank_0_gets_the_whole_model_equal_to_sequential(tmp_path):
-    _torchrun(tmp_path, timeout=240)
-    ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
+@pytest.mark.parametrize("processes", [2, 3])
+def test_under_torchrun_rank_0_gets_the_whole_model_equal_to_sequential(tmp_path, processes):
+    _torchrun(tmp_path, processes, timeout=300)
+    ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(processes)]
     fresh = {"tied": w.TiedNet, "meta": Residual}
-    for name, (build, batches) in w.PIPELINES.items():
-        reference = w.reference_pipeline() if name == "meta" else build()
+    for name, (build, batches) in w.pipelines(processes).items():
+        reference = w.reference_pipeline(processes) if name == "meta" else build()
         w.train(reference, "sequential", batches(), tmp_path / "ref", name)
         ref = reference.model.state_dict()
         # each process trained its own stage; only rank 0 received the model, and every rank got the paths
-        assert [r[name]["stages"] for r in ranks] == [[0], [1]]
-        assert [r[name]["received"] for r in ranks] == [True, False]
-        assert ranks[0][name]["paths"] == ranks[1][name]["paths"] == [str(tmp_path / f"{name}.safetensors"),
-                                                                      str(tmp_path / f"{name}.pt")]
+        assert [r[name]["stages"] for r in ranks] == [[i] for i in range(processes)]
+        assert [r[name]["received"] for r in ranks] == [True] + [False] * (processes - 1)
+        paths = [str(tmp_path / f"{name}.safetensors"), str(tmp_path / f"{name}.pt"), str(tmp_path / f"{name}-sharded")]
+        assert all(r[name]["paths"] == paths for r in ranks)
         _assert_equal_states(torch.load(tmp_path / f"{name}-state-0.pt", weights_only=True), ref)
         _assert_equal_states(torch.load(tmp_path / f"{name}.pt", weights_only=True), ref)
         loaded = safetensors_torch.load_file(str(tmp_path / f"{name}.safetensors"))
@@ -225,4 +237,24 @@ def test_under_torchrun_rank_0_gets_the_whole_model_equal_to_sequential(tmp_path
         model = fresh[name]()
         model.load_state_dict(loaded, strict=True)
         _assert_equal_states(model.state_dict(), ref)
-    assert not list(tmp_path.glob(".*tmp*"))
+        # stage by stage: one part per stage, in order, each key in exactly one, the whole state together
+        parts = ranks[0][name]["parts"]
+        assert [p["stage"] for p in parts] == list(range(processes))
+        assert sorted(k for p in parts for k in p["keys"]) == sorted(ref)
+        # sharded: one file per stage that holds tensors (the 3-stage tied net's last stage holds only its own copy
+        # of the tied weight, which folds back to stage 0's), the index naming each tensor's file
+        sharded, index = _load_sharded(tmp_path / f"{name}-sharded")
+        files = [p["keys"] for p in parts if p["keys"]]
+        assert (name, processes, len(files)) != ("tied", 3, processes)
+        assert index["weight_map"] == {k: f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+                                       for i, keys in enumerate(files) for k in keys}
+        assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in ref.values())
+        _assert_equal_states({k: sharded[k] for k in ref}, ref)
+        assert sorted(sharded) == sorted(ref)
+        # rank 0's gather held one stage's part at most (the largest), never the whole state
+        sizes = [p["bytes"] for p in parts]
+        stats = ranks[0][name]["stats"]
+        assert stats == [{"parts": processes, "total": sum(sizes), "peak": max(sizes)}] * len(stats)
+        assert max(sizes) < sum(sizes)
+        assert all(r[name]["stats"] == [None] * len(stats) and r[name]["parts"] == [] for r in ranks[1:])
+    assert not list(tmp_path.glob("**/.*tmp*"))

@@ -176,6 +176,11 @@ class Runtime:
         """``obj`` of every process of the pipeline, in rank order."""
         return [obj]
 
+    def collective(self, fn: Callable[[], Any]) -> Any:
+        """``fn()``, an exchange with the other processes (a collective or a send or receive); under ``distributed``,
+        when another rank reported a failure meanwhile, its :class:`StageError` instead of a broken connection."""
+        return fn()
+
     def gather_to_writer(self, obj: Any) -> list[Any] | None:
         """``obj`` of every process of the pipeline, in rank order, on the process that writes (``is_main_writer``:
         rank 0); ``None`` on the others."""

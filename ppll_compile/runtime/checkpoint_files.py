@@ -47,10 +47,15 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def open_new(path: Path) -> int:
+    """A descriptor, open for writing, of the file ``path`` created now: it must not exist (a link there is not
+    followed: ``FileExistsError`` or ``ELOOP``); mode 0o644 (less the umask)."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o644)
+
+
 def write_new(path: Path, data: bytes) -> None:
-    """Create the file ``path``, which must not exist (a link there is not followed: ``FileExistsError`` or
-    ``ELOOP``), with mode 0o644 (less the umask); write ``data``, flush and fsync it. An error names ``path``."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o644)
+    """Create the file ``path`` (see :func:`open_new`), write ``data``, flush and fsync it. An error names ``path``."""
+    fd = open_new(path)
     try:
         view = memoryview(data)
         while view:

@@ -245,6 +245,10 @@ class DistributedRuntime(Runtime):
         self._faults.collective(lambda: dist.all_gather_object(out, obj))
         return out
 
+    def collective(self, fn: Callable[[], Any]) -> Any:
+        """``fn()``, an exchange with other ranks, under the fault protocol (see :meth:`.faults.Faults.collective`)."""
+        return self._faults.collective(fn)
+
     def gather_to_writer(self, obj: Any) -> list[Any] | None:
         """``obj`` of every rank, in rank order, on rank 0 only (``None`` on the others)."""
         out: list[Any] | None = [None] * dist.get_world_size() if self.rank == 0 else None

@@ -1,10 +1,13 @@
 """The trained model back from a trainer: the whole model's parameters and buffers, gathered from every stage's
-process (:meth:`ModelState.model_state_dict`), and written once as a plain state dict (:meth:`ModelState.save_model`).
+process (:meth:`ModelState.model_state_dict`), written as one file or one file per stage
+(:meth:`ModelState.save_model`), or handed on stage by stage (:meth:`ModelState.stream_model_state`).
 
 Which process holds what: the stages train the model's own parameter objects, so under ``sequential``, ``threads`` and
 the DNA baselines the model itself is trained in place. Under ``distributed`` every process trains only its own
 stage: its model is up to date for that stage's parameters and buffers, the others' are as built (or still on the meta
-device, for a model built there). :meth:`ModelState.model_state_dict` puts the whole model together on rank 0.
+device, for a model built there). The gather (:mod:`.gather`) brings the stages to rank 0 one at a time, so rank 0
+holds at most one stage of the gather besides what the caller keeps: the whole state for :meth:`model_state_dict`,
+nothing but one stage for a safetensors :meth:`save_model` (streamed into its file).
 
 A parameter that stages train their own copies of (``tied='untie'``, :attr:`~ppll_compile.plan.Plan.untied`) is
 folded back as the plan's notes say: the model's entry, under every name it has, is the first stage's copy.
@@ -12,36 +15,37 @@ folded back as the plan's notes say: the model's entry, under every name it has,
 
 from __future__ import annotations
 
-import io
 import os
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from ..errors import PPLLError
 from ..lowered import Lowered
 from ..plan import Plan
 from .base import Runtime
-from .checkpoint_files import replace_with
 from .checkpointer import Checkpointer
-
-Part = dict[str, tuple[int, Tensor]]
-"""What one process contributes: per ``state_dict`` key it trains, (its stage, a CPU copy of the tensor)."""
+from .gather import GatherStats, TensorInfo, gather_stages
+from .model_files import ShardedSafetensors, StreamedSafetensors, TorchFile, check_shard_dir
 
 
 class ModelState:
-    """What a trainer gives back of the model it trains: :meth:`model_state_dict` and :meth:`save_model`.
+    """What a trainer gives back of the model it trains: :meth:`model_state_dict`, :meth:`save_model` and
+    :meth:`stream_model_state`.
 
-    Both are collectives under ``distributed``: every process calls them, in the same order as the trainer's other
-    calls. Only rank 0 (the process that writes checkpoint manifests) receives the whole state.
+    All are collectives under ``distributed``: every process calls them, in the same order as the trainer's other
+    calls. Only rank 0 (the process that writes checkpoint manifests) receives the model.
     """
 
     model: nn.Module | None = None
     """The model compiled, whose parameter objects the stages train (set by ``compiled.trainer(...)``). Under
     ``distributed`` it is up to date only for the stages of this process (:attr:`stages`)."""
+    gather_stats: GatherStats | None = None
+    """What the last gather of the model (:meth:`model_state_dict`, :meth:`save_model`, :meth:`stream_model_state`)
+    moved and held at most at once, on the process that received it; ``None`` elsewhere and before one."""
     plan: Plan
     lowered: Lowered
     closed: bool
@@ -53,32 +57,62 @@ class ModelState:
 
         Pending batches are finished first. Under ``sequential`` and ``threads`` it is the model's own state. Under
         ``distributed`` every process must call it: each sends the tensors of its stage (a replicated stage's first
-        replica), and rank 0 returns them put together, equal to what a ``sequential`` run's ``model.state_dict()``
-        holds after the same batches; the other ranks return ``None``. A tensor no stage trains (an unused parameter)
-        is rank 0's own. Untied copies (``tied='untie'``) fold back: every name of a tied parameter gets the first
-        stage's copy, as in the model.
+        replica) to rank 0, one stage after the other, and rank 0 returns them put together, equal to what a
+        ``sequential`` run's ``model.state_dict()`` holds after the same batches; the other ranks return ``None``.
+        Rank 0 holds the result and at most one stage on its way besides. A tensor no stage trains (an unused
+        parameter) is rank 0's own. Untied copies (``tied='untie'``) fold back: every name of a tied parameter gets the
+        first stage's copy, as in the model.
         """
-        parts = self._gather_parts()
-        return None if parts is None else merge(self._whole_model(), parts)
+        collector = StateCollector(self._whole_model())
+        self._stream(collector, "put the model together")
+        return collector.state() if self.gather_stats is not None else None
 
-    def save_model(self, path: str | os.PathLike) -> Path:
-        """Write :meth:`model_state_dict` once (by rank 0 under ``distributed``) as a plain state dict that
-        ``model.load_state_dict`` accepts; the path written, returned on every process once the file is complete.
+    def stream_model_state(self, take: Callable[[int, OrderedDict[str, Tensor]], None]) -> GatherStats | None:
+        """Call ``take(stage, part)`` on rank 0 for every stage in order, ``part`` being the CPU copies of the
+        entries of ``model.state_dict()`` that stage trains (in that order; stage 0's with the entries no stage
+        trains): the model's state one stage at a time, never whole, for writing it to any format. What it moved and
+        held (:attr:`gather_stats`) on rank 0, ``None`` on the other processes, which only send (their ``take`` is not
+        called). A part is not kept once ``take`` returns, unless ``take`` keeps it. When ``take`` raises, the
+        remaining stages are still received (and not handed on), then every process raises. Pending batches are
+        finished first; every process calls it under ``distributed``.
+        """
+        sink = _Callback(take)
+        self._stream(sink, "take the model's state")
+        return self.gather_stats
 
-        The format follows the name: ``.safetensors`` is safetensors (the ``safetensors`` package must be
-        installed); a name without a suffix gets ``.safetensors`` when that package is installed, else ``.pt``; any
-        other suffix (``.pt``, ``.pth``, ``.bin``, ...) is ``torch.save``. Tied parameters are written under each of
-        their names. The file appears whole or not at all (written beside it, then renamed), so a process killed
-        mid-write leaves any previous file in place. Read it back with
+    def save_model(self, path: str | os.PathLike, sharded: bool = False) -> Path:
+        """Write the whole trained model (:meth:`model_state_dict`'s tensors), once (by rank 0 under ``distributed``),
+        as a plain state dict that ``model.load_state_dict`` accepts; the path written, returned on every process once
+        the file is complete.
+
+        The format follows the name: ``.safetensors`` is safetensors (the ``safetensors`` package must be installed);
+        a name without a suffix gets ``.safetensors`` when that package is installed, else ``.pt``; any other suffix
+        (``.pt``, ``.pth``, ``.bin``, ...) is ``torch.save``. A safetensors file is written as the stages arrive, so
+        rank 0 never holds the whole model for it; ``torch.save`` takes one dict, so a ``.pt`` file holds it once.
+        Tied parameters are written under each of their names. The file appears whole or not at all (written beside
+        it, then renamed), so a process killed mid-write leaves any previous file in place. Read it back with
         ``model.load_state_dict(safetensors.torch.load_file(path))`` or
         ``model.load_state_dict(torch.load(path, weights_only=True))``.
+
+        ``sharded=True``: ``path`` is a directory (made when missing) that gets one safetensors file per stage that
+        holds tensors (``model-00001-of-00004.safetensors``, ...) and ``model.safetensors.index.json`` naming every
+        tensor's file: the layout Hugging Face ``transformers``' ``from_pretrained(path)`` reads (write the model's
+        ``config.json`` there too: ``model.config.save_pretrained(path)``). Other files in the directory stay; a
+        previous sharded save there is replaced (see :class:`.model_files.ShardedSafetensors`); a directory holding a
+        ``model.safetensors`` is refused (``from_pretrained`` would read that file instead).
         """
-        target = model_format(Path(path))[0]
-        self._whole_model()
-        parts = self._gather_parts()
-        Checkpointer(self._runtime).agree(
-            "write the model", lambda: write_state(merge(self._whole_model(), parts or []), target),
-            here=parts is not None)
+        model = self._whole_model()
+        path = Path(path)
+        rt = self._runtime
+        sink: Any
+        if sharded:
+            target = path
+            Checkpointer(rt).agree("write the model", lambda: check_shard_dir(path), here=rt.is_main_writer)
+            sink = ShardedSafetensors(path)
+        else:
+            target, fmt = model_format(path)
+            sink = StreamedSafetensors(target) if fmt == "safetensors" else TorchFile(target, StateCollector(model))
+        self._stream(sink, "write the model")
         return target
 
     def _whole_model(self) -> nn.Module:
@@ -87,8 +121,9 @@ class ModelState:
                             "build it with compiled.trainer(...) to get the trained model back")
         return self.model
 
-    def _gather_parts(self) -> list[Part] | None:
-        """Every process's :data:`Part`, on rank 0 (``None`` elsewhere); pending batches finished first."""
+    def _stream(self, sink: Any, doing: str) -> None:
+        """Gather the model into ``sink`` on rank 0 (pending batches finished first); every process then learns
+        whether ``sink`` failed there, and ``sink`` is committed (a file renamed into place) or discarded."""
         model, rt = self._whole_model(), self._runtime
         if self.closed:
             if rt.one_process_per_stage:
@@ -97,66 +132,84 @@ class ModelState:
                                 "(inside its with block)")
         else:
             rt.finish()
-        owner = stage_owners(self.plan, self.lowered, [r.index for r in rt.runners])
-        return rt.gather_to_writer(local_part(model, owner) if rt.replica == 0 else {})
+        guard = _Guarded(sink) if rt.is_main_writer else None
+        self.gather_stats = None
+        try:
+            self.gather_stats = gather_stages(rt, model, self.plan, self.lowered, guard)
+        except BaseException:  # another process failed midway (or the gather refused the state): nothing is written
+            if guard is not None:
+                guard.sink.discard()
+            raise
+        Checkpointer(rt).agree(doing, guard.finish if guard is not None else lambda: None, here=guard is not None)
 
 
-def stage_owners(plan: Plan, lowered: Lowered, stages: list[int]) -> dict[int, int]:
-    """The stage that trains each tensor of ``stages``' modules (parameters and buffers, heads left out), by the
-    tensor's id; a tensor two stages hold goes to the first."""
-    owner: dict[int, int] = {}
-    for i in sorted(stages):
-        for k in plan.stages[i].blocks or (i,):
-            module = lowered.modules[k]
-            for t in (*module.parameters(), *module.buffers()):
-                owner.setdefault(id(t), i)
-    return owner
+class StateCollector:
+    """A sink of the gather keeping every part: the whole state, keyed and ordered as ``model.state_dict()``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        state = model.state_dict(keep_vars=True)
+        self.order = list(state)
+        self.metadata = getattr(state, "_metadata", None)
+        self.parts: dict[str, Any] = {}
+
+    def begin(self, layout: list[list[TensorInfo]], others: OrderedDict[str, Any]) -> None:
+        self.parts.update(others)
+
+    def take(self, stage: int, part: OrderedDict[str, Tensor]) -> None:
+        self.parts.update(part)
+
+    def commit(self) -> None:
+        """Nothing to write."""
+
+    def discard(self) -> None:
+        self.parts.clear()
+
+    def state(self) -> OrderedDict[str, Any]:
+        """The state put together, with the model's ``_metadata`` (module versions, as ``load_state_dict`` reads)."""
+        out: OrderedDict[str, Any] = OrderedDict((k, self.parts[k]) for k in self.order)
+        if self.metadata is not None:
+            out._metadata = self.metadata  # type: ignore[attr-defined]
+        return out
 
 
-def local_part(model: nn.Module, owner: dict[int, int]) -> Part:
-    """This process's :data:`Part`: the ``state_dict`` entries of ``model`` whose tensor a stage here trains."""
-    copies: dict[int, Tensor] = {}
-    part: Part = {}
-    for key, value in model.state_dict(keep_vars=True).items():
-        if isinstance(value, Tensor) and id(value) in owner:
-            if id(value) not in copies:  # tied names share one copy, as they share one tensor
-                copies[id(value)] = value.detach().to("cpu", copy=True)
-            part[key] = (owner[id(value)], copies[id(value)])
-    return part
+class _Callback(StateCollector):
+    """A sink handing each part to a function of the user's."""
+
+    def __init__(self, take: Callable[[int, OrderedDict[str, Tensor]], None]) -> None:
+        self.parts = {}
+        self.take = take  # type: ignore[method-assign]
 
 
-def merge(model: nn.Module, parts: list[Part]) -> OrderedDict[str, Any]:
-    """``model.state_dict()``'s keys in order, each with the value of the first stage that trains it among ``parts``,
-    else ``model``'s own (a CPU copy; non-tensor entries as they are)."""
-    found: dict[str, tuple[int, Tensor]] = {}
-    for part in parts:
-        for key, (stage, t) in part.items():
-            if key not in found or stage < found[key][0]:
-                found[key] = (stage, t)
-    state = model.state_dict(keep_vars=True)
-    out: OrderedDict[str, Any] = OrderedDict()
-    copies: dict[int, Tensor] = {}
-    on_meta = []
-    for key, value in state.items():
-        if key in found:
-            out[key] = found[key][1]
-        elif isinstance(value, Tensor):
-            if value.is_meta:
-                on_meta.append(key)
-            elif id(value) not in copies:
-                copies[id(value)] = value.detach().to("cpu", copy=True)
-            out[key] = copies.get(id(value))
-        else:
-            out[key] = value
-    if on_meta:
-        shown = ", ".join(on_meta[:3]) + (f" and {len(on_meta) - 3} more" if len(on_meta) > 3 else "")
-        raise PPLLError(f"the model's state holds {len(on_meta)} tensor(s) that no stage trains and that are still "
-                        f"on the meta device ({shown}); give them values in the model before compiling it, or "
-                        f"leave them out of the model")
-    metadata = getattr(state, "_metadata", None)
-    if metadata is not None:
-        out._metadata = metadata  # type: ignore[attr-defined]  # module versions, as load_state_dict reads them
-    return out
+class _Guarded:
+    """A sink whose first error stops the writing but not the gather (the other processes still send their stages);
+    :meth:`finish` raises it, else commits."""
+
+    def __init__(self, sink: Any) -> None:
+        self.sink = sink
+        self.error: BaseException | None = None
+
+    def begin(self, layout: list[list[TensorInfo]], others: OrderedDict[str, Any]) -> None:
+        self._run(lambda: self.sink.begin(layout, others))
+
+    def take(self, stage: int, part: OrderedDict[str, Tensor]) -> None:
+        self._run(lambda: self.sink.take(stage, part))
+
+    def _run(self, fn: Callable[[], None]) -> None:
+        if self.error is None:
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - raised by finish(), once every stage has been received
+                self.error = e
+
+    def finish(self) -> None:
+        if self.error is not None:
+            self.sink.discard()
+            raise self.error
+        try:
+            self.sink.commit()
+        except BaseException:
+            self.sink.discard()
+            raise
 
 
 def _safetensors() -> Any:
@@ -180,38 +233,3 @@ def model_format(path: Path) -> tuple[Path, str]:
         return (path.with_name(path.name + ".safetensors"), "safetensors") if st is not None else \
             (path.with_name(path.name + ".pt"), "torch")
     return path, "torch"
-
-
-def write_state(state: OrderedDict[str, Any], path: Path) -> Path:
-    """Write ``state`` to ``path`` in the format its name says (see :func:`model_format`), atomically: into a
-    temporary file beside it under a random name, created exclusively (a link planted there is never followed),
-    flushed to disk, then renamed over ``path`` (see :func:`.checkpoint_files.replace_with`)."""
-    target, fmt = model_format(path)
-    if fmt == "safetensors":
-        odd = [k for k, v in state.items() if not isinstance(v, Tensor)]
-        if odd:
-            raise PPLLError(f"the model's state holds {len(odd)} entries that are not tensors ({', '.join(odd[:3])}), "
-                            f"which safetensors cannot store; save to a .pt path to write them with torch.save")
-        data = _safetensors().save(_unshared(state), metadata={"format": "pt"})
-    else:
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        data = buffer.getvalue()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    replace_with(target, data)
-    return target
-
-
-def _unshared(state: OrderedDict[str, Any]) -> dict[str, Tensor]:
-    """``state`` with no two entries sharing memory (safetensors stores each name's own bytes): a tied parameter's
-    second name gets a copy; every tensor contiguous."""
-    seen: set[tuple[int, torch.device]] = set()
-    out = {}
-    for key, t in state.items():
-        t = t.contiguous()
-        where = (t.untyped_storage().data_ptr(), t.device)
-        if t.numel() and where in seen:
-            t = t.clone()
-        seen.add(where)
-        out[key] = t
-    return out
