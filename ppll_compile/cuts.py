@@ -284,7 +284,10 @@ def legal_cuts(gm: fx.GraphModule, *, max_side_values: int = MAX_SIDE_VALUES) ->
     dominating = set(chain or ())
     candidates = [n for n in nodes if n.op != "get_attr" and n.op != "output" and n not in side
                   and (n.op == "placeholder" or len(n.users) >= 3) and _is_tensor(n)]
-    candidates.sort(key=lambda n: (-len(n.users), order[n]))
+    # values computed from the inputs by no parameter (masks, positions) first: they are what travels beside a
+    # stream; a hidden state tried first as a side value would make the mask the main value instead
+    plain = _parameter_free(nodes)
+    candidates.sort(key=lambda n: (n not in plain, -len(n.users), order[n]))
     chosen: set[fx.Node] = set()
     for c in candidates:
         if len(chosen) >= max_side_values:
