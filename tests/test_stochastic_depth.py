@@ -1,0 +1,54 @@
+"""Stochastic depth under torch.export: modules that compute differently in train and eval mode (a drop-path) are
+kept whole, so such models compile with the defaults, give their own eval output and train alike under threads."""
+
+import pytest
+import torch
+
+from benchmarks.zoo import Entry, batches, build, call, changed, compile_entry, logits, train, train_sizes
+
+transformers = pytest.importorskip("transformers")
+
+
+def _swin(drop: bool) -> torch.nn.Module:
+    config = transformers.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 2], num_heads=[2, 2],
+                                     window_size=4, num_labels=3, drop_path_rate=0.5,
+                                     hidden_dropout_prob=0.1 if drop else 0.0)
+    return transformers.SwinForImageClassification(config)
+
+
+def _pixels(n: int, g: torch.Generator) -> tuple[dict, torch.Tensor]:
+    return {"pixel_values": torch.randn(n, 3, 32, 32, generator=g)}, torch.randint(0, 3, (n,), generator=g)
+
+
+SWIN = Entry(name="hf-swin-drop-path", library="transformers", make=_swin, batch=_pixels)
+
+
+def test_swin_with_drop_path_compiles_with_the_defaults_and_gives_its_eval_output():
+    model = build(SWIN)
+    x = batches(SWIN, [8])[0][0]
+    compiled = compile_entry(SWIN, model, 2, x)
+    notes = " ".join(compiled.plan.notes)
+    assert "captured with torch.export" in notes and "kept whole" in notes and "drop_path" in notes, notes
+    assert compiled.plan.num_stages == 2
+    compiled.eval()
+    with torch.no_grad():
+        expected, got = call(model, x), call(compiled, x)
+    torch.testing.assert_close(logits(got), logits(expected), rtol=1e-5, atol=1e-6)
+    # in train mode the drop-path draws: two calls differ, as the model's own do
+    compiled.train()
+    with torch.no_grad():
+        assert not torch.equal(logits(call(compiled, x)), logits(call(compiled, x)))
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_thread_quietly")  # one thread per stage in both runtimes: the same reduction order
+def test_swin_with_drop_path_trains_under_threads_as_under_sequential():
+    model = build(SWIN, drop=True)
+    data = batches(SWIN, train_sizes())
+    ref = train(SWIN, model, 2, "sequential", data)
+    ours = train(SWIN, model, 2, "threads", data)
+    assert len(ours.parameters) == len(ref.parameters)
+    for i, (p, q) in enumerate(zip(ours.parameters, ref.parameters)):
+        assert torch.equal(p, q), f"parameter {i} differs by {float((p - q).abs().max())}"
+    assert any(ref.draws_random) and ours.draws_random == ref.draws_random
+    assert changed(ref.model, model) > 0 and changed(ours.model, model) == changed(ref.model, model)
