@@ -155,6 +155,21 @@ def _copy(n: fx.Node) -> bool:
     return n.op in ("call_function", "call_method") and name in _COPIES and len(n.all_input_nodes) == 1
 
 
+def _eval_dropout(n: Any) -> bool:
+    """``n`` is ``aten.dropout(x, p, False)``: an eval-mode dropout, which returns ``x`` itself."""
+    return isinstance(n, fx.Node) and n.op == "call_function" and n.target is torch.ops.aten.dropout.default \
+        and len(n.args) >= 3 and n.args[2] is False
+
+
+def _unchain_eval_dropouts(eval: fx.GraphModule) -> None:
+    """Let an eval-mode dropout that reads another's output read that one's input (the same tensor): ``torch.export``
+    records a value that several dropouts each read (DeBERTa's relative embeddings, one ``pos_dropout`` per layer)
+    as a chain in eval mode, where each dropout hands back the very tensor it was given."""
+    for n in eval.graph.nodes:
+        while _eval_dropout(n) and _eval_dropout(n.args[0]):
+            n.args = (n.args[0].args[0], *n.args[1:])
+
+
 def _opaque(n: fx.Node) -> bool:
     """Whether ``n`` calls one of the model's own modules kept whole, whose eval mode returns its first input."""
     return n.op == "call_module" and not str(n.target).startswith(SWITCH_PREFIX) and bool(n.all_input_nodes)
@@ -178,6 +193,7 @@ def merge_modes(train: fx.GraphModule, eval: fx.GraphModule, *, partial: bool = 
     all when a structural difference is found, unless ``partial`` (the structural parts then stay as train
     mode runs them, everything else follows the mode).
     """
+    _unchain_eval_dropouts(eval)
     tn, en = list(train.graph.nodes), list(eval.graph.nodes)
     matcher = difflib.SequenceMatcher(None, [_key(n) for n in tn], [_key(n) for n in en], autojunk=False)
     pair: dict[fx.Node, fx.Node] = {}  # eval node -> train node
