@@ -1,6 +1,7 @@
 """Modules that compute differently in train and eval mode under torch.export: a drop-path is kept whole, so such
 models compile with the defaults, give their own eval output and train alike under threads; per-layer dropouts of one
 shared tensor line up across the two modes."""
+
 import pytest
 import torch
 
