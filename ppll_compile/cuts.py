@@ -234,7 +234,10 @@ def _stream_cuts(nodes: Sequence[fx.Node], side: set[fx.Node], eligible: Sequenc
     idom: dict[Any, Any] | None = None
     for v, live in zip(eligible, _live_sets(nodes, [order[v] for v in eligible])):
         travel = {n for n in live if n is not v and n not in side}
-        if v in found or not travel or len(travel) > max_side_values or v in plain:
+        if v in found:  # a cut of the one set of side values: what it carries tells the streams apart too
+            carried |= travel
+            continue
+        if not travel or len(travel) > max_side_values or v in plain:
             continue
         if not all(_is_tensor(n) and (n in plain or _read_on(n, order[v], order, nodes[-1])) for n in travel):
             continue
