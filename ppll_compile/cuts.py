@@ -305,7 +305,8 @@ def legal_cuts(gm: fx.GraphModule, *, max_side_values: int = MAX_SIDE_VALUES) ->
             dominating = set(chain or ())
     # computed values that only help together (a rotary embedding's cos and sin, and the mask): groups of the most
     # used ones (the model's own inputs travel alone, so two input branches are never cut apart)
-    pool = [c for c in candidates if c.op != "placeholder"][:_GROUP_POOL]
+    pool = sorted((c for c in candidates if c.op != "placeholder"), key=lambda n: (-len(n.users), order[n]))
+    pool = pool[:_GROUP_POOL]
     for size in range(2, max_side_values + 1):
         for group in itertools.combinations(pool, size):
             if trials.bound(set(group)) <= len(best) or not _reaches_output(nodes, side | set(group)):

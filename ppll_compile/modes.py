@@ -8,8 +8,8 @@ exactly what the mode changes. Where only constant arguments differ (``dropout(x
 ``model.train()`` / ``model.eval()`` set on every stage. Nodes that only the train mode runs and whose result
 nothing uses (BatchNorm's batch counter) run in train mode only; train-only copies that change no value
 (a ``contiguous()``) pass their input through in eval mode; a call of one of the model's modules kept whole
-(stochastic depth) that eval mode skips stays a call, the module following the mode itself. Anything else is a *structural*
-difference (a branch on ``self.training`` that changes the computation); it is reported to the caller.
+(stochastic depth) that eval mode skips stays a call, the module following the mode itself. Anything else is a
+*structural* difference (a branch on ``self.training`` that changes the computation); it is reported to the caller.
 """
 
 from __future__ import annotations

@@ -102,7 +102,8 @@ def _reference_cuts(gm, max_side_values: int = MAX_SIDE_VALUES) -> list[Cut]:
     best = count(set())
     plain = set()  # the inputs and what is computed from them alone by functions (masks, positions)
     for n in nodes:
-        if n.op == "placeholder" or (n.op in ("call_function", "call_method") and all(a in plain for a in n.all_input_nodes)):
+        if n.op == "placeholder" or (n.op in ("call_function", "call_method")
+                                     and all(a in plain for a in n.all_input_nodes)):
             plain.add(n)
     candidates = sorted((n for n in nodes if n.op not in ("get_attr", "output") and n not in side
                          and (n.op == "placeholder" or len(n.users) >= 3) and is_tensor(n)),
@@ -114,7 +115,7 @@ def _reference_cuts(gm, max_side_values: int = MAX_SIDE_VALUES) -> list[Cut]:
         trial = count(chosen | {c})
         if len(trial) > len(best):
             chosen, best = chosen | {c}, trial
-    pool = [c for c in candidates if c.op != "placeholder"][:6]
+    pool = sorted((c for c in candidates if c.op != "placeholder"), key=lambda n: (-len(n.users), order[n]))[:6]
     for size in range(2, max_side_values + 1):
         for group in itertools.combinations(pool, size):
             trial = count(set(group))
@@ -211,3 +212,25 @@ def test_bert_given_an_attention_mask_is_cut_after_every_encoder_layer():
         got = compiled(**kwargs)
     got = got.logits if hasattr(got, "logits") else got[0] if isinstance(got, (tuple, list)) else got
     assert torch.allclose(got, expected, atol=1e-6), (got - expected).abs().max()
+
+
+def test_mistral_is_cut_after_every_decoder_layer_with_its_mask_and_rotary_tables_beside():
+    # the causal mask is computed by no parameter and tried first alone; the rotary cos and sin, which only help
+    # together with it, are still found among the most used values
+    import transformers as tf
+    from ppll_compile.trace import module_path
+    config = tf.MistralConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                              intermediate_size=128, vocab_size=100, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = tf.MistralForCausalLM(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        captured = capture(model, (), {"input_ids": torch.zeros(8, 128, dtype=torch.long, device="meta")})
+    measure_graph(captured.gm, captured.inputs)
+    ends = {}
+    for n in captured.gm.graph.nodes:
+        if module_path(n).startswith("model.layers."):
+            ends[".".join(module_path(n).split(".")[:3])] = n.name
+    cuts = {c.node: c for c in legal_cuts(captured.gm)}
+    assert len(ends) == 4 and set(list(ends.values())[:-1]) <= set(cuts), (ends, list(cuts))
+    assert len(cuts[ends["model.layers.0"]].boundary) >= 4  # the hidden state, the mask, cos and sin (and sizes)
