@@ -177,6 +177,7 @@ def _bert_with_mask() -> tuple[torch.nn.Module, dict]:
     return tf.BertForSequenceClassification(config), {"input_ids": ids, "attention_mask": mask}
 
 
+@pytest.mark.slow  # captures a real model with torch.export
 def test_bert_given_an_attention_mask_is_cut_after_every_encoder_layer():
     # the padding mask is built from the attention mask and positions by no parameter: it travels beside the hidden
     # state, which stays the main value (tried as a side value first, the hidden state left the mask as the main
@@ -214,6 +215,7 @@ def test_bert_given_an_attention_mask_is_cut_after_every_encoder_layer():
     assert torch.allclose(got, expected, atol=1e-6), (got - expected).abs().max()
 
 
+@pytest.mark.slow  # captures a real model with torch.export
 def test_mistral_is_cut_after_every_decoder_layer_with_its_mask_and_rotary_tables_beside():
     # the causal mask is computed by no parameter and tried first alone; the rotary cos and sin, which only help
     # together with it, are still found among the most used values

@@ -24,6 +24,7 @@ def _pixels(n: int, g: torch.Generator) -> tuple[dict, torch.Tensor]:
 SWIN = Entry(name="hf-swin-drop-path", library="transformers", make=_swin, batch=_pixels)
 
 
+@pytest.mark.slow  # captures a real model with torch.export
 def test_swin_with_drop_path_compiles_with_the_defaults_and_gives_its_eval_output():
     model = build(SWIN)
     x = batches(SWIN, [8])[0][0]
@@ -67,6 +68,7 @@ def _tokens(n: int, g: torch.Generator) -> tuple[dict, torch.Tensor]:
     return {"input_ids": torch.randint(0, 100, (n, 16), generator=g)}, torch.randint(0, 3, (n,), generator=g)
 
 
+@pytest.mark.slow  # captures a real model with torch.export
 def test_deberta_whose_layers_each_drop_out_the_shared_relative_embeddings_compiles_and_gives_its_eval_output():
     # in eval mode torch.export records the layers' pos_dropout calls on the one relative-embedding tensor as a chain
     # (each hands back the tensor it was given); in train mode each reads the embeddings
