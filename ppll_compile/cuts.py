@@ -233,7 +233,10 @@ def _stream_cuts(nodes: Sequence[fx.Node], side: set[fx.Node], eligible: Sequenc
     idom: dict[Any, Any] | None = None
     for v, live in zip(eligible, _live_sets(nodes, [order[v] for v in eligible])):
         travel = {n for n in live if n is not v and n not in side}
-        if v in found or not travel or len(travel) > max_side_values or v in plain:
+        if v in found:  # a cut of the one set of side values: what it carries tells the streams apart too
+            carried |= travel
+            continue
+        if not travel or len(travel) > max_side_values or v in plain:
             continue
         if not all(_is_tensor(n) and (n in plain or _read_on(n, order[v], order, nodes[-1])) for n in travel):
             continue
@@ -283,7 +286,10 @@ def legal_cuts(gm: fx.GraphModule, *, max_side_values: int = MAX_SIDE_VALUES) ->
     dominating = set(chain or ())
     candidates = [n for n in nodes if n.op != "get_attr" and n.op != "output" and n not in side
                   and (n.op == "placeholder" or len(n.users) >= 3) and _is_tensor(n)]
-    candidates.sort(key=lambda n: (-len(n.users), order[n]))
+    # values computed from the inputs by no parameter (masks, positions) first: they are what travels beside a
+    # stream; a hidden state tried first as a side value would make the mask the main value instead
+    plain = _parameter_free(nodes)
+    candidates.sort(key=lambda n: (n not in plain, -len(n.users), order[n]))
     chosen: set[fx.Node] = set()
     for c in candidates:
         if len(chosen) >= max_side_values:
@@ -298,7 +304,8 @@ def legal_cuts(gm: fx.GraphModule, *, max_side_values: int = MAX_SIDE_VALUES) ->
             dominating = set(chain or ())
     # computed values that only help together (a rotary embedding's cos and sin, and the mask): groups of the most
     # used ones (the model's own inputs travel alone, so two input branches are never cut apart)
-    pool = [c for c in candidates if c.op != "placeholder"][:_GROUP_POOL]
+    pool = sorted((c for c in candidates if c.op != "placeholder"), key=lambda n: (-len(n.users), order[n]))
+    pool = pool[:_GROUP_POOL]
     for size in range(2, max_side_values + 1):
         for group in itertools.combinations(pool, size):
             if trials.bound(set(group)) <= len(best) or not _reaches_output(nodes, side | set(group)):

@@ -190,6 +190,42 @@ def _static_last_marked(graph: fx.Graph) -> None:
             dead = [n for n in dead if n not in gone]
 
 
+def keep_whole(gm: fx.GraphModule, model: nn.Module, path: str) -> bool:
+    """Replace the nodes ``gm`` captured inside the model's module at ``path`` by one call of that module on the one
+    tensor they read from outside it (sizes read off it are recomputed inside); ``False`` (``gm`` unchanged) unless
+    they read one tensor, give one tensor to the rest of the graph, and the module's ``forward`` takes one
+    argument. ``True`` when the graph holds no node of the module (nothing to replace)."""
+    nodes = list(gm.graph.nodes)
+    block = [n for n in nodes if n.op != "placeholder" and (module_path(n) == path
+                                                             or module_path(n).startswith(path + "."))]
+    if not block:
+        return True
+    inside = set(block)
+    outputs = [n for n in block if any(u not in inside for u in n.users)]
+    reads = list(dict.fromkeys(a for n in block for a in n.all_input_nodes if a not in inside))
+    tensors = [a for a in reads if isinstance(a.meta.get("val"), torch.Tensor)]
+    module = model.get_submodule(path)
+    params = [p for p in inspect.signature(module.forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in params if p.default is p.empty]
+    if len(outputs) != 1 or len(tensors) != 1 or len(required) > 1 or not params \
+            or not isinstance(outputs[0].meta.get("val"), torch.Tensor):
+        return False
+    first = min(nodes.index(n) for n in block)
+    if any(nodes.index(a) > first for a in tensors):
+        return False
+    gm.add_submodule(path, module)
+    with gm.graph.inserting_before(block[0]):
+        call = gm.graph.call_module(path, tuple(tensors))
+    call.meta.update({k: v for k, v in outputs[0].meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
+    outputs[0].replace_all_uses_with(call)
+    for n in reversed(block):
+        gm.graph.erase_node(n)
+    gm.graph.lint()
+    gm.recompile()
+    return True
+
+
 def _free_dims(t: torch.Tensor) -> int:
     """How many leading dimensions to leave free: all of a token-id tensor's, the batch of others."""
     return t.dim() if not (t.is_floating_point() or t.is_complex()) else min(t.dim(), 1)
@@ -237,9 +273,20 @@ def export(model: nn.Module, inputs: dict[str, torch.Tensor], fixed: dict[str, A
     if not others:
         return train, notes
     merge = merge_modes(train, others[0], partial=bake_train_mode)
+    paths = sorted({module_path(n) or type(model).__name__ + ".forward" for n in merge.sources or merge.structural})
+    if merge.structural and not bake_train_mode and all(p in dict(model.named_modules()) for p in paths):
+        # modules that compute differently by mode (stochastic depth): each kept whole, a call of the model's own
+        # module that follows the mode itself, in both captures; then merged again
+        if all(keep_whole(train, model, p) for p in paths):
+            for p in paths:
+                keep_whole(others[0], model, p)
+            merge = merge_modes(train, others[0])
+            if not merge.structural:
+                notes.append(f"kept whole, as each computes differently in train and in eval mode: {paths}")
+                return train, notes
+            train = _graph_module(model, programs[0], list(inputs))
+            merge = merge_modes(train, _graph_module(model, programs[1], list(inputs)))
     if merge.structural and not bake_train_mode:
-        paths = sorted({module_path(n) or type(model).__name__ + ".forward"
-                        for n in merge.sources or merge.structural})
         raise TraceError(f"{type(model).__name__} computes differently in train and in eval mode in {paths} "
                          f"(a branch on self.training), which one exported graph cannot follow. Ways out: "
                          f"tracer='fx' with leaf_modules={[p for p in paths if '.forward' not in p]} (those "

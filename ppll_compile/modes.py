@@ -7,8 +7,9 @@ exactly what the mode changes. Where only constant arguments differ (``dropout(x
 :class:`TrainEval` module call that takes the train or eval arguments by its own ``training`` flag, which
 ``model.train()`` / ``model.eval()`` set on every stage. Nodes that only the train mode runs and whose result
 nothing uses (BatchNorm's batch counter) run in train mode only; train-only copies that change no value
-(a ``contiguous()``) pass their input through in eval mode. Anything else is a *structural*
-difference (a branch on ``self.training`` that changes the computation); it is reported to the caller.
+(a ``contiguous()``) pass their input through in eval mode; a call of one of the model's modules kept whole
+(stochastic depth) that eval mode skips stays a call, the module following the mode itself. Anything else is a
+*structural* difference (a branch on ``self.training`` that changes the computation); it is reported to the caller.
 """
 
 from __future__ import annotations
@@ -154,6 +155,26 @@ def _copy(n: fx.Node) -> bool:
     return n.op in ("call_function", "call_method") and name in _COPIES and len(n.all_input_nodes) == 1
 
 
+def _eval_dropout(n: Any) -> bool:
+    """``n`` is ``aten.dropout(x, p, False)``: an eval-mode dropout, which returns ``x`` itself."""
+    return isinstance(n, fx.Node) and n.op == "call_function" and n.target is torch.ops.aten.dropout.default \
+        and len(n.args) >= 3 and n.args[2] is False
+
+
+def _unchain_eval_dropouts(eval: fx.GraphModule) -> None:
+    """Let an eval-mode dropout that reads another's output read that one's input (the same tensor): ``torch.export``
+    records a value that several dropouts each read (DeBERTa's relative embeddings, one ``pos_dropout`` per layer)
+    as a chain in eval mode, where each dropout hands back the very tensor it was given."""
+    for n in eval.graph.nodes:
+        while _eval_dropout(n) and _eval_dropout(n.args[0]):
+            n.args = (n.args[0].args[0], *n.args[1:])
+
+
+def _opaque(n: fx.Node) -> bool:
+    """Whether ``n`` calls one of the model's own modules kept whole, whose eval mode returns its first input."""
+    return n.op == "call_module" and not str(n.target).startswith(SWITCH_PREFIX) and bool(n.all_input_nodes)
+
+
 def _switch(gm: fx.GraphModule, node: fx.Node, train: tuple[Any, Any] | None, eval: tuple[Any, Any] | None,
             inputs: Sequence[fx.Node], index: int) -> None:
     """Turn ``node`` in place into a call of a new :class:`TrainEval` module (its name and meta are kept)."""
@@ -172,6 +193,7 @@ def merge_modes(train: fx.GraphModule, eval: fx.GraphModule, *, partial: bool = 
     all when a structural difference is found, unless ``partial`` (the structural parts then stay as train
     mode runs them, everything else follows the mode).
     """
+    _unchain_eval_dropouts(eval)
     tn, en = list(train.graph.nodes), list(eval.graph.nodes)
     matcher = difflib.SequenceMatcher(None, [_key(n) for n in tn], [_key(n) for n in en], autojunk=False)
     pair: dict[fx.Node, fx.Node] = {}  # eval node -> train node
@@ -195,6 +217,9 @@ def merge_modes(train: fx.GraphModule, eval: fx.GraphModule, *, partial: bool = 
                     changes.append((a, t[0], t[1], list(slots)))
         elif tag == "delete" and _unused(tn[i1:i2]):
             changes += [(a, (a.args, a.kwargs), _SKIP, []) for a in tn[i1:i2]]
+        elif tag == "delete" and all(_opaque(a) for a in tn[i1:i2]):
+            for a in tn[i1:i2]:  # a module kept whole that eval mode skips (a drop-path): it follows the mode itself
+                pair[a] = a.all_input_nodes[0]
         elif tag == "delete" and all(_copy(a) for a in tn[i1:i2]):
             changes += [(a, (a.args, a.kwargs), _PASS, []) for a in tn[i1:i2]]
             for a in tn[i1:i2]:  # an eval node reading the copied value reads the copy in train mode

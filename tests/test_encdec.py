@@ -158,3 +158,39 @@ def test_a_sequence_classifier_equals_the_model_and_trains_the_same_under_thread
     with pytest.raises((RuntimeError, ValueError), match="same number of <eos> tokens"):
         with torch.no_grad():
             compiled(**uneven)
+
+
+@pytest.mark.slow  # captures with torch.export
+def test_bart_given_decoder_input_ids_is_cut_after_every_encoder_layer(one_thread_quietly):
+    # the decoder's input is then a graph input that crosses every encoder cut beside the encoder's mask; the
+    # decoder's cuts, found with the encoder's output as a side value, are what shows the encoder is a stream
+    torch.manual_seed(0)
+    config = _bart().config
+    config.encoder_layers = config.decoder_layers = 3
+    model = transformers.BartForConditionalGeneration(config)
+    x = _batch(0)
+    ids = {"input_ids": x["input_ids"], "decoder_input_ids": x["labels"]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled = ppll_compile.compile(model, gpus=3, example_kwargs=ids, tied="untie",
+                                        split_points=["model.encoder.layers.0", "model.decoder.layers.0"])
+    from ppll_compile.capture import capture
+    from ppll_compile.cost import measure_graph
+    from ppll_compile.cuts import legal_cuts
+    from ppll_compile.trace import module_path
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        captured = capture(model, (), ids)
+    measure_graph(captured.gm, captured.inputs)
+    ends = {}  # the last node of each encoder layer
+    for n in captured.gm.graph.nodes:
+        if module_path(n).startswith("model.encoder.layers."):
+            ends[".".join(module_path(n).split(".")[:4])] = n.name
+    assert len(ends) == 3 and set(ends.values()) <= {c.node for c in legal_cuts(captured.gm)}, ends
+    modules = [s.last_module for s in compiled.plan.stages[:-1]]
+    assert modules[0].startswith("model.encoder.layers.0") and modules[1].startswith("model.decoder.layers.0"), modules
+    compiled.eval()
+    y = {"input_ids": _batch(5)["input_ids"], "decoder_input_ids": _batch(5)["labels"]}
+    with torch.no_grad():
+        expected, got = model(**y), compiled(**y)
+    assert float((got.logits - expected.logits).abs().max()) <= 1e-6
