@@ -119,7 +119,8 @@ class Trainer(DataLoops, ModelState):
                              aux_loss=aux_loss_per_head(aux_loss, plan), clip_grad_norm=clip_grad_norm,
                              autocast=autocast_per_stage(autocast, plan), nan_check=nan_check, seed=seed,
                              schedule_reused=bool(schedule_reused), accumulate=accumulate)
-        check_pure(plan, [list(m.named_parameters()) for m in lowered.modules])
+        check_pure(plan, [[(k.removeprefix("module."), p) for k, p in m.named_parameters()]
+                          for m in lowered.modules])
         self.accumulate = accumulate
         """Batches per optimizer step of every stage (``accumulate=``)."""
         self._open = 0  # training batches fed since the stages last ended their data (stepped a partial group)
