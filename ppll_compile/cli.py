@@ -199,8 +199,8 @@ def _parser() -> argparse.ArgumentParser:
 
 _OPTION_FLAGS = ("gpus", "devices", "device_speeds", "memory_limit", "link_bandwidth", "flops_per_second",
                  "hardware", "policy", "batch_size", "partitioner", "profile", "optimizer", "precision", "fusion",
-                 "split_points", "replicas", "tracer", "tied", "bake_train_mode", "gpus_per_node", "intra_node_bandwidth", "inter_node_bandwidth",
-                 "leaf_modules", "num_classes")
+                 "split_points", "replicas", "tracer", "tied", "bake_train_mode", "gpus_per_node",
+                 "intra_node_bandwidth", "inter_node_bandwidth", "leaf_modules", "num_classes")
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:

@@ -349,7 +349,8 @@ class _Measure(fx.Interpreter):
         n.meta[META_KEY] = NodeCost(flops_fwd=o.flops_fwd, flops_bwd=o.flops_bwd, flops_bwd_params=bwd_params,
                                     ops_fwd=ops_fwd, ops_bwd=ops_bwd, ops_bwd_params=ops_bwd_params,
                                     grad=o.grad, params=self._call_params(n),
-                                    saved=saved, saved_float32=frozenset(floats), value=_structured(n.name, out, tensor_spec),
+                                    saved=saved, saved_float32=frozenset(floats),
+                                    value=_structured(n.name, out, tensor_spec),
                                     storage=self._storage_keys(n, out, {}))
         return out
 

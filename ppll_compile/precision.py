@@ -1,19 +1,19 @@
-"""The precision a plan is made for (``precision=``): what it computes, keeps and sends in, and its measured costs
-re-priced in it.
+"""The precisions a plan can be made for (``precision=``): what each computes, keeps and sends in.
 
 ``fp32`` (the default) is float32 throughout, as a model built from a config trains without options. ``bf16`` and
 ``fp16`` are mixed precision as ``torch.autocast`` runs it: matrix products, convolutions and attention compute in
 the low precision, and so do the activations they produce and the element-wise operators on them; the parameters
-stay float32 (the master weights), their gradients are float32 (autocast's casts are differentiable: the gradient
-of a weight arrives at its float32 leaf in float32), and so is the optimizer state; autocast keeps a low-precision
-copy of every weight it casts for the backward. ``bf16-pure`` is pure bfloat16: the parameters themselves, their
-gradients and the optimizer state (created like the parameters) are bfloat16 too, as after ``model.to(torch.bfloat16)``.
+stay float32 (the master weights), their gradients are float32 (autocast's casts are differentiable: the gradient of
+a weight arrives at its float32 leaf in float32), and so is the optimizer state; autocast keeps a low-precision copy
+of every weight it casts for the backward. ``bf16-pure`` is pure bfloat16: the parameters themselves, their
+gradients and the optimizer state (created like the parameters) are bfloat16 too, as after
+``model.to(torch.bfloat16)``.
 
 How the costs are priced: the fake-tensor pass measures the model as it is (float32), once; a low precision then
-casts the sizes (:func:`~ppll_compile.reprice.cast_costs`) rather than measuring again under ``torch.autocast``. The pass runs on fake
-CPU (or meta) tensors, and CPU autocast's operator lists differ from CUDA's (the devices a plan is for), so a run
-under autocast here would not measure what a GPU runs either; casting sizes is one rule, the same for every
-device, and the fake pass (the expensive part of planning) stays shared by every precision. The rule: every
+casts the sizes (:func:`~ppll_compile.reprice.cast_costs`) rather than measuring again under ``torch.autocast``. The
+pass runs on fake CPU (or meta) tensors, and CPU autocast's operator lists differ from CUDA's (the devices a plan is
+for), so a run under autocast here would not measure what a GPU runs either; casting sizes is one rule, the same for
+every device, and the fake pass (the expensive part of planning) stays shared by every precision. The rule: every
 operator that ran in float32 runs in the low precision (its FLOPs priced at the hardware's rate for that dtype), and
 its float32 operands are half the bytes (integer and boolean operands, token ids and masks, keep theirs); every
 float32 activation saved for backward and every float32 value that crosses a cut is half the bytes too, in the low
@@ -30,9 +30,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-__all__ = ["PRECISIONS", "Precision", "precision_spec"]
-
 
 @dataclass(frozen=True, kw_only=True)
 class Precision:

@@ -164,8 +164,9 @@ def fuse_chains(gm: fx.GraphModule, crossing: Iterable[str] = ()) -> int:
     """Price every element-wise chain of ``gm`` (:func:`element_wise_chains`) as one fused kernel: its forward reads
     each input of the chain once and writes each of its outputs (a value read outside it) once; its backward reads
     those inputs and the outputs' gradients once and writes the gradients of the inputs that need one once; never
-    more bytes than the operators one at a time (where they moved fewer, those). The work goes on the chain's last node (which every stage holding the chain holds, as no chain
-    spans a cut); the other nodes of the chain cost nothing. Returns the number of chains."""
+    more bytes than the operators one at a time (where they moved fewer, those). The work goes on the chain's last
+    node (which every stage holding the chain holds, as no chain spans a cut); the other nodes of the chain cost
+    nothing. Returns the number of chains."""
     chains = element_wise_chains(gm, crossing)
     for chain in chains:
         fused = _fused(chain)
