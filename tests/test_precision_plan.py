@@ -218,3 +218,13 @@ def test_a_low_precision_plan_trains_under_threads_as_sequential(precision):
         runs[runtime] = (compiled, losses)
     assert_same_parameters(runs["sequential"][0], runs["threads"][0])
     assert runs["sequential"][1] == runs["threads"][1] and len(runs["threads"][1][1]) == 4
+
+
+def test_the_simulator_sends_a_low_precision_boundary_in_half_the_time():
+    plans = _plans(fusion="eager")
+    slow = 1e3  # bytes per second: the sends dominate every step
+    sims = {p: ppll_compile.simulate(plans[p], steps=16, link_bandwidth=slow) for p in ("fp32", "bf16")}
+    send = {p: plans[p].stages[0].boundary[0].bytes / slow for p in ("fp32", "bf16")}
+    assert send["bf16"] * 2 == send["fp32"]
+    for p in ("fp32", "bf16"):
+        assert sims[p].step_time == pytest.approx(send[p], rel=1e-3)
