@@ -140,7 +140,7 @@ class PlanOptions:
         if self.inter_node_bandwidth is not None and self.gpus_per_node is None:
             raise ValueError(f"inter_node_bandwidth={self.inter_node_bandwidth!r} prices links across nodes, but "
                              "gpus_per_node is not given (one node); set gpus_per_node=N or drop "
-                             "inter_node_bandwidth", "precision", "fusion")
+                             "inter_node_bandwidth")
         if self.gpus is not None:
             self.check_nodes(self.gpus)
         if self.device_speeds is not None and not all(_positive_number(s) for s in self.device_speeds):
