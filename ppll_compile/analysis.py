@@ -23,6 +23,8 @@ from .layout import layout_of
 from .options import PlanOptions
 from .phases import phase
 from .plan import TensorSpec
+from .precision import precision_spec
+from .reprice import reprice
 from .roofline import Op
 from .trace import module_path
 
@@ -440,6 +442,10 @@ def analyse(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwar
     with phase("cuts"):
         cuts = legal_cuts(gm)
         cuts, folded, batch_notes = batch_folded(gm, cuts, real_inputs, model=type(model).__name__, opts=opts)
+    precision = precision_spec(opts.precision)
+    trainable = {k for k, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
+    with phase("cost"):
+        reprice(gm, precision, opts.fused, trainable, {v for c in cuts for v in c.boundary})
     nodes = list(gm.graph.nodes)
     analysis = Analysis(
         gm=gm, nodes=nodes, cuts=cuts,
@@ -447,8 +453,9 @@ def analyse(model: nn.Module, example_inputs: Sequence[Any] | None, example_kwar
                      if n.op == "placeholder"),
         real_inputs=real_inputs, fixed_args=captured.fixed, num_classes=0, tracer=captured.tracer,
         notes=(*captured.notes, *batch_notes), dropped=folded,
-        param_bytes={k: p.numel() * p.element_size() for k, p in gm.named_parameters(remove_duplicate=False)},
-        trainable={k for k, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad},
+        param_bytes={k: precision.param_bytes(p.numel(), p.element_size(), p.is_floating_point())
+                     for k, p in gm.named_parameters(remove_duplicate=False)},
+        trainable=trainable,
     )
     return dataclasses.replace(
         analysis, num_classes=_num_classes(model, analysis.output_spec(), opts.num_classes, need_classes))

@@ -43,7 +43,11 @@ def plan(model: nn.Module, gpus: int | None = None, *, teacher: nn.Module | None
     """Trace, measure and partition ``model`` into a :class:`Plan` for ``gpus`` devices.
 
     ``options`` are the fields of :class:`PlanOptions` (policy, partitioner, profile, optimizer,
-    memory_limit, device_speeds, devices, batch_size, leaf_modules, split_points, num_classes, replicas).
+    memory_limit, device_speeds, devices, batch_size, leaf_modules, split_points, num_classes, replicas,
+    precision, fusion). ``precision="bf16"`` (or ``"fp16"``) prices the plan in mixed precision as
+    ``torch.autocast`` runs it (low-precision compute, activations and boundaries; float32 weights, gradients and
+    optimizer state), ``"bf16-pure"`` everything in bfloat16, ``"fp32"`` (default) float32; the trainer's autocast
+    follows it (see :mod:`ppll_compile.precision`).
     ``plan`` re-applies a saved (possibly hand-edited) plan: its cuts, devices and heads are validated
     against the model and its costs measured afresh.
 

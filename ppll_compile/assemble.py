@@ -133,7 +133,8 @@ def assemble(layout: StageLayout, devices: Sequence[str], parts: Callable[[int, 
     plan = Plan(
         model=model, inputs=a.inputs, batch_size=a.inputs[0].shape[0] if a.inputs else 0,
         num_classes=a.num_classes, policy=policy, partitioner=layout.partitioner, profile=opts.profile,
-        optimizer=opts.optimizer, flops_per_second=opts.flops_per_second, link_bandwidth=opts.link_bandwidth,
+        optimizer=opts.optimizer, precision=opts.precision, fusion=opts.fused,
+        flops_per_second=opts.flops_per_second, link_bandwidth=opts.link_bandwidth,
         device_speeds=layout.speeds, memory_limit=opts.memory_limit, legal_cuts=tuple(c.node for c in a.cuts),
         stages=tuple(stages), sequential_cost=sequential, notes=notes, tracer=a.tracer, hardware=opts.hardware,
         calibration=figures.record() if figures is not None else {}, **opts.topology, **kind)

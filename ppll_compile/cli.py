@@ -20,13 +20,16 @@ import re
 import sys
 import traceback
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
 from .api import compile, plan
 from .calibration import calibrate, summary
 from .cli_advice import cli_worded
+from .cli_values import batch as _batch, batches as _batches, classes as _classes, devices as _devices
+from .cli_values import names as _names, pairs as _pairs, parse_size as _parse_size, positive_float as _positive_float
+from .cli_values import positive_int as _positive_int, replicas as _replicas, speeds as _speeds
 from .draw.graph import DETAILS, MAX_NODES
 from .errors import PlanError, PPLLError
 from .hardware import NAMES as HARDWARE_NAMES
@@ -35,10 +38,11 @@ from .optimizers import OPTIMIZERS
 from .options import PROFILES, TIED, TRACERS, PlanOptions, read_saved_plan
 from .partitioners import SOLVERS
 from .plan import Plan
-from .plan_file import MAX_BATCH, MAX_CLASSES, MAX_DEVICES, read_plan_document
+from .plan_file import read_plan_document
 from .plan_specs import HeadSpec
 from .policies import distill_names, names
 from .policy import check_plan_heads
+from .precision import FUSIONS, PRECISIONS
 from .profile import first_device
 from .roofline import FIGURES_ENV
 
@@ -73,89 +77,8 @@ exit status: 0 done, 2 a bad flag or file (one "ppll-plan: error:" message), 1 a
 prints its traceback).
 """
 
-_SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)(?:e(\d+))?\s*([a-z]*)\s*$", re.IGNORECASE)
-_SIZE_FORMS = ("bytes (1000000), KiB/MiB/GiB/TiB or K/M/G/T (binary, e.g. 16GiB, 1.5G) "
-               "or KB/MB/GB/TB (decimal, e.g. 16GB)")
-
-
 class _UsageError(Exception):
     """A problem with the command line, reported as ``ppll-plan: error: ...``."""
-
-
-def _parse_size(text: str) -> int:
-    """Bytes from ``16GiB``, ``16GB``, ``512MiB``, ``1.5G`` or ``1000000``; KB/MB/GB/TB are decimal, the rest binary."""
-    m = _SIZE_RE.match(str(text))
-    unit = m.group(3).lower() if m else ""
-    if m is None or unit not in _SIZE_UNITS:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r}; expected {_SIZE_FORMS}")
-    try:
-        value = int(round(float(m.group(1)) * 10.0 ** int(m.group(2) or 0) * _SIZE_UNITS[unit]))
-    except OverflowError:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r}: too large; expected {_SIZE_FORMS}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r}; expected at least 1 byte")
-    return value
-
-
-def _positive(convert: Callable[[str], Any], expected: str, high: float = float("inf")) -> Callable[[str], Any]:
-    """An argparse type: ``convert(text)``, which must be a positive finite number, at most ``high``."""
-    def parse(text: str) -> Any:
-        try:
-            value = convert(text)
-        except ValueError:
-            value = None
-        if value is None or not 0 < value < float("inf") or value > high:
-            raise argparse.ArgumentTypeError(f"invalid value {text!r}; expected {expected}")
-        return value
-    return parse
-
-
-_positive_int = _positive(int, "a positive integer")
-_positive_float = _positive(float, "a positive number, e.g. 25e9")
-_devices = _positive(int, f"a positive integer, at most {MAX_DEVICES} (the most devices a plan may use)", MAX_DEVICES)
-_batch = _positive(int, f"a positive integer, at most {MAX_BATCH} (torch's 32-bit batch indices)", MAX_BATCH)
-_classes = _positive(int, f"a positive integer, at most {MAX_CLASSES} (64 x the largest vocabulary)", MAX_CLASSES)
-_batches = _positive(int, "a positive integer, at most 1000000 (more batches take minutes to simulate)", 10**6)
-
-
-def _names(text: str) -> tuple[str, ...]:
-    items = tuple(s.strip() for s in text.split(","))
-    if not all(items):
-        raise argparse.ArgumentTypeError(f"invalid list {text!r}; expected comma-separated names without blanks")
-    return items
-
-
-def _speeds(text: str) -> tuple[float, ...]:
-    return tuple(_positive_float(s.strip()) for s in text.split(","))
-
-
-def _replicas(text: str) -> bool | int | tuple[int, ...]:
-    """``auto`` (the partitioner chooses), ``none``, a cap ``N``, or one count per stage ``1,2``."""
-    low = text.strip().lower()
-    if low in ("auto", "none"):
-        return low == "auto"
-    try:
-        counts = tuple(int(v) for v in low.split(","))
-    except ValueError:
-        counts = ()
-    if not counts or any(not 1 <= c <= MAX_DEVICES for c in counts):
-        raise argparse.ArgumentTypeError(f"invalid replicas {text!r}; expected auto, none, a cap (e.g. 2) or one count "
-                                         f"per stage (e.g. 1,2), each from 1 to {MAX_DEVICES} (the most devices)")
-    return counts if "," in low else counts[0]
-
-
-def _pairs(text: str) -> tuple[tuple[str, str], ...]:
-    pairs = tuple(tuple(p.split(":")) for p in _names(text))
-    if not all(len(p) == 2 and all(p) for p in pairs):
-        raise argparse.ArgumentTypeError(f"invalid blocks {text!r}; expected TEACHER:STUDENT pairs, e.g. "
-                                         f"features.3:features.2,features.6:features.4")
-    return pairs  # type: ignore[return-value]
 
 
 _DEFAULTS = PlanOptions()
@@ -216,6 +139,12 @@ def _parser() -> argparse.ArgumentParser:
                    f"(counted FLOPs over --flops-per-second) or time (measured on the device) {_default('profile')}")
     g.add_argument("--optimizer", choices=tuple(OPTIMIZERS), help="optimizer whose state memory and step the costs "
                    f"count: plan with the one you train with {_default('optimizer')}")
+    g.add_argument("--precision", choices=tuple(PRECISIONS), help="the precision the model trains in, which the costs, "
+                   "memory and boundaries are priced in and the trainer's autocast follows: fp32, bf16 or fp16 (mixed "
+                   f"precision: float32 weights, gradients and optimizer state) or bf16-pure {_default('precision')}")
+    g.add_argument("--fusion", choices=FUSIONS, help="element-wise chains priced one operator at a time (eager) or "
+                   "as one fused kernel each (fused, as torch.compile runs them) (default: fused for bf16 and fp16, "
+                   "eager for fp32)")
     g.add_argument("--split-points", type=_names, metavar="A,B", help="cut by hand after these modules or nodes")
     g.add_argument("--leaf-modules", type=_names, metavar="M,...", help="submodules (qualified names, e.g. layer1.0) "
                    "that torch.fx symbolic tracing keeps opaque, one node each")
@@ -269,9 +198,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 _OPTION_FLAGS = ("gpus", "devices", "device_speeds", "memory_limit", "link_bandwidth", "flops_per_second",
-                 "hardware", "policy", "batch_size", "partitioner", "profile", "optimizer", "split_points", "replicas",
-                 "tracer", "tied", "bake_train_mode", "gpus_per_node", "intra_node_bandwidth", "inter_node_bandwidth",
-                 "leaf_modules", "num_classes")
+                 "hardware", "policy", "batch_size", "partitioner", "profile", "optimizer", "precision", "fusion",
+                 "split_points", "replicas", "tracer", "tied", "bake_train_mode", "gpus_per_node",
+                 "intra_node_bandwidth", "inter_node_bandwidth", "leaf_modules", "num_classes")
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:

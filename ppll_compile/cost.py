@@ -55,6 +55,8 @@ class NodeCost:
     saved: dict[str, int] = field(default_factory=dict)
     """Activation bytes saved for backward, keyed by the storage they belong to (shared keys are the same
     memory: a node output saved by several consumers counts once)."""
+    saved_float32: frozenset[str] = frozenset()
+    """The keys of :attr:`saved` whose storage holds float32 values (what a lower precision halves)."""
     value: Any = None
     """TensorSpec of the node's output; a tuple/list/dict of them for structured outputs; an int for a
     Python scalar; None for anything else."""
@@ -151,12 +153,13 @@ class _Measure(fx.Interpreter):
             self.grad[n.name] = needs_grad
             saved_tensors, signature = [], None
         out_keys = self._register_output(n, out, inputs_keys)
+        saved, floats = self._saved(n, saved_tensors, {**inputs_keys, **out_keys})
         bwd, bwd_params, ops_bwd, ops_bwd_params = backward
         n.meta[META_KEY] = NodeCost(flops_fwd=fwd, flops_bwd=bwd, flops_bwd_params=bwd_params,
                                     ops_fwd=tuple(log.ops), ops_bwd=tuple(ops_bwd),
                                     ops_bwd_params=tuple(ops_bwd_params),
                                     grad=self.grad[n.name], params=self._call_params(n),
-                                    saved=self._saved(n, saved_tensors, {**inputs_keys, **out_keys}),
+                                    saved=saved, saved_float32=floats,
                                     value=_structured(n.name, out, tensor_spec),
                                     storage=self._storage_keys(n, out, inputs_keys))
         if signature is not None:
@@ -178,9 +181,12 @@ class _Measure(fx.Interpreter):
                                     storage=self._storage_keys(n, out, {}))
         return out
 
-    def _saved(self, n: fx.Node, saved_tensors: list[Tensor], known: dict[int, str]) -> dict[str, int]:
-        """Bytes saved for backward by storage key (parameters excepted; each storage once, at its largest)."""
+    def _saved(self, n: fx.Node, saved_tensors: list[Tensor], known: dict[int, str]
+               ) -> tuple[dict[str, int], frozenset[str]]:
+        """Bytes saved for backward by storage key (parameters excepted; each storage once, at its largest), and the
+        keys of those that hold float32 values."""
         saved: dict[str, int] = {}
+        floats: set[str] = set()
         first = _first_saves(saved_tensors)
         for t in saved_tensors:
             s = storage_id(t)
@@ -188,7 +194,9 @@ class _Measure(fx.Interpreter):
                 continue
             key = known.get(s, f"{n.name}:saved{first[s]}")
             saved[key] = max(saved.get(key, 0), t.untyped_storage().nbytes())
-        return saved
+            if t.dtype == torch.float32:
+                floats.add(key)
+        return saved, frozenset(floats)
 
     def _backward(self, n: fx.Node, out: Any, args: Any, kwargs: Any) -> tuple[int, int, list[Op], list[Op]]:
         """FLOPs and operators of the node's own backward, in full and with only its parameters' gradients (as
@@ -295,7 +303,7 @@ class _Measure(fx.Interpreter):
         for t in saved_tensors:
             s = storage_id(t)
             if s not in self.param_storages:
-                saved.append((ref(s) or ("saved", first[s]), t.untyped_storage().nbytes()))
+                saved.append((ref(s) or ("saved", first[s]), t.untyped_storage().nbytes(), t.dtype == torch.float32))
         leaves, spec = pytree.tree_flatten(out)
         kept: list[Any] = []
         for v in leaves:
@@ -320,9 +328,12 @@ class _Measure(fx.Interpreter):
             return fresh[v - 1] if kind == "in" else n.name + v if kind == "name" else f"{n.name}:saved{v}"
 
         saved: dict[str, int] = {}
-        for r, nbytes in o.saved:
+        floats: set[str] = set()
+        for r, nbytes, float32 in o.saved:
             k = key(r)
             saved[k] = max(saved.get(k, 0), nbytes)
+            if float32:
+                floats.add(k)
         leaves = []
         for v in o.leaves:
             if isinstance(v, Out):
@@ -338,7 +349,8 @@ class _Measure(fx.Interpreter):
         n.meta[META_KEY] = NodeCost(flops_fwd=o.flops_fwd, flops_bwd=o.flops_bwd, flops_bwd_params=bwd_params,
                                     ops_fwd=ops_fwd, ops_bwd=ops_bwd, ops_bwd_params=ops_bwd_params,
                                     grad=o.grad, params=self._call_params(n),
-                                    saved=saved, value=_structured(n.name, out, tensor_spec),
+                                    saved=saved, saved_float32=frozenset(floats),
+                                    value=_structured(n.name, out, tensor_spec),
                                     storage=self._storage_keys(n, out, {}))
         return out
 

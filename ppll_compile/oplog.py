@@ -54,6 +54,9 @@ class Op:
     call: tuple[Any, ...] = ()
     """A compute family's operator as it was called: its name and every argument, a tensor as ``("T", shape,
     stride, dtype)``; what :func:`measure_calls` re-creates and times. Empty for memory-bound operators."""
+    kept: int = 0
+    """Of :attr:`bytes`, those of operands that are not float32 (integers, masks, tensors already in a lower
+    precision): what a plan in a lower precision keeps as they are (see :mod:`~ppll_compile.precision`)."""
 
 
 def _is_view(func: Any) -> bool:
@@ -90,7 +93,9 @@ class OpLog(TorchDispatchMode):
         kind = _FAMILY.get(name) or ("attention" if "attention" in name else "matmul" if flops else "memory")
         floating = next((t.dtype for t in tensors if t.is_floating_point()), torch.float32)
         call = (str(func), _describe(args), _describe(kwargs)) if kind in COMPUTE else ()
-        self.ops.append(Op(kind, str(floating).removeprefix("torch."), flops, sum(nbytes(t) for t in tensors), call))
+        kept = sum(nbytes(t) for t in tensors if t.dtype != torch.float32)
+        self.ops.append(Op(kind, str(floating).removeprefix("torch."), flops, sum(nbytes(t) for t in tensors), call,
+                           kept))
         return out
 
 

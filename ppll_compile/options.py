@@ -20,6 +20,7 @@ from .optimizers import OPTIMIZER_STATES
 from .plan import MODES, PLAN_VERSION, Plan, TensorSpec, device_problem
 from .plan_file import read_plan_document
 from .policy import check_plan_heads
+from .precision import FUSIONS, default_fusion, precision_spec
 
 DEFAULT_FLOPS_PER_SECOND = 1e13
 """Sustained training throughput assumed per device when costs are counted in FLOPs (10 TFLOP/s)."""
@@ -103,6 +104,15 @@ class PlanOptions:
     ``cpu``: this machine, calibrated) or a JSON figures file; its memory per device is the default
     ``memory_limit`` and its intra-node link the default ``link_bandwidth``. ``None``: this machine's figures
     (the first device's, calibrated), no default cap."""
+    precision: str = "fp32"
+    """The precision the model trains in (:mod:`~ppll_compile.precision`): ``fp32`` (default), ``bf16`` or ``fp16``
+    (mixed precision as ``torch.autocast`` runs it: low-precision compute and activations, float32 weights, gradients
+    and optimizer state), or ``bf16-pure`` (everything bfloat16); the costs, the memory, the boundaries and the
+    trainer's autocast follow it."""
+    fusion: str | None = None
+    """How element-wise chains are priced: ``eager`` (one operator at a time, as PyTorch runs a model that is not
+    compiled) or ``fused`` (one kernel per chain, as ``torch.compile`` runs it; see :mod:`~ppll_compile.reprice`);
+    ``None``: ``fused`` for a low precision, ``eager`` for ``fp32``."""
 
     def __post_init__(self) -> None:
         for name in ("gpus", "batch_size", "memory_limit", "num_classes", "gpus_per_node"):
@@ -155,6 +165,14 @@ class PlanOptions:
                 raise ValueError(f"profile='time' times the stages on this machine, but hardware={self.hardware!r} "
                                  f"plans for other devices; use profile='roofline' (the default) to price them "
                                  f"with its figures, or drop hardware= to time them here")
+        precision_spec(self.precision)
+        if self.fusion is not None and self.fusion not in FUSIONS:
+            raise ValueError(f"fusion must be one of {', '.join(FUSIONS)} or None (fused for a low precision, eager "
+                             f"for fp32), got {self.fusion!r}")
+        if self.precision != "fp32" and self.profile == "time":
+            raise ValueError(f"profile='time' times the stages on this machine in float32, but "
+                             f"precision={self.precision!r} plans for another precision; use profile='roofline' (the "
+                             f"default) to price them in it, or drop precision=")
         if self.replicas_chosen and self.partitioner != "exact":
             raise ValueError(f"replicas={r!r} lets the exact partitioner place replicas; drop "
                              f"partitioner={self.partitioner!r}")
@@ -187,6 +205,11 @@ class PlanOptions:
         raise ValueError(f"gpus={devices} is not a multiple of gpus_per_node={g}: the devices must fill whole nodes; "
                          f"plan for {choices} devices, or set gpus_per_node to the devices each node gives the "
                          f"pipeline")
+
+    @property
+    def fused(self) -> str:
+        """How element-wise chains are priced: :attr:`fusion`, else the precision's default."""
+        return self.fusion or default_fusion(self.precision)
 
     @property
     def replicas_chosen(self) -> bool:
@@ -244,7 +267,7 @@ class SavedPlan:
 
 _CARRIED = ("batch_size", "num_classes", "policy", "profile", "optimizer", "memory_limit", "device_speeds",
             "link_bandwidth", "flops_per_second", "hardware", "gpus_per_node", "intra_node_bandwidth",
-            "inter_node_bandwidth")
+            "inter_node_bandwidth", "precision", "fusion")
 
 
 def read_saved_plan(plan: Plan | str | Path | None) -> SavedPlan | None:

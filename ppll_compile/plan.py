@@ -15,6 +15,7 @@ from .errors import PlanError
 from .plan_file import PLAN_VERSION, PlanFile, unrunnable_stage
 from .plan_specs import BlockPlan, FrozenDict, StagePlan, TensorSpec
 from .plan_table import PlanTable, format_bytes
+from .precision import FUSIONS, PRECISIONS
 
 MODES = ("ppll", "pipebd")
 """Plan kinds: local learning with aux heads, and blockwise distillation from a teacher."""
@@ -67,6 +68,12 @@ class Plan(PlanTable, PlanFile):
     (counted FLOPs over :attr:`flops_per_second`) or ``time`` (measured on the device)."""
     optimizer: str
     """Optimizer whose state the memory model counts: ``sgd``, ``momentum`` or ``adam``."""
+    precision: str = "fp32"
+    """The precision the costs are priced in and the stages train in (:mod:`~ppll_compile.precision`); a plan file
+    from before precisions existed is ``fp32``."""
+    fusion: str = "eager"
+    """How element-wise chains were priced: ``eager`` (one operator at a time) or ``fused`` (one kernel per
+    chain)."""
     flops_per_second: float
     """Device throughput used to turn FLOPs into seconds (profile ``flops``)."""
     link_bandwidth: float
@@ -186,6 +193,10 @@ class Plan(PlanTable, PlanFile):
             raise PlanError("plan has no stages")
         if self.mode not in MODES:
             raise PlanError(f"plan mode {self.mode!r} is not known; modes: {', '.join(MODES)}")
+        if self.precision not in PRECISIONS:
+            raise PlanError(f"plan precision {self.precision!r} is not known; precisions: {', '.join(PRECISIONS)}")
+        if self.fusion not in FUSIONS:
+            raise PlanError(f"plan fusion {self.fusion!r} is not known; fusions: {', '.join(FUSIONS)}")
         if self.tracer not in TRACERS_USED:
             raise PlanError(f"plan tracer {self.tracer!r} is not known; tracers: {', '.join(TRACERS_USED)}")
         distill = self.mode == "pipebd"

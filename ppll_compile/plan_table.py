@@ -35,7 +35,8 @@ class PlanTable:
             f"predicted speedup {self.predicted_speedup:.2f}x over sequential "
             f"({self.sequential_cost * 1e3:.3f} ms)",
             f"{len(self.legal_cuts)} legal cuts; costs {self._cost_basis()}, "
-            f"{self._links()}, optimizer {self.optimizer}"
+            f"{self._links()}, optimizer {self.optimizer}, precision {self.precision}"
+            + (", element-wise chains fused" if self.fusion == "fused" else "")
             + (f", memory limit {format_bytes(self.memory_limit)}" if self.memory_limit else ""),
         ]
         if self.blocks:

@@ -5,13 +5,16 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from ..errors import PPLLError
 from ..plan import Plan
+from ..precision import precision_spec
 from .base import Runtime
 from .distributed import DistributedRuntime
 from .dna import DNAPerBlockRuntime, DNARuntime
@@ -178,14 +181,56 @@ def aux_loss_per_head(value: Any, plan: Plan) -> tuple[Callable[..., Any] | None
     return tuple(value)
 
 
-def autocast_per_stage(value: Any, n: int) -> tuple[torch.dtype | None, ...]:
-    """The ``autocast`` option as one dtype-or-None per stage of ``n`` (empty: none anywhere)."""
+def _dtype_text(value: Any) -> str:
+    """``torch.bfloat16`` for a dtype, ``None``, or a per-stage list as given."""
+    return repr(value) if not isinstance(value, (list, tuple)) else f"[{', '.join(map(repr, value))}]"
+
+
+def autocast_per_stage(value: Any, plan: Plan) -> tuple[torch.dtype | None, ...]:
+    """The dtype every stage of ``plan`` trains under ``torch.autocast`` in (empty: none anywhere): the plan's
+    precision's (:attr:`~ppll_compile.precision.Precision.autocast`) when ``value`` is ``None``. A ``bf16``, ``fp16``
+    or ``bf16-pure`` plan takes only its own dtype (its costs, memory and boundaries are priced in it); any other
+    ``value`` is refused, naming both and the way out. An ``fp32`` plan takes a dtype, or one dtype-or-None per
+    stage, as before precisions were planned, with a warning that its costs are float32's."""
+    n = plan.num_stages
+    precision = precision_spec(plan.precision)
+    own = precision.autocast
+    if own is not None:
+        if value is None or value == own or (isinstance(value, (list, tuple)) and list(value) == [own] * n):
+            return (own,) * n
+        raise PPLLError(f"autocast={_dtype_text(value)} conflicts with the plan's precision {plan.precision!r}, whose "
+                        f"costs, memory and boundaries are priced in {precision.dtype} and whose stages train under "
+                        f"torch.autocast({own!r}); drop autocast= (it follows the plan), or re-plan with the "
+                        f"precision you mean (precision='fp32', 'bf16' or 'fp16')")
     if value is None:
         return ()
     if isinstance(value, torch.dtype):
-        return (value,) * n
-    if isinstance(value, Sequence) and len(value) == n and all(v is None or isinstance(v, torch.dtype)
-                                                                 for v in value):
-        return tuple(value)
-    raise ValueError(f"autocast must be a dtype (e.g. torch.bfloat16), None, or one dtype-or-None per stage "
-                     f"({n} stages); got {value!r}")
+        dtypes: tuple[torch.dtype | None, ...] = (value,) * n
+    elif isinstance(value, Sequence) and len(value) == n and all(v is None or isinstance(v, torch.dtype)
+                                                                   for v in value):
+        dtypes = tuple(value)
+    else:
+        raise ValueError(f"autocast must be a dtype (e.g. torch.bfloat16), None, or one dtype-or-None per stage "
+                         f"({n} stages); got {value!r}")
+    low = sorted({str(d).removeprefix("torch.") for d in dtypes if d is not None and d != torch.float32})
+    if low:
+        name = {"bfloat16": "bf16", "float16": "fp16"}.get(low[0], low[0])
+        warnings.warn(f"autocast={_dtype_text(value)} trains a plan priced in float32 (precision 'fp32'): its costs, "
+                      f"memory and boundaries are float32's; plan with precision={name!r} and drop autocast= (it "
+                      f"follows the plan)", stacklevel=3)
+    return dtypes
+
+
+def check_pure(plan: Plan, stages: Sequence[Sequence[tuple[str, Tensor]]]) -> None:
+    """A pure-precision plan trains parameters already in its dtype: refuse float32 ones in any stage (``stages``: the
+    named parameters of every stage), naming the first and the ways out."""
+    precision = precision_spec(plan.precision)
+    if not precision.pure:
+        return
+    for i, named in enumerate(stages):
+        for name, p in named:
+            if p.is_floating_point() and str(p.dtype).removeprefix("torch.") != precision.dtype:
+                raise PPLLError(f"the plan's precision {plan.precision!r} trains {precision.dtype} parameters, but "
+                                f"stage {i} holds {str(p.dtype).removeprefix('torch.')} ones ({name!r}); cast the "
+                                f"model with model.to(torch.{precision.dtype}) and feed {precision.dtype} inputs, or "
+                                f"re-plan with precision='bf16' (mixed precision: float32 weights)")

@@ -28,7 +28,7 @@ from .messages import TRAIN, Message
 from .model_state import ModelState
 from .rebalance import REBALANCE_STEPS, REBALANCE_THRESHOLD, Move, Replanning, check_rebalance
 from .rebalancer import Rebalancer
-from .registry import autocast_per_stage, aux_loss_per_head, check_options
+from .registry import autocast_per_stage, aux_loss_per_head, check_options, check_pure
 from .runner import Runner
 
 _TRAINERS: weakref.WeakKeyDictionary[Lowered, tuple[weakref.ref[Trainer], weakref.ref[Runtime]]] = \
@@ -73,8 +73,13 @@ class Trainer(DataLoops, ModelState):
     :mod:`.rebalancer`. :attr:`plan` is then the new plan (the compiled pipeline's too); :attr:`rebalances` lists the
     moves. ``replanner`` (set by :meth:`~ppll_compile.pipeline.CompiledPipeline.trainer`) plans and splits the model.
 
-    ``autocast`` (a dtype, or one dtype-or-None per stage): every stage's forward and loss run under
-    ``torch.autocast`` in that dtype (parameters, gradients and optimizer state stay float32). ``torch.float16``
+    ``autocast`` follows the plan's precision (``plan(..., precision=...)``, see :mod:`~ppll_compile.precision`): a
+    ``bf16`` or ``bf16-pure`` plan trains every stage's forward and loss under ``torch.autocast`` in bfloat16, an
+    ``fp16`` one in float16, an ``fp32`` one under none; ``autocast=`` may repeat the plan's dtype, and any other
+    value on a low-precision plan is refused (one option: the plan's). On an ``fp32`` plan ``autocast`` (a dtype, or
+    one dtype-or-None per stage) runs that dtype anyway, with a warning that the costs are float32's. Under autocast
+    the parameters, gradients and optimizer state stay float32 (a ``bf16-pure`` plan's are bfloat16: it refuses
+    float32 parameters, naming the first). ``torch.float16``
     gives every stage its own ``torch.amp.GradScaler``: the loss is scaled before backward, the gradients unscaled
     before ``clip_grad_norm``; a step it skips (inf/NaN gradients) does not step the scheduler; its state is saved
     in checkpoints. ``torch.bfloat16`` needs no scaler. ``accumulate=n`` (default 1): every stage adds up the
@@ -112,8 +117,10 @@ class Trainer(DataLoops, ModelState):
         self.runtime_name = runtime
         config = TrainConfig(optimizer=optimizer, scheduler=scheduler, loss=loss,
                              aux_loss=aux_loss_per_head(aux_loss, plan), clip_grad_norm=clip_grad_norm,
-                             autocast=autocast_per_stage(autocast, plan.num_stages), nan_check=nan_check, seed=seed,
+                             autocast=autocast_per_stage(autocast, plan), nan_check=nan_check, seed=seed,
                              schedule_reused=bool(schedule_reused), accumulate=accumulate)
+        check_pure(plan, [[(k.removeprefix("module."), p) for k, p in m.named_parameters()]
+                          for m in lowered.modules])
         self.accumulate = accumulate
         """Batches per optimizer step of every stage (``accumulate=``)."""
         self._open = 0  # training batches fed since the stages last ended their data (stepped a partial group)
