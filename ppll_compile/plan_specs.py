@@ -107,6 +107,10 @@ class HeadSpec:
     """Parameters + gradients + optimizer state + saved activations of the head, in bytes."""
     input_saved_bytes: int = 0
     """Of its saved activations, the bytes of its input (the stage's output, which the stage may save already)."""
+    scores_bytes: int = 0
+    """Bytes of one copy of the scores its loss reads (N x C, or N x L x C per token) at the planned batch; its
+    :attr:`memory_bytes` counts their gradient beside what its loss saves (the last stage's: the output too). 0 for
+    a head whose type computes its own loss, and in plans made before it was counted."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "config", FrozenDict(self.config))
@@ -173,6 +177,10 @@ class StagePlan:
     """``pipebd``: the distillation blocks the stage trains (indices into :attr:`Plan.blocks`)."""
     crosses_nodes: bool = False
     """Whether its boundary goes to another node (its last device and the next stage's first sit on two nodes)."""
+    head_cost: float = 0.0
+    """Seconds per batch of its head (``ppll``: the auxiliary head, or the last stage's loss on the model's output)
+    forward, backward and optimizer step, part of :attr:`compute_cost` (over its replicas); 0 for ``pipebd`` and
+    in plans made before it was recorded."""
 
     @property
     def is_last(self) -> bool:
