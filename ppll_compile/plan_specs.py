@@ -158,11 +158,13 @@ class StagePlan:
     activation_bytes: int
     """Bytes the backbone saves for backward (measured with saved-tensor hooks)."""
     memory_bytes: int
-    """Predicted peak memory: backbone + head parameters, gradients, optimizer state and activations."""
+    """Predicted peak memory: backbone + head parameters, gradients, optimizer state and activations (the last
+    stage's head: its loss on the model's output; by part: :func:`~ppll_compile.plan_report.memory_split`)."""
     boundary: tuple[TensorSpec, ...]
     """Values sent to the next stage, the main tensor (read by the aux head) first; empty for the last stage."""
     head: HeadSpec
-    """The stage's auxiliary head; for the last stage the model's own head (``kind == "model"``)."""
+    """The stage's auxiliary head; for the last stage the model's own head (``kind == "model"``), costed as its
+    default loss on the model's output."""
     compute_cost: float
     """Backbone + head compute time in seconds on this stage's device."""
     comm_cost: float

@@ -53,9 +53,11 @@ slows anything and the equations give the result.
 *Results.* Besides samples per second (and tokens per second when the main input is a token sequence), the
 result gives the *bubble*, ``1 - sum(busy) / (stages * makespan)`` with a stage's busy seconds its compute,
 all-reduce and send, and of it the *fill/drain* share, the waits before each stage's first batch and after its
-last; and the memory each device holds, the plan's per-stage ``memory_bytes`` once per replica. For ``S`` equal
-stages whose output is ready only when their work on a batch is done and costs nothing to send, over ``n``
-batches, the bubble is all fill and drain, ``(S - 1) / (n + S - 1)``.
+last; the memory each device holds, the plan's per-stage ``memory_bytes`` once per replica, split by part
+(:func:`~ppll_compile.plan_report.memory_split`); each stage's head share of its work; and the plan's model FLOPs
+utilisation (:mod:`ppll_compile.plan_report`). For ``S`` equal stages whose output is ready only when their work
+on a batch is done and costs nothing to send, over ``n`` batches, the bubble is all fill and drain,
+``(S - 1) / (n + S - 1)``.
 
 The timeline has a ``receive`` span for a wait for input, ``forward`` spans (two around an early send when the
 forward has a rest: ``start .. out`` and after the send), ``backward``, ``allreduce`` (replicated stages),
