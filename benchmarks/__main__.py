@@ -29,6 +29,7 @@ SECTIONS = {
     "zoo": "timm and Hugging Face models compiled unmodified: cuts, balance, front end, eval and threads checks",
     "heads": "deeper heads: PPLL vs torch pipelining as the ViT head deepens; digits accuracy per head type",
     "scale": "plan time and peak memory of Llama shapes on 8 to 1,024 devices; exact against framework splits",
+    "scale_heads": "per-token auxiliary heads at a large vocabulary: memory, share of the step, tokens/s, MFU",
     "recovery": "seconds from a killed process to the next trained batch under torchrun --max-restarts; work lost",
 }
 MODULES = {"throughput": "runtime"}

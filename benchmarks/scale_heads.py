@@ -5,9 +5,9 @@ Every head is planned the same way as ``benchmarks.scale``'s points (the exact p
 replicas, ``hardware="h100"``, nodes of 8, batch 8 x 4,096 tokens) and the plan is simulated over 32 batches; the
 row gives the largest head of the plan (its memory, one copy of its per-token scores, its share of the device's
 memory), the largest share of a stage's step a head takes, the trained parameters of one head, and the plan's
-simulated tokens per second and model FLOPs utilisation (MFU). For reference the last row plans the same shape as
-a sequence classifier (``LlamaForSequenceClassification``, 2 labels per example) with a pooled head (token mean,
-then a linear layer): scores of N x 2 instead of N x L x 128,256, for per-example labels only.
+simulated tokens per second and model FLOPs utilisation (MFU). For reference the last row plans the same decoder
+stack as a sequence classifier (the mean of its tokens, then a linear layer to 2 classes per example) with pooled
+heads (token mean, then a linear layer): scores of N x 2 instead of N x L x 128,256, for per-example labels only.
 
 ``--quick``: the 4-layer shape of ``benchmarks.scale`` on 8 devices. ``--precision bf16``: plan in that precision
 (passed to ``plan()`` only when it is not ``fp32``).
@@ -46,12 +46,22 @@ def _policy(per_token: dict[str, Any] | None) -> Any:
 
 def _model(shape: dict[str, Any], pooled: bool) -> Any:
     import torch
-    from transformers import LlamaForCausalLM, LlamaForSequenceClassification
-    config = _config(shape)
-    if pooled:
-        config.num_labels = 2
+    from torch import nn
+    from transformers import LlamaForCausalLM, LlamaModel
+
+    class Classifier(nn.Module):
+        """The decoder stack, the mean of its tokens and a linear layer to 2 classes per sequence."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = LlamaModel(_config(shape))
+            self.score = nn.Linear(shape["hidden_size"], 2)
+
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            return self.score(self.model(input_ids=input_ids).last_hidden_state.mean(1))
+
     with torch.device("meta"):
-        return (LlamaForSequenceClassification if pooled else LlamaForCausalLM)(config)
+        return Classifier() if pooled else LlamaForCausalLM(_config(shape))
 
 
 def row(name: str, shape: dict[str, Any], devices: int, precision: str) -> dict[str, Any]:
