@@ -18,7 +18,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the plan's types import this module's users; at run time nothing is needed from them
+    from .plan import Plan
+    from .plan_specs import StagePlan
 
 LARGE_HEAD = 0.10
 """Share of a device's memory above which a plan notes a stage's head (or its last stage's logits)."""
@@ -49,8 +53,8 @@ class MemorySplit:
         return self.weights + self.gradients + self.optimizer + self.activations + self.head + self.logits
 
 
-def memory_split(stage: Any) -> MemorySplit:
-    """The memory of one device of ``stage`` (a :class:`~ppll_compile.plan.StagePlan`) by part (module docstring)."""
+def memory_split(stage: StagePlan) -> MemorySplit:
+    """The memory of one device of ``stage``  by part (module docstring)."""
     backbone = stage.param_bytes + stage.grad_bytes + stage.optim_bytes + stage.activation_bytes
     rest = stage.memory_bytes - backbone
     last = stage.head.kind == "model"
@@ -58,22 +62,22 @@ def memory_split(stage: Any) -> MemorySplit:
                        activations=stage.activation_bytes, head=0 if last else rest, logits=rest if last else 0)
 
 
-def head_share(stage: Any) -> float:
+def head_share(stage: StagePlan) -> float:
     """The share of ``stage``'s step its head (the last stage: its loss) takes: ``head_cost / cost`` (0 when the
     cost is 0)."""
     return stage.head_cost / stage.cost if stage.cost > 0 else 0.0
 
 
-def model_flops(plan: Any) -> int:
+def model_flops(plan: Plan) -> int:
     """FLOPs of the model's own layers per step: every stage's backbone forward and backward, heads excluded."""
     return sum(s.flops_fwd + s.flops_bwd for s in plan.stages)
 
 
-def peak_flops(plan: Any) -> tuple[float, str] | None:
+def peak_flops(plan: Plan) -> tuple[float, str] | None:
     """FLOP/s of one device at its peak in the plan's precision, and where that figure comes from: a hardware
     preset's dense matrix-product peak (its datasheet's, before the achievable fraction the costs assume);
-    else the matrix-product rate the plan's calibration measured; else ``flops_per_second`` (profile
-    ``flops``). ``None`` when the plan has none of these."""
+    else the fastest compute-family rate the plan's calibration measured (matrix products, attention,
+    convolutions); else ``flops_per_second`` (profile ``flops``). ``None`` when the plan has none of these."""
     from .hardware import COMPUTE_FRACTION, PRESETS
     precision = str(getattr(plan, "precision", "fp32"))
     dtype = _DTYPES.get(precision, precision)
@@ -82,15 +86,17 @@ def peak_flops(plan: Any) -> tuple[float, str] | None:
         return figures.rate("matmul", dtype) / COMPUTE_FRACTION["matmul"], f"{plan.hardware} {dtype} dense peak"
     rates = plan.calibration.get("rates") if plan.profile == "roofline" else None
     if rates:
-        rate = rates.get(f"matmul:{dtype}") or rates.get("matmul:float32")
-        if rate:
-            return float(rate), f"measured {dtype if rates.get(f'matmul:{dtype}') else 'float32'} matmul rate"
+        from .oplog import COMPUTE
+        measured = {f: rates.get(f"{f}:{dtype}") or rates.get(f"{f}:float32") for f in COMPUTE}
+        family = max((f for f in measured if measured[f]), key=lambda f: measured[f], default=None)
+        if family is not None:
+            return float(measured[family]), f"the fastest compute rate measured: {family}"
     if plan.profile == "flops" and plan.flops_per_second > 0:
         return float(plan.flops_per_second), "flops_per_second"
     return None
 
 
-def mfu(plan: Any, step_time: float) -> float | None:
+def mfu(plan: Plan, step_time: float) -> float | None:
     """The model FLOPs utilisation of ``plan`` at ``step_time`` seconds per batch: :func:`model_flops` over
     ``step_time x plan.world_size x`` :func:`peak_flops` (``None`` without a peak or a positive step time)."""
     peak = peak_flops(plan)
@@ -99,7 +105,7 @@ def mfu(plan: Any, step_time: float) -> float | None:
     return model_flops(plan) / (step_time * plan.world_size * peak[0])
 
 
-def large_head_notes(stages: Sequence[Any], device_memory: int | None) -> list[str]:
+def large_head_notes(stages: Sequence[StagePlan], device_memory: int | None) -> list[str]:
     """The plan's notes on heads (and the last stage's logits) that take more than :data:`LARGE_HEAD` of a
     device's ``device_memory`` bytes (none without it): the stage, the bytes and share, the scores' part, and a
     cheaper head."""
@@ -118,7 +124,7 @@ def large_head_notes(stages: Sequence[Any], device_memory: int | None) -> list[s
     return notes
 
 
-def _cheaper(stage: Any) -> str:
+def _cheaper(stage: StagePlan) -> str:
     """The way out for a large head: a cheaper head of the policies, or a smaller batch."""
     config = stage.head.config
     kind = config.get("type")

@@ -84,8 +84,10 @@ class PlanTable:
         flops = f"model FLOPs {format_flops(model_flops(self))} per step (backbone forward + backward, heads excluded)"
         if peak is None or rate is None:
             return f"{flops}; MFU unknown (the plan records no peak FLOP/s of its device)"
+        per = format_flops(peak[0])
+        per = f"{per[:-1]} {per[-1]}FLOP/s" if per[-1].isalpha() else f"{per} FLOP/s"
         return (f"{flops}; MFU {100 * rate:.3g}% at the predicted step time {self.bottleneck_cost * 1e3:.3f} ms on "
-                f"{self.world_size} devices of {format_flops(peak[0])}FLOP/s ({peak[1]})")
+                f"{self.world_size} devices of {per} ({peak[1]})")
 
     def block_table(self) -> str:
         """``pipebd``: each block's teacher and student ends, the teacher output it learns, and its loss."""
