@@ -146,3 +146,13 @@ def test_old_plan_files_load_with_the_new_figures_zero(tmp_path):
     sim = ppll_compile.simulate(old, steps=4)
     assert [s.head_share for s in sim.stages] == [0.0] * plan.num_stages and sim.mfu is not None
     assert dataclasses.replace(old, stages=plan.stages) == plan
+
+
+def test_without_a_preset_the_peak_is_the_fastest_measured_compute_rate():
+    plan = lm_plan(gpus=2)
+    assert plan.hardware is None and plan.profile == "roofline"
+    rates = plan.calibration["rates"]
+    fastest = max(rates[f"{family}:float32"] for family in ("matmul", "attention", "conv", "conv_bwd"))
+    assert peak_flops(plan)[0] == fastest
+    assert mfu(plan, plan.bottleneck_cost) == pytest.approx(
+        model_flops(plan) / (plan.bottleneck_cost * plan.world_size * fastest), rel=1e-12)
