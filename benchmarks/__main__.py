@@ -30,6 +30,7 @@ SECTIONS = {
     "heads": "deeper heads: PPLL vs torch pipelining as the ViT head deepens; digits accuracy per head type",
     "scale": "plan time and peak memory of Llama shapes on 8 to 1,024 devices; exact against framework splits",
     "plan_quality": "predicted speedup / K of one base-size model per family on the H100 preset at K = 2, 4, 8",
+    "scale_heads": "per-token auxiliary heads at a large vocabulary: memory, share of the step, tokens/s, MFU",
     "recovery": "seconds from a killed process to the next trained batch under torchrun --max-restarts; work lost",
 }
 MODULES = {"throughput": "runtime"}

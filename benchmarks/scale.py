@@ -22,12 +22,20 @@ costs are those of the pinned figures of ``tests/device_figures.json`` (no calib
 is built on the meta device and fed meta token ids; if that fails it is tried with token ids on the CPU, then
 (small shapes only) with real weights; the row says which worked.
 
+Every simulated plan also reports its model FLOPs utilisation (MFU: the model's own FLOPs per step over step time x
+devices x the preset's dense peak in the plan's precision) and the memory of its fullest device by part (weights,
+gradients, optimizer state, activations, head, logits), as ``ppll_compile.simulate`` gives them.
+
 ``--quick``: one 4-layer Llama shape on 8 devices at sequence 32, without ``exact_same`` (under a minute).
+``--precision bf16`` plans in that precision (passed to ``plan()`` only when it is not ``fp32``); ``--devices 8,64``
+and ``--models 8B,70B`` run those points only.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import functools
 import json
 import os
 import resource
@@ -75,11 +83,13 @@ QUICK_DEVICES = (8,)
 KINDS = ("exact", "exact_same", "even", "params")
 
 
-def plan_kwargs() -> dict[str, Any]:
-    """The options of :data:`CLUSTER` that this version of ``PlanOptions`` knows."""
+def plan_kwargs(precision: str = "fp32") -> dict[str, Any]:
+    """The options of :data:`CLUSTER` that this version of ``PlanOptions`` knows, and ``precision`` unless it is
+    ``fp32`` (the default of every version)."""
     from ppll_compile.options import PlanOptions
     known = {f.name for f in dataclasses.fields(PlanOptions)}
-    return {k: v for k, v in CLUSTER.items() if k in known}
+    extra = {} if precision == "fp32" else {"precision": precision}
+    return {**{k: v for k, v in CLUSTER.items() if k in known}, **extra}
 
 
 def _config(shape: dict[str, Any]) -> Any:
@@ -135,16 +145,21 @@ def _param_splits(named: list[tuple[str, int]], stages: int) -> list[str]:
 def _simulated(plan: Any) -> dict[str, Any]:
     import ppll_compile
     sim = ppll_compile.simulate(plan, steps=STEPS)
+    fullest = max(sim.stages, key=lambda s: s.memory)
     return {"stages": plan.num_stages, "replicas": [s.replicas for s in plan.stages], "cuts": list(plan.cuts),
             "samples_per_s": sim.to_dict()["throughput"], "tokens_per_s": sim.to_dict()["token_throughput"],
             "bubble": sim.bubble, "fill_drain": sim.fill_drain, "peak_memory": sim.peak_memory,
-            "bottleneck_s": plan.bottleneck_cost}
+            "bottleneck_s": plan.bottleneck_cost, "step_s": sim.step_time, "mfu": sim.mfu,
+            "model_flops": sim.model_flops, "peak_flops": sim.peak_flops, "fullest_stage": fullest.index,
+            "fullest_split": dataclasses.asdict(fullest.split), "logits_bytes": sim.stages[-1].split.logits,
+            "head_bytes": max(s.split.head for s in sim.stages), "head_share": max(s.head_share for s in sim.stages)}
 
 
-def point(name: str, shape: dict[str, Any], devices: int, kinds: tuple[str, ...] = KINDS) -> dict[str, Any]:
+def point(name: str, shape: dict[str, Any], devices: int, kinds: tuple[str, ...] = KINDS,
+          precision: str = "fp32") -> dict[str, Any]:
     """One point, in this process: plan time and max RSS of the exact plan, then the other ``kinds`` simulated."""
     import ppll_compile
-    options = dict(batch_size=shape["batch"], **plan_kwargs())
+    options = dict(batch_size=shape["batch"], **plan_kwargs(precision))
     row: dict[str, Any] = {"model": name, "devices": devices, "options": {k: v for k, v in options.items()}}
     errors = []
     exact = None
@@ -192,12 +207,13 @@ def _bytes(shape: dict[str, Any]) -> int:
     return 4 * (2 * v * h + n * (2 * h * h + 2 * h * kv + 3 * h * f + 2 * h) + h)
 
 
-def _run_point(name: str, shape: dict[str, Any], devices: int, kinds: tuple[str, ...]) -> dict[str, Any]:
+def _run_point(name: str, shape: dict[str, Any], devices: int, kinds: tuple[str, ...],
+               precision: str = "fp32") -> dict[str, Any]:
     """:func:`point` in a fresh process (its own max RSS); a crash or a timeout is recorded in the row."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_REPO), os.environ.get("PYTHONPATH", "")]))
     if "hardware" not in plan_kwargs():
         env.setdefault("PPLL_DEVICE_FIGURES", str(_FIGURES))
-    spec = json.dumps({"name": name, "shape": shape, "devices": devices, "kinds": kinds})
+    spec = json.dumps({"name": name, "shape": shape, "devices": devices, "kinds": kinds, "precision": precision})
     try:
         done = subprocess.run([sys.executable, "-m", "benchmarks.scale", "--point", spec], capture_output=True,
                               text=True, env=env, timeout=POINT_TIMEOUT, cwd=_REPO)
@@ -277,20 +293,34 @@ def _cell(row: dict[str, Any], kind: str) -> str:
     return f"{r['samples_per_s']:.3g}" if r["samples_per_s"] is not None else "inf"
 
 
+def _mfu(row: dict[str, Any], kind: str) -> str:
+    r = row.get(kind)
+    return "-" if not r or r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f}"
+
+
 def _markdown(results: dict[str, Any]) -> str:
     kwargs = results["plan_kwargs"]
     hardware = ", ".join(f"`{k}={v!r}`" for k, v in kwargs.items()) or \
         "no hardware preset (pinned figures of `tests/device_figures.json`)"
     lines = [f"`plan()` of Llama shapes with the exact partitioner choosing stages and replicas, {hardware}; each "
              f"point in a fresh process (max RSS). Throughput simulated over {STEPS} batches (samples/s); the "
-             f"baselines use the stages x replicas shown, `exact_same` the exact cuts at that shape.", "",
+             f"baselines use the stages x replicas shown, `exact_same` the exact cuts at that shape. MFU: the "
+             f"model's own FLOPs per step over step time x devices x the preset's dense peak in the plan's "
+             f"precision.", "",
              "| model | params | devices | built | plan s | peak RSS | exact stages | exact | bubble | even | params "
-             "| exact_same | exact/even | exact/params | stages x replicas |",
-             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| exact_same | exact/even | exact/params | MFU exact | MFU even | MFU params | stages x replicas |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    split = ["| model | devices | plan | fullest stage | weights | grads | optimizer | activations | head | logits "
+             "| total GiB | last stage's logits GiB | largest head GiB | largest head share of step |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results["rows"]:
         if "plan_s" not in r:
             lines.append(f"| {r['model']} | | {r['devices']} | failed: {'; '.join(r['errors'])[:200]} "
-                         f"| | | | | | | | | | | |")
+                         f"| | | | | | | | | | | | | |")
             continue
         ratios = [_ratio(r, k) for k in ("even", "params")]
         lines.append(
@@ -298,22 +328,37 @@ def _markdown(results: dict[str, Any]) -> str:
             f"{r['peak_rss'] / 2**30:.2f} GiB | {r['exact']['stages']} | {_cell(r, 'exact')} | "
             f"{r['exact']['bubble'] * 100:.1f}% | {_cell(r, 'even')} | {_cell(r, 'params')} | "
             f"{_cell(r, 'exact_same')} | " + " | ".join("-" if x is None else f"{x:.2f}x" for x in ratios)
+            + f" | {_mfu(r, 'exact')} | {_mfu(r, 'even')} | {_mfu(r, 'params')}"
             + f" | {r['baseline_stages']} x {r['baseline_replicas']} |")
-    return "\n".join(lines) + "\n"
+        for kind in ("exact", "even", "params"):
+            k = r.get(kind)
+            if not k or "fullest_split" not in k:
+                continue
+            m = k["fullest_split"]
+            split.append(f"| {r['model']} | {r['devices']} | {kind} | {k['fullest_stage']} | "
+                         + " | ".join(_gib(m[p]) for p in ("weights", "gradients", "optimizer", "activations", "head",
+                                                           "logits"))
+                         + f" | {_gib(sum(m.values()))} | {_gib(k['logits_bytes'])} | {_gib(k['head_bytes'])} | "
+                           f"{100 * k['head_share']:.1f}% |")
+    return "\n".join(lines + ["", "Memory of the fullest device of each plan, by part (GiB):", ""] + split) + "\n"
 
 
-def section(*, quick: bool, out: Path) -> Section:
-    """Plan time and peak memory against model size and device count; exact against the framework splits."""
-    shapes, devices = (QUICK_SHAPES, QUICK_DEVICES) if quick else (SHAPES, DEVICES)
+def section(*, quick: bool, out: Path, precision: str = "fp32", devices: tuple[int, ...] | None = None,
+            models: tuple[str, ...] | None = None) -> Section:
+    """Plan time and peak memory against model size and device count; exact against the framework splits (in
+    ``precision``; only ``devices`` and ``models`` when given)."""
+    shapes, counts = (QUICK_SHAPES, QUICK_DEVICES) if quick else (SHAPES, DEVICES)
+    shapes = {k: v for k, v in shapes.items() if models is None or k in models}
     rows = []
     for name, shape in shapes.items():
-        for d in devices:
-            row = _run_point(name, shape, d, tuple(k for k in KINDS if not (quick and k == "exact_same")))
+        for d in devices or counts:
+            row = _run_point(name, shape, d, tuple(k for k in KINDS if not (quick and k == "exact_same")), precision)
             rows.append(row)
             said = f"{row['plan_s']:.2f} s, {row['peak_rss'] / 2**30:.2f} GiB" if "plan_s" in row else \
                 f"failed ({'; '.join(row['errors'])[:160]})"
             print(f"  {name} on {d} devices: {said}", flush=True)
-    results = {"plan_kwargs": plan_kwargs(), "cluster": CLUSTER, "steps": STEPS, "rows": rows}
+    results = {"plan_kwargs": plan_kwargs(precision), "cluster": CLUSTER, "precision": precision, "steps": STEPS,
+               "rows": rows}
     _plot(rows, out / "scale.png")
     return Section(key="scale", title="Plans at cluster scale", results=results, markdown=_markdown(results),
                    figures=["scale.png"])
@@ -323,9 +368,16 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["--point"]:  # one point, in the fresh process _run_point started
         spec = json.loads(args[1])
-        print(json.dumps(point(spec["name"], spec["shape"], spec["devices"], tuple(spec["kinds"]))), flush=True)
+        print(json.dumps(point(spec["name"], spec["shape"], spec["devices"], tuple(spec["kinds"]),
+                               spec.get("precision", "fp32"))), flush=True)
         return 0
-    return standalone(section, argv, __doc__)
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
+    parser.add_argument("--devices", type=lambda t: tuple(int(x) for x in t.split(",")), default=None)
+    parser.add_argument("--models", type=lambda t: tuple(t.split(",")), default=None)
+    ours, rest = parser.parse_known_args(args)
+    return standalone(functools.partial(section, precision=ours.precision, devices=ours.devices, models=ours.models),
+                      rest, __doc__)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from .cuts import Cut
 from .assemble import assemble_ppll
 from .errors import CutError, PlanError, PolicyError
 from .module_cost import ModuleCost
-from .heads import copied_blocks, counted_head
+from .heads import copied_blocks, counted_head, counted_loss
 from .lower import lower_ppll, next_blocks
 from .materialize import MaterializeHook, Materialization, StateDictSource, local_stages as materialized_stages
 from .materialize import meta_note
@@ -342,7 +342,7 @@ def _untied(a: Analysis, plan: Plan) -> list[tuple[list[str], str]]:
 def _heads(a: Analysis, request: StageRequest, saved: SavedPlan | None, policy: Policy,
            optimizer: str, model: nn.Module) -> tuple[dict[int, HeadSpec], dict[int, ModuleCost]]:
     """The head at every cut the partitioner may choose (the policy's, or the saved plan's, possibly edited), and
-    its measured cost."""
+    its measured cost; after the last unit (key ``len(a.cuts)``), the last stage's loss on the model's output."""
     configs = dict(zip(request.manual, saved.heads)) if saved is not None and request.manual else {}
     candidates = request.manual if request.manual is not None else range(len(a.cuts))
     input_shape = a.inputs[0].shape if a.inputs else None
@@ -364,6 +364,8 @@ def _heads(a: Analysis, request: StageRequest, saved: SavedPlan | None, policy: 
             except PolicyError as e:
                 raise PolicyError(f"cut after {a.cuts[i].node!r}: {e}") from None
         heads[i], costs[i] = measured[key]
+    # the last unit's head term is the last stage's own loss (the objective adds it to the stage ending there)
+    heads[len(a.cuts)], costs[len(a.cuts)] = counted_loss(_scores_spec(a), a.num_classes, a.per_token)
     return heads, costs
 
 

@@ -20,6 +20,7 @@ from .options import PlanOptions
 from .partition import Costs, StageLayout
 from .profile import StageTime
 from .plan import Plan, StagePlan, TensorSpec
+from .plan_report import large_head_notes
 from .plan_specs import HeadSpec
 from .roofline import DeviceFigures
 from .trace import module_path
@@ -51,6 +52,8 @@ class StageParts:
     """Step time in seconds."""
     blocks: tuple[int, ...] = ()
     """``pipebd``: the blocks it trains."""
+    head_cost: float = 0.0
+    """Seconds of its head (the last stage: its loss) per batch, part of ``compute_cost`` (over its replicas)."""
     notes: tuple[str, ...] = ()
     """What the plan should say about the stage (its head's transfers, a boundary of several values)."""
 
@@ -126,9 +129,11 @@ def assemble(layout: StageLayout, devices: Sequence[str], parts: Callable[[int, 
             first_module=module_path(p.nodes[0]), last_module=module_path(p.nodes[-1]),
             nodes=tuple(n.name for n in p.nodes), aux_flops=p.aux_flops, memory_bytes=p.memory_bytes,
             boundary=p.boundary, head=p.head, compute_cost=p.compute_cost, comm_cost=p.comm_cost, cost=p.cost,
-            step_cost=p.step_cost, blocks=p.blocks, **p.summary.fields()))
+            step_cost=p.step_cost, blocks=p.blocks, head_cost=p.head_cost, **p.summary.fields()))
         notes += p.notes
         start, offset = end, offset + r
+    device = opts.memory_limit or (figures.memory_bytes if figures is not None else None)
+    notes += tuple(large_head_notes(stages, device))
     a = analysis
     plan = Plan(
         model=model, inputs=a.inputs, batch_size=a.inputs[0].shape[0] if a.inputs else 0,
@@ -165,7 +170,7 @@ def assemble_ppll(model: str, a: Analysis, heads: Mapping[int, HeadSpec], costs:
         s = a.summary(nodes, opts.optimizer)
         last = j == last_stage
         cut = None if last else a.cuts[end - 1]
-        head = model_head() if last else stage_head(heads[end - 1], j, last_stage + 1)
+        head = heads.get(end - 1, model_head()) if last else stage_head(heads[end - 1], j, last_stage + 1)
         grad = s.grad_bytes + (0 if last else head_grad[end - 1])
         speed, first = layout.speeds[j], firsts[j]
         if measured is not None:
@@ -185,12 +190,13 @@ def assemble_ppll(model: str, a: Analysis, heads: Mapping[int, HeadSpec], costs:
         return StageParts(nodes=nodes, summary=s, head=head, boundary=() if cut is None else a.boundary(cut),
                           aux_flops=head.flops_fwd + head.flops_bwd,
                           memory_bytes=s.memory + head.memory_bytes - twice, step_cost=step,
-                          compute_cost=float(compute), comm_cost=float(send), cost=float(compute + send), notes=said)
+                          compute_cost=float(compute), comm_cost=float(send), cost=float(compute + send), notes=said,
+                          head_cost=float(costs.head[end - 1]) / (speed * r))
 
     if measured is not None:
         sequential = sum(t.seconds for t in measured.values())
-    else:  # every stage's input arrives detached, as in the pipeline
-        sequential = sum(costs.compute) + sum(costs.head[e - 1] for e in layout.ends[:-1]) \
+    else:  # every stage's input arrives detached, as in the pipeline; the last stage's head is its loss
+        sequential = sum(costs.compute) + sum(costs.head[e - 1] for e in layout.ends) \
             - (sum(costs.start[s] for s in (0, *layout.ends[:-1])) if costs.start else 0.0)
     return assemble(layout, devices, parts, analysis=a, opts=opts, model=model, policy=policy,
                     sequential=sequential, notes=notes, figures=figures, multi_tensor_cuts=multi)

@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from .errors import PolicyError
-from .head_modules import (IGNORE_INDEX, AuxHead, InfoProHead, MomentumHead, head_loss, logits_of, meta_copies,
-                           model_loss, task_loss, task_of)
+from .head_modules import (IGNORE_INDEX, AuxHead, InfoProHead, MomentumHead, head_loss, head_scored_loss, logits_of,
+                           meta_copies, model_loss, task_loss, task_of)
 from .head_types import HeadRequest, head_type, head_type_for
 from .output_head import ProjectionHead
 from .module_cost import ModuleCost, measure_module
@@ -132,12 +132,49 @@ def _counted_head(policy: Policy, config: Mapping[str, Any] | None, spec: Tensor
         config = {**config, "mirror_bytes": extra}
     if isinstance(head, ProjectionHead):  # its frozen copy of the model's projection: no gradient, no optimizer state
         extra = head.frozen_bytes()
-    cost = measure_module(head, lambda: head_loss(head, h, y, x), inputs=(h,))
+    read: list[Any] = []
+
+    def run() -> torch.Tensor:
+        scores, loss = head_scored_loss(head, h, y, x)
+        read.append(scores)
+        return loss
+
+    cost = measure_module(head, run, inputs=(h,))
+    scores = scores_size(read[0])
     pbytes = sum(p.numel() * p.element_size() for p in head.parameters())
-    memory = pbytes * (2 + optimizer_spec(optimizer).states) + cost.activation_bytes + extra
+    # the scores' gradient exists at the loss's backward beside what the loss saved (measured)
+    memory = pbytes * (2 + optimizer_spec(optimizer).states) + cost.activation_bytes + scores + extra
     return HeadSpec(policy=policy.name, kind=_kind_text(spec), config=dict(config),
                     param_count=cost.param_count, flops_fwd=cost.flops_fwd, flops_bwd=cost.flops_bwd,
-                    memory_bytes=memory, input_saved_bytes=cost.input_saved_bytes), cost
+                    memory_bytes=memory, input_saved_bytes=cost.input_saved_bytes, scores_bytes=scores), cost
+
+
+def scores_size(scores: Any) -> int:
+    """Bytes of one copy of ``scores`` when a gradient flows into them (a tensor that requires grad), else 0."""
+    if isinstance(scores, torch.Tensor) and scores.requires_grad:
+        return scores.numel() * scores.element_size()
+    return 0
+
+
+def counted_loss(scores: TensorSpec | None, num_classes: int, per_token: bool) -> tuple[HeadSpec, ModuleCost]:
+    """The last stage's head, the model's own output under the trainer's default loss, measured on the meta device
+    as heads are: the cross-entropy of the ``scores`` (N x C, or N x L x C with ``per_token``) on class labels, when
+    the default loss reads them so (floating point, ``num_classes > 0``; as the time profile's last stage does).
+    Its memory: the scores (the stage's output, held until its step ends), what the loss saves for backward
+    (the log-probabilities, the labels) and the scores' gradient. Its time: the loss's operators. Scores the
+    default loss does not read so are costed as nothing (:func:`model_head`)."""
+    head = model_head()
+    if scores is None or "float" not in scores.dtype or num_classes <= 0 \
+            or len(scores.shape) != (3 if per_token else 2) or scores.shape[-1] < 2:
+        return head, ModuleCost(flops_fwd=0, flops_bwd=0, param_count=0, activation_bytes=0)
+    with phase("heads"), torch.device("meta"):
+        s = torch.empty(scores.shape, dtype=getattr(torch, scores.dtype))
+        y = torch.zeros(tuple(scores.shape[:-1]), dtype=torch.long)
+    s.requires_grad_(True)
+    cost = measure_module(nn.Module(), lambda: model_loss(s, y), inputs=(s,))
+    one = scores_size(s)
+    return dataclasses.replace(head, flops_fwd=cost.flops_fwd, flops_bwd=cost.flops_bwd, scores_bytes=one,
+                               memory_bytes=2 * one + cost.activation_bytes), cost
 
 
 def stage_head(head: HeadSpec, stage: int, stages: int) -> HeadSpec:

@@ -126,6 +126,10 @@ class HeadSpec:
     """Parameters + gradients + optimizer state + saved activations of the head, in bytes."""
     input_saved_bytes: int = 0
     """Of its saved activations, the bytes of its input (the stage's output, which the stage may save already)."""
+    scores_bytes: int = 0
+    """Bytes of one copy of the scores its loss reads (N x C, or N x L x C per token) at the planned batch; its
+    :attr:`memory_bytes` counts their gradient beside what its loss saves (the last stage's: the output too). 0 for
+    a head whose type computes its own loss, and in plans made before it was counted."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "config", FrozenDict(self.config))
@@ -173,11 +177,13 @@ class StagePlan:
     activation_bytes: int
     """Bytes the backbone saves for backward (measured with saved-tensor hooks)."""
     memory_bytes: int
-    """Predicted peak memory: backbone + head parameters, gradients, optimizer state and activations."""
+    """Predicted peak memory: backbone + head parameters, gradients, optimizer state and activations (the last
+    stage's head: its loss on the model's output; by part: :func:`~ppll_compile.plan_report.memory_split`)."""
     boundary: tuple[TensorSpec, ...]
     """Values sent to the next stage, the main tensor (read by the aux head) first; empty for the last stage."""
     head: HeadSpec
-    """The stage's auxiliary head; for the last stage the model's own head (``kind == "model"``)."""
+    """The stage's auxiliary head; for the last stage the model's own head (``kind == "model"``), costed as its
+    default loss on the model's output."""
     compute_cost: float
     """Backbone + head compute time in seconds on this stage's device."""
     comm_cost: float
@@ -192,6 +198,10 @@ class StagePlan:
     """``pipebd``: the distillation blocks the stage trains (indices into :attr:`Plan.blocks`)."""
     crosses_nodes: bool = False
     """Whether its boundary goes to another node (its last device and the next stage's first sit on two nodes)."""
+    head_cost: float = 0.0
+    """Seconds per batch of its head (``ppll``: the auxiliary head, or the last stage's loss on the model's output)
+    forward, backward and optimizer step, part of :attr:`compute_cost` (over its replicas); 0 for ``pipebd`` and
+    in plans made before it was recorded."""
 
     @property
     def is_last(self) -> bool:

@@ -39,6 +39,7 @@ class PlanTable:
             + (", element-wise chains fused" if self.fusion == "fused" else "")
             + (f", memory limit {format_bytes(self.memory_limit)}" if self.memory_limit else ""),
         ]
+        lines += ["", self.memory_table(), self._utilisation()]
         if self.blocks:
             lines += ["", self.block_table()]
         lines += [f"note: {n}" for n in self.notes]
@@ -62,6 +63,32 @@ class PlanTable:
         if self.profile == "time":
             return "measured on the device"
         return f"assume {format_flops(self.flops_per_second)}/s per device"
+
+    def memory_table(self) -> str:
+        """Per stage: the memory one of its devices holds by part (:func:`~ppll_compile.plan_report.memory_split`)
+        and its head's share of its step time."""
+        from .plan_report import head_share, memory_split
+        header = ["stage", "weights", "grads", "optimizer", "activations", "head" if not self.blocks else "teacher",
+                  "logits", "memory", "head % of step"]
+        rows = []
+        for s in self.stages:
+            m = memory_split(s)
+            rows.append([str(s.index), *(format_bytes(x) for x in (m.weights, m.gradients, m.optimizer,
+                                                                  m.activations, m.head, m.logits, m.total)),
+                         f"{100 * head_share(s):.1f}"])
+        return "memory per device by part\n" + _aligned(header, rows, right=set(range(1, len(header))))
+
+    def _utilisation(self) -> str:
+        """The line on the model FLOPs per step and the MFU at the predicted step time."""
+        from .plan_report import mfu, model_flops, peak_flops
+        peak, rate = peak_flops(self), mfu(self, self.bottleneck_cost)
+        flops = f"model FLOPs {format_flops(model_flops(self))} per step (backbone forward + backward, heads excluded)"
+        if peak is None or rate is None:
+            return f"{flops}; MFU unknown (the plan records no peak FLOP/s of its device)"
+        per = format_flops(peak[0])
+        per = f"{per[:-1]} {per[-1]}FLOP/s" if per[-1].isalpha() else f"{per} FLOP/s"
+        return (f"{flops}; MFU {100 * rate:.3g}% at the predicted step time {self.bottleneck_cost * 1e3:.3f} ms on "
+                f"{self.world_size} devices of {per} ({peak[1]})")
 
     def block_table(self) -> str:
         """``pipebd``: each block's teacher and student ends, the teacher output it learns, and its loss."""

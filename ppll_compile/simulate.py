@@ -53,9 +53,11 @@ slows anything and the equations give the result.
 *Results.* Besides samples per second (and tokens per second when the main input is a token sequence), the
 result gives the *bubble*, ``1 - sum(busy) / (stages * makespan)`` with a stage's busy seconds its compute,
 all-reduce and send, and of it the *fill/drain* share, the waits before each stage's first batch and after its
-last; and the memory each device holds, the plan's per-stage ``memory_bytes`` once per replica. For ``S`` equal
-stages whose output is ready only when their work on a batch is done and costs nothing to send, over ``n``
-batches, the bubble is all fill and drain, ``(S - 1) / (n + S - 1)``.
+last; the memory each device holds, the plan's per-stage ``memory_bytes`` once per replica, split by part
+(:func:`~ppll_compile.plan_report.memory_split`); each stage's head share of its work; and the plan's model FLOPs
+utilisation (:mod:`ppll_compile.plan_report`). For ``S`` equal stages whose output is ready only when their work
+on a batch is done and costs nothing to send, over ``n`` batches, the bubble is all fill and drain,
+``(S - 1) / (n + S - 1)``.
 
 The timeline has a ``receive`` span for a wait for input, ``forward`` spans (two around an early send when the
 forward has a rest: ``start .. out`` and after the send), ``backward``, ``allreduce`` (replicated stages),
@@ -71,6 +73,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .plan import Plan, StagePlan, format_bytes
+from .plan_report import MemorySplit, head_share, memory_split, mfu, model_flops, peak_flops
 from .runtime.schedule import rules
 from .sim_equations import Lanes, Pool, Work, equations
 from .sim_sharing import processor_sharing
@@ -114,6 +117,12 @@ class StageSimulation:
     memory: int = 0
     """Bytes each of the stage's devices holds: the plan's :attr:`~ppll_compile.plan.StagePlan.memory_bytes`
     (every replica holds the whole stage at the planned batch, as the plan's memory cap counts it)."""
+    split: MemorySplit = MemorySplit()
+    """:attr:`memory` by part: weights, gradients, optimizer state, activations, head, logits
+    (:func:`~ppll_compile.plan_report.memory_split`)."""
+    head_share: float = 0.0
+    """The share of the stage's work per batch its head (the last stage: its loss) takes, ``head_cost / cost`` of
+    the plan's stage (:func:`~ppll_compile.plan_report.head_share`; 0 in plans that do not record it)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,12 +179,22 @@ class Simulation:
     once per replica)."""
     peak_memory: int = 0
     """The most bytes any one device holds: ``max(device_memory)``."""
+    model_flops: int = 0
+    """FLOPs of the model's own layers per batch: every stage's backbone forward and backward, heads and the loss
+    excluded (:func:`~ppll_compile.plan_report.model_flops`)."""
+    peak_flops: float | None = None
+    """FLOP/s of one device at its peak in the plan's precision (:func:`~ppll_compile.plan_report.peak_flops`);
+    ``None`` when the plan records none."""
+    mfu: float | None = None
+    """Model FLOPs utilisation: ``model_flops / (step_time * devices * peak_flops)``, ``devices`` the plan's
+    ``world_size``; ``None`` without a peak or a positive step time."""
 
     def to_dict(self) -> dict[str, Any]:
         """The results as JSON-able data, without the timeline's spans (infinite rates become ``None``)."""
         d = {k: v for k, v in asdict(self).items() if k not in ("timeline", "stages")}
         d["throughput"], d["predicted"] = _finite(self.throughput), _finite(self.predicted)
         d["token_throughput"] = None if self.token_throughput is None else _finite(self.token_throughput)
+        d["mfu"] = None if self.mfu is None else _finite(self.mfu)
         d["device_memory"] = list(self.device_memory)
         d["stages"] = [asdict(s) for s in self.stages]
         return d
@@ -183,10 +202,11 @@ class Simulation:
     def table(self) -> str:
         """Per-stage time shares as an aligned text table, then a summary line (and, when stages shared
         processors, a line saying which, with a column of their mean speed while busy)."""
-        header = ["stage", "replicas", "busy ms", "send ms", "blocked ms", "barrier ms", "idle ms", "util %"]
+        header = ["stage", "replicas", "busy ms", "send ms", "blocked ms", "barrier ms", "idle ms", "util %",
+                  "head %"]
         rows = [[str(s.index), str(s.replicas), f"{(s.compute + s.allreduce) * 1e3:.3f}", f"{s.send * 1e3:.3f}",
                  f"{s.blocked * 1e3:.3f}", f"{s.barrier * 1e3:.3f}", f"{s.idle * 1e3:.3f}",
-                 f"{s.utilisation * 100:.1f}"] for s in self.stages]
+                 f"{s.utilisation * 100:.1f}", f"{s.head_share * 100:.1f}"] for s in self.stages]
         if self.shared:
             header.append("speed %")
             for row, s in zip(rows, self.stages):
@@ -194,11 +214,12 @@ class Simulation:
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
                  for r in [header, ["-" * w for w in widths], *rows]]
+        mfu = "" if self.mfu is None else f"  MFU {self.mfu * 100:.3g}%"
         tokens = "" if self.token_throughput is None else f", {self.token_throughput:.1f} tokens/s"
         lines.append(f"throughput {self.throughput:.1f} samples/s (plan predicts {self.predicted:.1f}){tokens}  step "
                      f"time {self.step_time * 1e3:.3f} ms  warm-up {self.warmup * 1e3:.3f} ms  makespan "
                      f"{self.makespan * 1e3:.3f} ms  bubble {self.bubble * 100:.1f}% (fill/drain "
-                     f"{self.fill_drain * 100:.1f}%)  peak memory {format_bytes(self.peak_memory)} per device  "
+                     f"{self.fill_drain * 100:.1f}%){mfu}  peak memory {format_bytes(self.peak_memory)} per device  "
                      f"{self.steps} steps  queue depth {self.queue_depth}  bandwidth "
                      f"{format_bytes(self.link_bandwidth)}/s  "
                      f"{'decoupled' if self.decoupled else 'barrier before each step'}")
@@ -254,9 +275,11 @@ def _result(plan: Plan, work: list[Work], schedule: Lanes, pools: list[Pool], *,
         compute=schedule.compute[j], allreduce=schedule.allreduce[j], send=schedule.send[j],
         blocked=schedule.blocked[j], barrier=schedule.barrier[j], idle=schedule.idle[j] + makespan - end[j][-1],
         utilisation=schedule.busy[j] / makespan if makespan > 0 else 0.0, speed=schedule.speed[j],
-        fill=fill[j], drain=makespan - end[j][-1], memory=s.memory_bytes)
+        fill=fill[j], drain=makespan - end[j][-1], memory=s.memory_bytes, split=memory_split(s),
+        head_share=head_share(s))
         for j, (s, w) in enumerate(zip(plan.stages, work)))
     length = _sequence_length(plan)
+    peak = peak_flops(plan)
     throughput = _rate(plan.batch_size, step_time)
     area = plan.num_stages * makespan
     busy = sum(s.compute + s.allreduce + s.send for s in results)
@@ -275,7 +298,8 @@ def _result(plan: Plan, work: list[Work], schedule: Lanes, pools: list[Pool], *,
         shared=shared, sequence_length=length, token_throughput=None if length is None else throughput * length,
         bubble=max(0.0, 1 - busy / area) if area > 0 else 0.0,
         fill_drain=sum(s.fill + s.drain for s in results) / area if area > 0 else 0.0,
-        device_memory=memory, peak_memory=max(memory))
+        device_memory=memory, peak_memory=max(memory), model_flops=model_flops(plan),
+        peak_flops=None if peak is None else peak[0], mfu=mfu(plan, step_time))
 
 
 _INTEGER_DTYPES = frozenset({"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"})

@@ -16,7 +16,7 @@ from ppll_compile import InfeasibleMemoryError, Plan, PlanError, PlanOptions, pa
 from ppll_compile.analysis import analyse
 from ppll_compile.cli import main
 from ppll_compile.hardware import NAMES, PRESETS, load_hardware
-from ppll_compile.oplog import COMPUTE, FAMILIES
+from ppll_compile.oplog import COMPUTE, FAMILIES, OpLog
 from ppll_compile.options import read_saved_plan
 from ppll_compile.plan_table import format_bytes
 
@@ -113,10 +113,15 @@ def test_a_preset_plan_times_nothing_and_prices_every_operator_by_its_roofline(n
                                "achievable fractions of its peaks: 693 TFLOP/s bfloat16 matmul, 47 TFLOP/s float32 "
                                "matmul, 2680 GB/s memory, 5.0 us per operator, 80 GB per device)")
         assert note.endswith("; nothing was timed on this machine")
-        # the last stage: its input arrives detached, no head; its operators as the plan recorded them
+        # the last stage: its input arrives detached; its operators as the plan recorded them, and its loss's (the
+        # cross-entropy of the model's output on class labels, forward and backward)
         a = analyse(model, (X,), None, PlanOptions.make(gpus=gpus), None)
         last = plan.stages[-1]
-        ops = a.ops([a.by_name[n] for n in last.nodes])
+        scores = torch.empty(a.output_spec().shape, device="meta", requires_grad=True)
+        labels, seed = torch.zeros(len(scores), dtype=torch.long, device="meta"), torch.ones((), device="meta")
+        with OpLog() as log:
+            torch.nn.functional.cross_entropy(scores, labels).backward(seed)
+        ops = a.ops([a.by_name[n] for n in last.nodes]) + log.ops
         work = sum(max(op.flops / H100_RATES[op.kind], op.bytes / H100_RATES["memory"]) if op.kind in COMPUTE
                    else op.bytes / H100_RATES[op.kind] for op in ops) + H100_OVERHEAD * len(ops)
         trained = [p for i in range(int(last.nodes[0].strip("_")), len(model)) for p in model[i].parameters()]

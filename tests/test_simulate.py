@@ -540,7 +540,7 @@ def test_results_print_and_serialise(mlp_plan):
     assert d["step_time"] == sim.step_time and d["stages"][1]["blocked"] == sim.stages[1].blocked
     lines = sim.table().splitlines()
     assert lines[0].split() == ["stage", "replicas", "busy", "ms", "send", "ms", "blocked", "ms", "barrier", "ms",
-                                "idle", "ms", "util", "%"]
+                                "idle", "ms", "util", "%", "head", "%"]
     assert len(lines) == 2 + 3 + 1 and "samples/s" in lines[-1] and "8 steps" in lines[-1]
     assert lines[-1].endswith("  decoupled")
     assert simulate(mlp_plan, steps=8, decoupled=False).table().endswith("  barrier before each step")
