@@ -19,7 +19,7 @@ import contextlib
 import copy
 import hashlib
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Union
 
@@ -111,9 +111,10 @@ def materialize_stage(model: nn.Module, stage: Stage, index: int, device: torch.
             how.hook(stage, index, device)
         else:
             given = _fetch(model, stage, index, names, fresh, how.state_dict) if how.state_dict is not None else {}
-            _initialise(model, stage, index, fresh, set(given))
+            copies = set() if how.state_dict is not None else _tied_names(tied)
+            _initialise(model, stage, index, fresh, set(given), copies)
             with torch.no_grad():
-                if tied and how.state_dict is None:
+                if copies:
                     _fill_tied(model, stage, {id(n) for _, n in fresh.values()}, tied, device, how.seed)
                 for key, (new, value) in given.items():  # the loaded values win over the initialisation
                     new.copy_(value)
@@ -123,11 +124,16 @@ def materialize_stage(model: nn.Module, stage: Stage, index: int, device: torch.
 def _fill_tied(model: nn.Module, stage: Stage, allocated: set[int], tied: Sequence[str], device: torch.device,
                seed: int | None) -> None:
     """Give every tensor of ``stage`` just allocated under a name of an untied parameter its :func:`_tied_values`."""
-    group = {name: names for names in (entry.split(" = ") for entry in tied) for name in names}
+    group = _tied_names(tied)
     for name, t in (*stage.module.named_parameters(remove_duplicate=False),
                     *stage.module.named_buffers(remove_duplicate=False)):
         if id(t) in allocated and name in group:
             t.copy_(_tied_values(model, group[name][0], device, seed))
+
+
+def _tied_names(tied: Sequence[str]) -> dict[str, list[str]]:
+    """Each name of an untied parameter (``Plan.untied`` entries) -> all the names of its tensor, the model's first."""
+    return {name: names for names in (entry.split(" = ") for entry in tied) for name in names}
 
 
 def _tied_values(model: nn.Module, name: str, device: torch.device, seed: int | None) -> Tensor:
@@ -143,6 +149,10 @@ def _tied_values(model: nn.Module, name: str, device: torch.device, seed: int | 
             hf_init(fresh)
         elif callable(getattr(fresh, "reset_parameters", None)):
             fresh.reset_parameters()
+        else:
+            raise PPLLError(f"the meta-built model's tied tensor {name} has no initialisation to draw its untied "
+                            f"copies from ({type(owner).__name__} has no reset_parameters()); give it values: "
+                            f"{MATERIALIZE_HELP}")
     return getattr(fresh, attr).detach()
 
 
@@ -205,9 +215,10 @@ def _repoint(model: nn.Module, fresh: dict[int, tuple[Tensor, Tensor]]) -> None:
 
 
 def _initialise(model: nn.Module, stage: Stage, index: int, fresh: dict[int, tuple[Tensor, Tensor]],
-                loaded: set[int]) -> None:
+                loaded: set[int], copies: Collection[str] = ()) -> None:
     """The model's own initialisation of every module whose tensors the stage just allocated; a tensor no module
-    initialises (and no state dict gave) is an error."""
+    initialises (and no state dict gave, and that is not one of the untied ``copies`` :func:`_fill_tied` fills) is an
+    error."""
     new = {id(n): old for old, n in fresh.values()}
     hf_init = getattr(model, "_init_weights", None)
     covered: set[int] = set()
@@ -226,7 +237,7 @@ def _initialise(model: nn.Module, stage: Stage, index: int, fresh: dict[int, tup
     if callable(hf_init):
         return  # Hugging Face initialises what its models hold, unknown modules included
     left = [k for k, t in (*stage.module.named_parameters(), *stage.module.named_buffers())
-            if id(t) in new and id(t) not in covered and id(new[id(t)]) not in loaded]
+            if id(t) in new and id(t) not in covered and id(new[id(t)]) not in loaded and k not in copies]
     if left:
         shown = ", ".join(left[:3]) + (f" and {len(left) - 3} more" if len(left) > 3 else "")
         raise PPLLError(f"stage {index} of the meta-built model holds {len(left)} tensor(s) that no module "

@@ -189,6 +189,55 @@ def test_an_untied_copy_of_a_meta_model_loads_from_the_state_dict_under_the_name
                                     state_dict=weights)
     assert all(torch.equal(t, weights["lm_head.weight"]) for t in _copies(compiled))
 
+class _TiedLM(nn.Module):
+    """A token model whose output projection is its embedding table (no Hugging Face initialisation)."""
+
+    def __init__(self, table: nn.Module | None = None) -> None:
+        super().__init__()
+        self.emb = table or nn.Embedding(32, 16)
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 32, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.b(torch.relu(self.a(nn.functional.embedding(ids, self.emb.weight))))))
+
+
+class _Table(nn.Module):
+    """An embedding table with no ``reset_parameters``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(32, 16))
+
+
+TOKENS = torch.randint(0, 32, (4, 6), generator=torch.Generator().manual_seed(0))
+
+
+def test_an_untied_copy_of_a_plain_meta_model_takes_its_modules_initialisation(one_thread_quietly):
+    compiled = ppll_compile.compile(_meta(_TiedLM), gpus=2, example_inputs=(TOKENS,), policy="lm")
+    assert compiled.plan.untied == ("emb.weight = out.weight",)
+    first = dict(compiled.stages[0].module.named_parameters())["emb.weight"]
+    copy = dict(compiled.stages[1].module.named_parameters())["out.weight"]
+    assert first is not copy and torch.equal(first, copy)
+    assert 0.9 < float(copy.detach().std()) < 1.1  # nn.Embedding's N(0, 1), not what empty_like left
+    alone = ppll_compile.compile(_meta(_TiedLM), gpus=2, example_inputs=(TOKENS,), policy="lm", local_stages=[1])
+    assert torch.equal(dict(alone.stages[1].module.named_parameters())["out.weight"], copy)
+
+
+def test_a_tied_tensor_whose_module_has_no_initialisation_is_an_error(one_thread_quietly):
+    with torch.device("meta"):
+        model = _TiedLM(_Table())
+    with pytest.raises(PPLLError) as e:
+        ppll_compile.compile(model, gpus=2, example_inputs=(TOKENS,), policy="lm")
+    assert str(e.value) == ("the meta-built model's tied tensor emb.weight has no initialisation to draw its untied "
+                            "copies from (_Table has no reset_parameters()); give it values: compile(model, ..., "
+                            "materialize=fn) with fn(stage_module, stage_index, device) filling the stage's tensors, "
+                            "or compile(model, ..., state_dict=load) with load(stage_index, names) -> {name: tensor} "
+                            "(or a whole state dict), or build the model off the meta device")
+
+
 def test_a_stage_left_on_meta_is_refused_with_the_way_out(one_thread_quietly):
     model = _meta(Residual)
     compiled = ppll_compile.compile(model, gpus=2, example_inputs=(X,), policy="dgl", local_stages=[1])
