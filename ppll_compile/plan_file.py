@@ -260,17 +260,17 @@ def check_plan_sizes(d: Any) -> None:
     if len(stages) > MAX_DEVICES:
         raise PlanError(f"stages lists {len(stages)} stages, more than {MAX_DEVICES}, the most devices a plan may "
                         f"use (one device a stage); merge stages")
-    devices = 0
+    replicas = {}
     for i, s in enumerate(stages):
         if not isinstance(s, dict):
             continue
-        replicas = _count(s.get("replicas", 1), f"stages[{i}].replicas", 1, MAX_DEVICES,
-                          "the most devices a plan may use")
-        devices += replicas
-        if "batch_size" in given and (why := unrunnable_stage(i, replicas, d["batch_size"])) is not None:
-            raise PlanError(why)
+        replicas[i] = _count(s.get("replicas", 1), f"stages[{i}].replicas", 1, MAX_DEVICES,
+                             "the most devices a plan may use")
         for j, t in enumerate(s.get("boundary") or ()):
             _check_tensor(t, f"stages[{i}].boundary[{j}]")
-    if devices > MAX_DEVICES:
+    if (devices := sum(replicas.values())) > MAX_DEVICES:
         raise PlanError(f"the stages' replicas add up to {devices} devices, more than {MAX_DEVICES}, the most a "
                         f"plan may use; lower stages[*].replicas")
+    for i, r in replicas.items():
+        if "batch_size" in given and (why := unrunnable_stage(i, r, d["batch_size"])) is not None:
+            raise PlanError(why)
