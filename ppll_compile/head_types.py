@@ -21,7 +21,7 @@ from .output_head import output_layers, projection_head
 from .head_registry import (LARGEST_DEVICE, LARGEST_DEVICE_BYTES, MAX_DEPTH, MAX_EVERY, MAX_SIDE, MAX_WIDTH, BlockUse,
                             HeadRequest, HeadType, bounded, bounded_number, head_type, head_type_for, head_type_names,
                             register_head_type, unregister_head_type)
-from .plan import format_bytes
+from .units import format_bytes
 from .schema import choice, fraction, per_channel, ramp
 
 __all__ = ["HeadType", "HeadRequest", "BlockUse", "register_head_type", "unregister_head_type", "head_type",

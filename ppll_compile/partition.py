@@ -26,7 +26,7 @@ from .plan import Plan
 from .plan_specs import HeadSpec
 from .policy import Policy
 from .profile import StageTime, first_device, time_stages
-from .plan_table import format_bytes
+from .units import format_bytes
 from .roofline import DeviceFigures, Op, device_figures, seconds, stage_threads, step_ops
 
 

@@ -14,7 +14,8 @@ from ppll_compile.partitioners.objective import Links, allreduce_seconds
 from .errors import PlanError
 from .plan_file import PLAN_VERSION, PlanFile, unrunnable_stage
 from .plan_specs import BlockPlan, FrozenDict, StagePlan, TensorSpec
-from .plan_table import PlanTable, format_bytes
+from .plan_table import PlanTable
+from .units import format_bytes
 from .precision import FUSIONS, PRECISIONS
 
 MODES = ("ppll", "pipebd")

@@ -15,7 +15,7 @@ from ppll_compile.partitioners.batch import most_replicas, split_refusal
 from .errors import PlanError
 from .head_registry import LARGEST_DEVICE, LARGEST_DEVICE_BYTES
 from .plan_specs import BlockPlan, FrozenDict, StagePlan, TensorSpec, required
-from .plan_table import format_bytes
+from .units import format_bytes
 
 PLAN_VERSION = 1
 """The plan file format's version."""

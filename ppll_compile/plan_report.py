@@ -16,13 +16,24 @@ Every figure is read off the plan's own fields, so it holds for plan files made 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-if TYPE_CHECKING:  # the plan's types import this module's users; at run time nothing is needed from them
-    from .plan import Plan
-    from .plan_specs import StagePlan
+from .plan_specs import StagePlan
+
+
+class Plan(Protocol):
+    """The fields of :class:`ppll_compile.plan.Plan` the figures are read from (the plan prints them, so this
+    module sits below it)."""
+
+    stages: Sequence[StagePlan]
+    world_size: int
+    precision: str
+    hardware: str | None
+    profile: str
+    calibration: Mapping[str, Any]
+    flops_per_second: float
 
 LARGE_HEAD = 0.10
 """Share of a device's memory above which a plan notes a stage's head (or its last stage's logits)."""
@@ -79,7 +90,7 @@ def peak_flops(plan: Plan) -> tuple[float, str] | None:
     else the fastest compute-family rate the plan's calibration measured (matrix products, attention,
     convolutions); else ``flops_per_second`` (profile ``flops``). ``None`` when the plan has none of these."""
     from .hardware import COMPUTE_FRACTION, PRESETS
-    precision = str(getattr(plan, "precision", "fp32"))
+    precision = plan.precision
     dtype = _DTYPES.get(precision, precision)
     if plan.hardware in PRESETS:
         figures = PRESETS[plan.hardware].figures
@@ -141,5 +152,5 @@ def _cheaper(stage: StagePlan) -> str:
 
 
 def _bytes(n: float) -> str:
-    from .plan_table import format_bytes
+    from .units import format_bytes
     return format_bytes(n)

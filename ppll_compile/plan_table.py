@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .units import format_bytes, format_flops
+
 
 class PlanTable:
     """What :class:`~ppll_compile.plan.Plan` prints (a base class, so the plan's own class stays about its data)."""
@@ -118,21 +120,3 @@ def _aligned(header: list[str], rows: list[list[str]], *, right: set[int]) -> st
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
     return "\n".join("  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
                      for r in [header, ["-" * w for w in widths], *rows])
-
-
-def format_bytes(n: float) -> str:
-    """Human-readable binary size, e.g. ``1.5 MiB``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def format_flops(n: float) -> str:
-    """Human-readable FLOP count, e.g. ``2.3G``."""
-    for unit in ("", "K", "M", "G", "T", "P"):
-        if abs(n) < 1000 or unit == "P":
-            return f"{n:.0f}" if unit == "" else f"{n:.1f}{unit}"
-        n /= 1000
-    raise AssertionError("unreachable")

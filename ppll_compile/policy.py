@@ -19,7 +19,7 @@ from .errors import PolicyError
 from .head_registry import LARGEST_DEVICE, LARGEST_DEVICE_BYTES
 from .head_types import BUILT_IN, KINDS, head_type, head_type_names
 from .plan import TensorSpec
-from .plan_table import format_bytes
+from .units import format_bytes
 from .schema import Opt, choice, text, weight
 
 __all__ = ["Policy", "load_policy", "validate_policy"]

@@ -72,7 +72,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .plan import Plan, StagePlan, format_bytes
+from .plan import Plan, StagePlan
+from .units import format_bytes
 from .plan_report import MemorySplit, head_share, memory_split, mfu, model_flops, peak_flops
 from .runtime.schedule import rules
 from .sim_equations import Lanes, Pool, Work, equations

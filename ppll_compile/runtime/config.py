@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from ..optimizers import OPTIMIZER_STATES, kind_of, states_of
-from ..plan import format_bytes
+from ..units import format_bytes
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
