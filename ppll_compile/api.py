@@ -190,7 +190,7 @@ def _plan_ppll(model: nn.Module, example_inputs: Sequence[Any] | None, example_k
     if saved is not None:
         a.check_saved_cuts(saved.cuts, saved.source)
     a, request, untie_why = _usable_cuts(a, policy, opts, saved, model)
-    heads, head_costs = _heads(a, request, saved, policy, opts.optimizer, model)
+    heads, head_costs = _heads(a, request, saved, policy, opts, model)
     devices = sum(opts.replicas) if isinstance(opts.replicas, tuple) else opts.gpus or request.stages
     costs, figures, notes = segment_costs(a, heads, head_costs, policy, opts, devices)
     layout = ppll_layout(costs, request, opts)
@@ -340,7 +340,7 @@ def _untied(a: Analysis, plan: Plan) -> list[tuple[list[str], str]]:
 
 
 def _heads(a: Analysis, request: StageRequest, saved: SavedPlan | None, policy: Policy,
-           optimizer: str, model: nn.Module) -> tuple[dict[int, HeadSpec], dict[int, ModuleCost]]:
+           opts: PlanOptions, model: nn.Module) -> tuple[dict[int, HeadSpec], dict[int, ModuleCost]]:
     """The head at every cut the partitioner may choose (the policy's, or the saved plan's, possibly edited), and
     its measured cost; after the last unit (key ``len(a.cuts)``), the last stage's loss on the model's output."""
     configs = dict(zip(request.manual, saved.heads)) if saved is not None and request.manual else {}
@@ -359,8 +359,8 @@ def _heads(a: Analysis, request: StageRequest, saved: SavedPlan | None, policy: 
         key = (spec.shape, spec.dtype, spec.layout, repr(config), tuple(map(id, blocks or ())))
         if key not in measured:
             try:
-                measured[key] = counted_head(policy, config, spec, a.num_classes, input_shape, optimizer,
-                                             per_token=a.per_token, blocks=blocks)
+                measured[key] = counted_head(policy, config, spec, a.num_classes, input_shape, opts.optimizer,
+                                             per_token=a.per_token, blocks=blocks, precision=opts.precision)
             except PolicyError as e:
                 raise PolicyError(f"cut after {a.cuts[i].node!r}: {e}") from None
         heads[i], costs[i] = measured[key]

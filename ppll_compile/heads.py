@@ -15,6 +15,7 @@ stand-in, not as itself.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import reprlib
 from collections.abc import Mapping, Sequence
@@ -34,6 +35,7 @@ from .phases import phase
 from .plan import TensorSpec
 from .plan_specs import HeadSpec
 from .policy import Policy, check_head_config, tensor_kind
+from .precision import MetaAutocast, precision_spec
 
 __all__ = ["AuxHead", "InfoProHead", "MomentumHead", "model_loss", "head_loss", "task_loss", "task_of", "logits_of",
            "IGNORE_INDEX"]
@@ -97,31 +99,39 @@ def head_for(policy: Policy, config: Mapping[str, Any] | None, spec: TensorSpec,
 
 def head_spec(policy: Policy, config: Mapping[str, Any] | None, spec: TensorSpec, num_classes: int,
               input_shape: Sequence[int] | None, optimizer: str, *, per_token: bool = False,
-              blocks: Sequence[nn.Module] | None = None) -> HeadSpec:
+              blocks: Sequence[nn.Module] | None = None, precision: str = "fp32") -> HeadSpec:
     """The head for a boundary, built on the meta device and counted like the backbone (FLOPs and memory), its
     loss taken on labels of one class per example, or per token (N x L) with ``per_token``. ``blocks``: the model's
     blocks after the cut, for a head that copies or follows them (costed as meta copies of them; without them, as
     stand-ins of the usual shape: see the module's docstring)."""
     return counted_head(policy, config, spec, num_classes, input_shape, optimizer, per_token=per_token,
-                        blocks=blocks)[0]
+                        blocks=blocks, precision=precision)[0]
 
 
 def counted_head(policy: Policy, config: Mapping[str, Any] | None, spec: TensorSpec, num_classes: int,
                  input_shape: Sequence[int] | None, optimizer: str, *, per_token: bool = False,
-                 blocks: Sequence[nn.Module] | None = None) -> tuple[HeadSpec, ModuleCost]:
-    """:func:`head_spec`, and the head's measured cost (its operators, for the roofline)."""
+                 blocks: Sequence[nn.Module] | None = None, precision: str = "fp32") -> tuple[HeadSpec, ModuleCost]:
+    """:func:`head_spec`, and the head's measured cost (its operators, for the roofline), in ``precision`` (a
+    low one: the head's layers in its dtype, the loss in float32 as autocast runs it, float32 master weights and
+    autocast's weight casts unless pure; see :mod:`ppll_compile.precision`)."""
     with phase("heads"):
-        return _counted_head(policy, config, spec, num_classes, input_shape, optimizer, per_token, blocks)
+        return _counted_head(policy, config, spec, num_classes, input_shape, optimizer, per_token, blocks,
+                             precision)
 
 
 def _counted_head(policy: Policy, config: Mapping[str, Any] | None, spec: TensorSpec, num_classes: int,
                   input_shape: Sequence[int] | None, optimizer: str, per_token: bool,
-                  blocks: Sequence[nn.Module] | None) -> tuple[HeadSpec, ModuleCost]:
+                  blocks: Sequence[nn.Module] | None, precision: str) -> tuple[HeadSpec, ModuleCost]:
     fakes = meta_copies(blocks) if blocks is not None else None
+    p = precision_spec(precision)
     with torch.device("meta"):
         head, config = head_for(policy, config, spec, num_classes, input_shape, per_token=per_token, blocks=fakes)
         head = head.to("meta")
-        h = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype))
+        pbytes = sum(p.param_bytes(t.numel(), t.element_size(), t.is_floating_point()) for t in head.parameters())
+        if p.pure:
+            head = head.to(getattr(torch, p.dtype))
+        dtype = getattr(torch, p.dtype if p.low and spec.dtype == "float32" else spec.dtype)
+        h = torch.empty(spec.shape, dtype=dtype)  # the boundary as the stage sends it
         y = torch.zeros(tuple(spec.shape[:2]) if per_token else spec.shape[0], dtype=torch.long)
         x = torch.empty(input_shape) if input_shape is not None else None
     h.requires_grad_(True)  # the stage's backward runs through the head into its output
@@ -135,15 +145,15 @@ def _counted_head(policy: Policy, config: Mapping[str, Any] | None, spec: Tensor
     read: list[Any] = []
 
     def run() -> torch.Tensor:
-        scores, loss = head_scored_loss(head, h, y, x)
+        with MetaAutocast(getattr(torch, p.dtype)) if p.low else contextlib.nullcontext():
+            scores, loss = head_scored_loss(head, h, y, x)
         read.append(scores)
         return loss
 
     cost = measure_module(head, run, inputs=(h,))
     scores = scores_size(read[0])
-    pbytes = sum(p.numel() * p.element_size() for p in head.parameters())
     # the scores' gradient exists at the loss's backward beside what the loss saved (measured)
-    memory = pbytes * (2 + optimizer_spec(optimizer).states) + cost.activation_bytes + scores + extra
+    memory = pbytes * (2 + optimizer_spec(optimizer).states) + cost.activation_bytes + _gradient(read[0]) + extra
     return HeadSpec(policy=policy.name, kind=_kind_text(spec), config=dict(config),
                     param_count=cost.param_count, flops_fwd=cost.flops_fwd, flops_bwd=cost.flops_bwd,
                     memory_bytes=memory, input_saved_bytes=cost.input_saved_bytes, scores_bytes=scores), cost
@@ -156,13 +166,21 @@ def scores_size(scores: Any) -> int:
     return 0
 
 
+def _gradient(scores: Any) -> int:
+    """Bytes of the gradient a loss gives ``scores`` (0 without one): float32 for low-precision scores, which the
+    loss reads as a float32 copy (:class:`~ppll_compile.precision.MetaAutocast`)."""
+    size = scores_size(scores)
+    return size * 4 // scores.element_size() if size and scores.dtype in (torch.bfloat16, torch.float16) else size
+
+
 def counted_loss(scores: TensorSpec | None, num_classes: int, per_token: bool) -> tuple[HeadSpec, ModuleCost]:
     """The last stage's head, the model's own output under the trainer's default loss, measured on the meta device
     as heads are: the cross-entropy of the ``scores`` (N x C, or N x L x C with ``per_token``) on class labels, when
-    the default loss reads them so (floating point, ``num_classes > 0``; as the time profile's last stage does).
+    the default loss reads them so (floating point, ``num_classes > 0``; as the time profile's last stage does),
+    in float32 as autocast runs it when the scores are in a low precision (the plan's).
     Its memory: the scores (the stage's output, held until its step ends), what the loss saves for backward
-    (the log-probabilities, the labels) and the scores' gradient. Its time: the loss's operators. Scores the
-    default loss does not read so are costed as nothing (:func:`model_head`)."""
+    (the log-probabilities, the labels) and the scores' gradient (float32 for low-precision scores). Its time: the
+    loss's operators. Scores the default loss does not read so are costed as nothing (:func:`model_head`)."""
     head = model_head()
     if scores is None or "float" not in scores.dtype or num_classes <= 0 \
             or len(scores.shape) != (3 if per_token else 2) or scores.shape[-1] < 2:
@@ -171,10 +189,16 @@ def counted_loss(scores: TensorSpec | None, num_classes: int, per_token: bool) -
         s = torch.empty(scores.shape, dtype=getattr(torch, scores.dtype))
         y = torch.zeros(tuple(scores.shape[:-1]), dtype=torch.long)
     s.requires_grad_(True)
-    cost = measure_module(nn.Module(), lambda: model_loss(s, y), inputs=(s,))
+    low = s.dtype in (torch.bfloat16, torch.float16)
+
+    def run() -> torch.Tensor:
+        with MetaAutocast(s.dtype) if low else contextlib.nullcontext():
+            return model_loss(s, y)
+
+    cost = measure_module(nn.Module(), run, inputs=(s,))
     one = scores_size(s)
     return dataclasses.replace(head, flops_fwd=cost.flops_fwd, flops_bwd=cost.flops_bwd, scores_bytes=one,
-                               memory_bytes=2 * one + cost.activation_bytes), cost
+                               memory_bytes=one + _gradient(s) + cost.activation_bytes), cost
 
 
 def stage_head(head: HeadSpec, stage: int, stages: int) -> HeadSpec:

@@ -260,3 +260,58 @@ if __name__ == "__main__":  # a torchrun worker of the test above
     state = _trained_state("distributed")
     if state is not None:
         torch.save(state, sys.argv[1])
+
+
+# ---- losses and heads as autocast runs them -----------------------------------------------------------------------
+
+N_SCORES = 4 * 16 * 1000
+
+
+def _loss(dtype: str):
+    from ppll_compile.heads import counted_loss
+    from ppll_compile.plan_specs import TensorSpec
+    size = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return counted_loss(TensorSpec(name="logits", shape=(4, 16, 1000), dtype=dtype, bytes=N_SCORES * size), 1000,
+                        per_token=True)
+
+
+def test_meta_autocast_runs_layers_low_and_losses_in_float32_as_cuda_autocast():
+    from ppll_compile.precision import MetaAutocast
+    with torch.device("meta"):
+        layer, x, y = nn.Linear(8, 5), torch.empty(3, 8), torch.zeros(3, dtype=torch.long)
+        with MetaAutocast(torch.bfloat16):
+            scores = layer(x)
+            loss = nn.functional.cross_entropy(scores, y)
+    assert (layer.weight.dtype, scores.dtype, loss.dtype) == (torch.float32, torch.bfloat16, torch.float32)
+
+
+def test_a_low_precision_loss_holds_its_output_low_and_saves_and_differentiates_in_float32():
+    (full, full_cost), (low, low_cost) = _loss("float32"), _loss("bfloat16")
+    assert (full.scores_bytes, low.scores_bytes) == (4 * N_SCORES, 2 * N_SCORES)
+    # the same float32 log-probabilities saved, the same float32 gradient; only the held output is half
+    assert low_cost.activation_bytes == full_cost.activation_bytes
+    assert full.memory_bytes - low.memory_bytes == 2 * N_SCORES
+    # its time: the float32 loss, plus autocast's cast of the scores to float32 and of their gradient back (6 bytes
+    # an element each way)
+    casts = [op for op in low_cost.ops if op not in full_cost.ops]
+    assert [(op.kind, op.flops, op.bytes) for op in casts] == [("memory", 0, 6 * N_SCORES)] * 2
+    assert {op.dtype for op in low_cost.ops if op.kind == "math"} == {"float32"}
+
+
+@pytest.mark.parametrize("precision", ["bf16", "bf16-pure"])
+def test_a_low_precision_head_runs_its_layers_low_and_its_loss_in_float32(precision):
+    from ppll_compile.heads import counted_head
+    from ppll_compile.plan_specs import TensorSpec
+    from ppll_compile.policy import load_policy
+    spec = {p: TensorSpec(name="h", shape=(4, 16, 32), dtype=d, bytes=4 * 16 * 32 * s)
+            for p, d, s in (("fp32", "float32", 4), (precision, "bfloat16", 2))}
+    (full, full_cost), (low, low_cost) = (
+        counted_head(load_policy("lm"), None, spec[p], 1000, None, "sgd", per_token=True, precision=p)
+        for p in ("fp32", precision))
+    assert {op.dtype for op in full_cost.ops} == {"float32"}
+    assert {op.dtype for op in low_cost.ops if op.kind == "matmul"} == {"bfloat16"}
+    assert {op.dtype for op in low_cost.ops if op.kind in ("math", "norm")} == {"float32"}  # softmax, LayerNorm
+    assert (full.scores_bytes, low.scores_bytes) == (4 * N_SCORES, 2 * N_SCORES)
+    weights = full.param_count * (4 if precision == "bf16" else 2)  # float32 master weights, or bfloat16 ones
+    # parameters and their gradients (SGD keeps no state), what it saves, and the scores' float32 gradient
+    assert low.memory_bytes == 2 * weights + low_cost.activation_bytes + 4 * N_SCORES
