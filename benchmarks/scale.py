@@ -50,8 +50,9 @@ from .report import Section, standalone
 
 __all__ = ["CLUSTER", "SHAPES", "QUICK_SHAPES", "DEVICES", "QUICK_DEVICES", "plan_kwargs", "point", "section", "main"]
 
-CLUSTER: dict[str, Any] = {"hardware": "h100", "gpus_per_node": 8}
-"""The cluster every plan is made for; only the options that ``PlanOptions`` knows are passed (:func:`plan_kwargs`)."""
+CLUSTER: dict[str, Any] = {"hardware": "h100", "gpus_per_node": 8, "optimizer": "adam"}
+"""The cluster every plan is made for, and the optimizer (Adam's two moments per weight, as LLMs train); only the
+options that ``PlanOptions`` knows are passed (:func:`plan_kwargs`)."""
 STEPS = 32
 """Batches each plan is simulated for."""
 REAL_WEIGHTS_LIMIT = 2 << 30

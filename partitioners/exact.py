@@ -155,3 +155,20 @@ def _probe(t: Arrays, limit: float) -> tuple[tuple[int, ...] | None, float]:
 def _bottleneck(t: Arrays, ends: tuple[int, ...]) -> float:
     """Time of the slowest stage of ``ends``."""
     return max(t.stage_cost(j, a, b) for j, (a, b) in enumerate(zip((0, *ends), ends)))
+
+
+def fitting_stage_counts(problem: Problem) -> list[int]:
+    """Every stage count (one device each, every device with ``problem``'s one memory cap) at which some partition
+    fits the cap, ascending; what the exact partitioner's memory check admits, found without timing any stage.
+
+    A DP over segment ends: bit ``k`` of ``reach[b]`` says that ``k`` stages can end exactly at segment ``b``, each
+    within the cap; ``O(n^2)`` big-integer ORs, however many stage counts are asked about."""
+    t = Arrays.of(problem, 1)
+    n, cap = len(t.memory_top), t.caps[0]
+    reach = [1] + [0] * n
+    for b in range(1, n + 1):
+        row = 0
+        for a in np.flatnonzero(t.memory_top[b - 1] - t.memory_prefix[:b] <= cap):
+            row |= reach[a]
+        reach[b] = row << 1
+    return [k for k in range(1, n + 1) if reach[n] >> k & 1]

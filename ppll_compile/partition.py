@@ -13,6 +13,7 @@ import torch
 
 from ppll_compile import partitioners
 from ppll_compile.partitioners.batch import most_replicas, split_refusal
+from ppll_compile.partitioners.exact import fitting_stage_counts
 from ppll_compile.partitioners.objective import Links, Segments
 from ppll_compile.partitioners.replicas import Layout, ReplicaProblem, layout_costs, solve_fixed_replicas, solve_replicated
 
@@ -344,26 +345,15 @@ def _solved(solve: Callable[[], Any], costs: Costs | None = None, opts: PlanOpti
 def fewest_devices(costs: Costs, memory_limit: float, gpus_per_node: int | None = None,
                    spread: bool = True) -> int | None:
     """The fewest devices, a whole number of nodes of ``gpus_per_node`` (any number without), on which a layout
-    fits ``memory_limit`` bytes per device; ``None`` when none does. A replica holds its whole stage, so the fewest
-    stages that fit (one device each, by the exact partitioner) decide: with ``spread`` (the replica partitioner
-    places the stages, leaving devices idle where it must) that many devices rounded up to whole nodes; without
-    it (one stage per device) the fewest whole nodes of stages that fit. The scan starts where the stages' caps
-    add up to the segments' memory (no fewer stages can hold it)."""
+    fits ``memory_limit`` bytes per device; ``None`` when none does. A replica holds its whole stage, so the stage
+    counts that fit (one device each: :func:`~ppll_compile.partitioners.exact.fitting_stage_counts`) decide: with
+    ``spread`` (the replica partitioner places the stages, leaving devices idle where it must) the fewest of them
+    rounded up to whole nodes; without it (one stage per device) the fewest that is a whole number of nodes."""
     g = gpus_per_node or 1
-    first = max(1, math.ceil(sum(costs.memory) / memory_limit))
-    for k in range(first, len(costs.compute) + 1):
-        if (spread or k % g == 0) and _fits(costs, memory_limit, k):
+    for k in fitting_stage_counts(costs.problem(None, memory_limit)):
+        if spread or k % g == 0:
             return -(-k // g) * g
     return None
-
-
-def _fits(costs: Costs, memory_limit: float, stages: int) -> bool:
-    """Whether ``stages`` stages, one device each, can fit ``memory_limit`` bytes per device."""
-    try:
-        partitioners.solve(costs.problem(None, memory_limit), stages, "exact")
-    except InfeasibleMemoryError:
-        return False
-    return True
 
 
 def _refused(e: InfeasibleMemoryError, costs: Costs, opts: PlanOptions, devices: int,

@@ -115,6 +115,31 @@ def test_the_fewest_devices_that_fit_are_whole_nodes() -> None:
     assert fewest_devices(_costs([4] * 6), 3) is None
 
 
+@pytest.mark.parametrize("group", range(3))
+def test_the_stage_counts_that_fit_are_those_the_exact_partitioner_fits(group: int) -> None:
+    """Against the exact partitioner asked at every stage count, with head memory that makes a longer stage smaller."""
+    import random
+
+    from ppll_compile.partitioners import Problem, solve
+    from ppll_compile.partitioners.errors import InfeasibleMemoryError
+    from ppll_compile.partitioners.exact import fitting_stage_counts
+
+    for seed in range(50 * group, 50 * group + 50):
+        rng = random.Random(seed)
+        n = rng.randint(1, 9)
+        problem = Problem(compute=[rng.uniform(0.1, 1) for _ in range(n)], memory=[rng.randint(0, 9) for _ in range(n)],
+                          head_memory=[rng.choice([0, 0, 3, 12]) for _ in range(n)],
+                          start=[rng.choice([0.0, 0.05]) for _ in range(n)], memory_limit=rng.randint(6, 30))
+        fits = []
+        for k in range(1, n + 1):
+            try:
+                solve(problem, k, "exact")
+            except InfeasibleMemoryError:
+                continue
+            fits.append(k)
+        assert fitting_stage_counts(problem) == fits, f"seed {seed}: {problem}"
+
+
 def test_idle_devices_beside_many_slow_stages_are_explained() -> None:
     layout = StageLayout(ends=(1, 2, 3), replicas=(1, 1, 1), speeds=(1.0,) * 3, partitioner="exact-replicas",
                          costs=(7.66, 7.6, 7.5))
