@@ -14,7 +14,8 @@ devices and the same hardware, and every plan is simulated (``ppll_compile.simul
 - ``exact_same``: the exact partitioner's cuts with the baselines' shape (the same stages and replicas).
 
 The baselines use as many stages as divide the devices and do not exceed the decoder layers, with the devices
-shared out evenly as data-parallel replicas (as a framework's pipeline degree times data-parallel degree).
+shared out evenly as data-parallel replicas (as a framework's pipeline degree times data-parallel degree), at most
+as many replicas a stage as the batch has examples (the devices beyond that stay idle, as the exact plan's may).
 
 The hardware and topology the plans are made for pass through one place, :data:`CLUSTER`: of it, the options that
 :class:`ppll_compile.options.PlanOptions` knows are passed to every ``plan()``. Without a hardware preset the
@@ -28,7 +29,7 @@ gradients, optimizer state, activations, head, logits), as ``ppll_compile.simula
 
 ``--quick``: one 4-layer Llama shape on 8 devices at sequence 32, without ``exact_same`` (under a minute).
 ``--precision bf16`` plans in that precision (passed to ``plan()`` only when it is not ``fp32``); ``--devices 8,64``
-and ``--models 8B,70B`` run those points only.
+and ``--models 8B,70B`` run those points only; ``--batch 4`` plans every shape at that many sequences a step.
 """
 
 from __future__ import annotations
@@ -124,10 +125,11 @@ def _layers(model: Any) -> list[tuple[str, int]]:
             ("model.norm", count(inner.norm)), ("lm_head", count(model.lm_head))]
 
 
-def _shape(devices: int, layers: int) -> tuple[int, int]:
-    """The baselines' stages (the most that divide ``devices`` and are at most ``layers``) and replicas each."""
+def _shape(devices: int, layers: int, batch: int) -> tuple[int, int]:
+    """The baselines' stages (the most that divide ``devices`` and are at most ``layers``) and replicas each (the
+    devices shared out evenly, at most ``batch``: a data-parallel replica trains on one example at least)."""
     stages = max(s for s in range(1, min(devices, layers) + 1) if devices % s == 0)
-    return stages, devices // stages
+    return stages, min(devices // stages, batch)
 
 
 def _even_splits(layers: int, stages: int) -> list[str]:
@@ -184,7 +186,7 @@ def point(name: str, shape: dict[str, Any], devices: int, kinds: tuple[str, ...]
     if exact is None:
         return row
     layers = shape["num_hidden_layers"]
-    stages, replicas = _shape(devices, layers)
+    stages, replicas = _shape(devices, layers, shape["batch"])
     row |= {"baseline_stages": stages, "baseline_replicas": replicas, "exact": _simulated(exact)}
     same = dict(example_kwargs={"input_ids": ids}, replicas=(replicas,) * stages, **options)
     others = {"exact_same": {},
@@ -307,7 +309,9 @@ def _markdown(results: dict[str, Any]) -> str:
     kwargs = results["plan_kwargs"]
     hardware = ", ".join(f"`{k}={v!r}`" for k, v in kwargs.items()) or \
         "no hardware preset (pinned figures of `tests/device_figures.json`)"
-    lines = [f"`plan()` of Llama shapes with the exact partitioner choosing stages and replicas, {hardware}; each "
+    batches = sorted({r["options"]["batch_size"] for r in results["rows"]})
+    lines = [f"`plan()` of Llama shapes at {' or '.join(map(str, batches))} sequences a step with the exact "
+             f"partitioner choosing stages and replicas, {hardware}; each "
              f"point in a fresh process (max RSS). Throughput simulated over {STEPS} batches (samples/s); the "
              f"baselines use the stages x replicas shown, `exact_same` the exact cuts at that shape. MFU: the "
              f"model's own FLOPs per step over step time x devices x the preset's dense peak in the plan's "
@@ -345,11 +349,11 @@ def _markdown(results: dict[str, Any]) -> str:
 
 
 def section(*, quick: bool, out: Path, precision: str = "fp32", devices: tuple[int, ...] | None = None,
-            models: tuple[str, ...] | None = None) -> Section:
+            models: tuple[str, ...] | None = None, batch: int | None = None) -> Section:
     """Plan time and peak memory against model size and device count; exact against the framework splits (in
-    ``precision``; only ``devices`` and ``models`` when given)."""
+    ``precision``; only ``devices`` and ``models`` when given; ``batch`` sequences a step instead of the shapes')."""
     shapes, counts = (QUICK_SHAPES, QUICK_DEVICES) if quick else (SHAPES, DEVICES)
-    shapes = {k: v for k, v in shapes.items() if models is None or k in models}
+    shapes = {k: v | ({"batch": batch} if batch else {}) for k, v in shapes.items() if models is None or k in models}
     rows = []
     for name, shape in shapes.items():
         for d in devices or counts:
@@ -376,8 +380,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
     parser.add_argument("--devices", type=lambda t: tuple(int(x) for x in t.split(",")), default=None)
     parser.add_argument("--models", type=lambda t: tuple(t.split(",")), default=None)
+    parser.add_argument("--batch", type=int, default=None)
     ours, rest = parser.parse_known_args(args)
-    return standalone(functools.partial(section, precision=ours.precision, devices=ours.devices, models=ours.models),
+    return standalone(functools.partial(section, precision=ours.precision, devices=ours.devices, models=ours.models,
+                                        batch=ours.batch),
                       rest, __doc__)
 
 
