@@ -70,22 +70,8 @@ def _check_valid(problem: ReplicaProblem, layout: Layout) -> None:
 
 @pytest.mark.parametrize("group", range(4))
 def test_solver_matches_brute_force(group: int) -> None:
-    for seed in range(100 * group, 100 * group + 100):
-        problem = _random_problem(seed)
-        try:
-            expected = brute_force_replicated(problem)
-        except InfeasibleMemoryError as error:
-            with pytest.raises(InfeasibleMemoryError) as caught:
-                solve_replicated(problem)
-            assert caught.value.min_limit == error.min_limit, f"seed {seed}"
-            assert str(caught.value) == str(error), f"seed {seed}"
-            solve_replicated(dataclasses.replace(problem, memory_limit=error.min_limit))
-            continue
-        layout = solve_replicated(problem)
-        key = (layout.bottleneck, layout.devices, len(layout.ends))
-        assert key == (expected.bottleneck, expected.devices, len(expected.ends)), f"seed {seed}: {problem}"
-        _check_valid(problem, layout)
-        _check_valid(problem, expected)
+    solved = [_same_as_brute_force(_random_problem(seed), seed) for seed in range(100 * group, 100 * group + 100)]
+    assert 0 < sum(found is not None for found in solved) < 100  # both solved problems and refusals
 
 
 def test_a_stage_start_saves_its_first_segments_input_gradient() -> None:
@@ -379,22 +365,27 @@ def _on_nodes(problem: ReplicaProblem, seed: int) -> ReplicaProblem:
 
 @pytest.mark.parametrize("group", range(4))
 def test_solver_matches_brute_force_on_nodes(group: int) -> None:
-    for seed in range(100 * group, 100 * group + 100):
-        _same_as_brute_force(_on_nodes(_random_problem(seed), seed), seed)
+    solved = [_same_as_brute_force(_on_nodes(_random_problem(seed), seed), seed)
+              for seed in range(100 * group, 100 * group + 100)]
+    assert 0 < sum(found is not None for found in solved) < 100  # both solved problems and refusals
 
 
 def _same_as_brute_force(problem: ReplicaProblem, seed: int) -> tuple[Layout, Layout] | None:
-    """The solver's layout and brute force's, equal in what they minimise (both refusing alike: ``None``)."""
+    """The solver's layout and brute force's, equal in what they minimise and both valid; or ``None`` when both refuse
+    alike, with the same message and a cap that then fits."""
     try:
         expected = brute_force_replicated(problem)
     except InfeasibleMemoryError as error:
         with pytest.raises(InfeasibleMemoryError) as caught:
             solve_replicated(problem)
         assert caught.value.min_limit == error.min_limit, f"seed {seed}"
+        assert str(caught.value) == str(error), f"seed {seed}"
+        solve_replicated(dataclasses.replace(problem, memory_limit=error.min_limit))  # the cap it names fits
         return None
     layout = solve_replicated(problem)
     assert _key(problem, layout) == _key(problem, expected), f"seed {seed}: {problem}"
     _check_valid(problem, layout)
+    _check_valid(problem, expected)
     return layout, expected
 
 
