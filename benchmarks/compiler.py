@@ -24,10 +24,10 @@ import torch
 import torchvision
 from torch import nn
 
-from ppll_compile import partitioners
 import ppll_compile
+from ppll_compile import partitioners
+from ppll_compile.capture.trace import trace
 from ppll_compile.phases import PHASES, record_phases
-from ppll_compile.trace import trace
 
 from .report import Section, standalone
 

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 import ppll_compile
 from ppll_compile.heads import MomentumHead
-from ppll_compile.policy import Policy, load_policy, validate_policy
+from ppll_compile.heads.policy import Policy, load_policy, validate_policy
 
 from .launch import load_example, one_thread, timed_steps
 from .pipelining import best_pipelining

@@ -16,11 +16,11 @@ import time
 
 import torch
 
-from ppll_compile.analysis import analyse
-from ppll_compile.hardware import PRESETS
+from ppll_compile.analysis.analyse import analyse
+from ppll_compile.capture.trace import module_path
+from ppll_compile.cost.hardware import PRESETS
+from ppll_compile.cost.roofline import seconds
 from ppll_compile.options import PlanOptions
-from ppll_compile.roofline import seconds
-from ppll_compile.trace import module_path
 
 SHAPE = dict(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8,
              num_hidden_layers=1, vocab_size=32)

@@ -16,9 +16,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import ppll_compile
-from ppll_compile.draw import draw_gantt
-from ppll_compile.plan import format_bytes
 from ppll_compile.allocator import keep_freed_memory
+from ppll_compile.draw import draw_gantt
+from ppll_compile.plans.plan import format_bytes
 
 from .launch import load_example, one_thread, spawn, timed_steps
 from .pipelining import best_pipelining

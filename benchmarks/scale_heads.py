@@ -39,7 +39,7 @@ DEVICES, QUICK_DEVICES = 64, 8
 
 
 def _policy(per_token: dict[str, Any] | None) -> Any:
-    from ppll_compile.policy import validate_policy
+    from ppll_compile.heads.policy import validate_policy
     heads = {"vector": {"type": "mlp"}, "sequence": {"type": "token", "pool": "mean"}}
     return validate_policy({"heads": heads, **({"per_token": per_token} if per_token else {})}, "inline")
 
@@ -67,8 +67,9 @@ def _model(shape: dict[str, Any], pooled: bool) -> Any:
 def row(name: str, shape: dict[str, Any], devices: int, precision: str) -> dict[str, Any]:
     """One head: the plan's largest head, its scores, its share of memory and of the step, tokens/s and MFU."""
     import torch
+
     import ppll_compile
-    from ppll_compile.plan_report import memory_split
+    from ppll_compile.plans.report import memory_split
     pooled = name == POOLED
     model = _model(shape, pooled)
     ids = torch.zeros(shape["batch"], shape["seq"], dtype=torch.long, device="meta")

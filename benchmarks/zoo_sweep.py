@@ -183,8 +183,10 @@ def _kept_layers(config: Any, layers: int | None) -> list[int]:
 
 def hf_types() -> dict[str, str]:
     """Every Hugging Face type with a causal LM (``causal``), else with sequence classification (``sequence``)."""
-    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-                                                        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+    )
     out = {t: "causal" for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES}
     out.update({t: "sequence" for t in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES if t not in out})
     return dict(sorted(out.items()))

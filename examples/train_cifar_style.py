@@ -28,10 +28,11 @@ from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # resnet32.py sits next to this file
 
+from resnet32 import build_model  # noqa: E402
+
 import ppll_compile  # noqa: E402
 from ppll_compile import CheckpointError  # noqa: E402
 from ppll_compile.runtime.checkpoint import latest  # noqa: E402
-from resnet32 import build_model  # noqa: E402
 
 NUM_CLASSES = 10
 

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import ppll_compile
-from ppll_compile.policy import Policy, load_policy, validate_policy
+from ppll_compile.heads.policy import Policy, load_policy, validate_policy
 
 __all__ = ["DigitsCNN", "conv_bn_relu", "load_data", "optimizer_factory", "scheduler_factory", "train_e2e",
            "train_ppll", "table", "main"]

@@ -26,7 +26,7 @@ from torch import Tensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import ppll_compile
-from ppll_compile.heads import model_loss
+from ppll_compile.heads.losses import model_loss
 
 __all__ = ["batches", "build_model", "labels_of", "load_corpus", "main", "perplexity", "table", "train_e2e",
            "train_ppll", "validation_windows"]

@@ -21,7 +21,7 @@ from torch import Tensor
 from transformers import T5Config, T5ForConditionalGeneration
 
 import ppll_compile
-from ppll_compile.heads import model_loss
+from ppll_compile.heads.losses import model_loss
 
 __all__ = ["batches", "build_model", "main", "table", "train_e2e", "train_ppll"]
 

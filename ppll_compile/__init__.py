@@ -1,17 +1,26 @@
 """ppll-compile: compile an unmodified nn.Module into a pipeline for local learning or blockwise distillation."""
 
 from .api import compile, plan
-from .calibration import calibrate
-from .errors import (CheckpointError, CutError, InfeasibleMemoryError, PartitionError, PlanError, PolicyError, PPLLError,
-                     StageError, TraceError)
-from .lowered import Stage
+from .cost.calibration import calibrate
+from .errors import (
+                     CheckpointError,
+                     CutError,
+                     InfeasibleMemoryError,
+                     PartitionError,
+                     PlanError,
+                     PolicyError,
+                     PPLLError,
+                     StageError,
+                     TraceError,
+)
+from .lower.stages import Stage
 from .options import PlanOptions
 from .pipeline import CompiledPipeline, DistillPipeline
-from .plan import BlockPlan, Plan, StagePlan, TensorSpec
-from .plan_specs import HeadSpec
+from .plans.plan import BlockPlan, Plan, StagePlan, TensorSpec
+from .plans.specs import HeadSpec
+from .plans.timeline import Event, Timeline
 from .runtime import Trainer
-from .simulate import Simulation, StageSimulation, simulate
-from .timeline import Event, Timeline
+from .simulation.simulate import Simulation, StageSimulation, simulate
 
 __all__ = [
     "compile",

@@ -13,27 +13,42 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from .analysis import Analysis, analyse
-from .cost import META_KEY
-from .cuts import Cut
-from .assemble import assemble_ppll
+from .analysis.analyse import Analysis, analyse
+from .analysis.cuts import Cut
+from .capture.meta import PLANNED_ON_META, is_meta
+from .cost.modules import ModuleCost
+from .cost.nodes import META_KEY
 from .errors import CutError, PlanError, PolicyError
-from .module_cost import ModuleCost
-from .heads import copied_blocks, counted_head, counted_loss
-from .lower import lower_ppll, next_blocks
-from .materialize import MaterializeHook, Materialization, StateDictSource, local_stages as materialized_stages
-from .materialize import meta_note
-from .meta import PLANNED_ON_META, is_meta
-from .output_head import NoOutputProjection
-from .options import SavedPlan, check_no_blocks, read_saved_plan, resolve_mode, resolve_options
-from .options import PlanOptions
-from .partition import StageRequest, idle_note, ppll_layout, segment_costs, slow_stage_note, stage_request, time_layout
+from .heads.build import copied_blocks, counted_head, counted_loss
+from .heads.output import NoOutputProjection
+from .heads.policy import Policy, load_policy
+from .lower.materialize import Materialization, MaterializeHook, StateDictSource, meta_note
+from .lower.materialize import local_stages as materialized_stages
+from .lower.split import lower_ppll, next_blocks
+from .options import PlanOptions, SavedPlan, check_no_blocks, read_saved_plan, resolve_mode, resolve_options
 from .pipebd.build import compile_pipebd, plan_pipebd
 from .pipeline import CompiledPipeline
-from .plan import Plan, TensorSpec
-from .runtime.plan_share import meet, receive_plan, request_of, send_failure, send_plan, shared_note, shared_ranks
-from .plan_specs import HeadSpec
-from .policy import Policy, load_policy
+from .place.assemble import assemble_ppll
+from .place.partition import (
+    StageRequest,
+    idle_note,
+    ppll_layout,
+    segment_costs,
+    slow_stage_note,
+    stage_request,
+    time_layout,
+)
+from .plans.plan import Plan, TensorSpec
+from .plans.specs import HeadSpec
+from .runtime.distributed.plan_share import (
+    meet,
+    receive_plan,
+    request_of,
+    send_failure,
+    send_plan,
+    shared_note,
+    shared_ranks,
+)
 
 
 def plan(model: nn.Module, gpus: int | None = None, *, teacher: nn.Module | None = None, mode: str | None = None,
@@ -47,7 +62,7 @@ def plan(model: nn.Module, gpus: int | None = None, *, teacher: nn.Module | None
     precision, fusion). ``precision="bf16"`` (or ``"fp16"``) prices the plan in mixed precision as
     ``torch.autocast`` runs it (low-precision compute, activations and boundaries; float32 weights, gradients and
     optimizer state), ``"bf16-pure"`` everything in bfloat16, ``"fp32"`` (default) float32; the trainer's autocast
-    follows it (see :mod:`ppll_compile.precision`).
+    follows it (see :mod:`ppll_compile.plans.precision`).
     ``plan`` re-applies a saved (possibly hand-edited) plan: its cuts, devices and heads are validated
     against the model and its costs measured afresh.
 
@@ -78,7 +93,7 @@ def compile(model: nn.Module, gpus: int | None = None, *, teacher: nn.Module | N
 
     A model built on the meta device (``with torch.device("meta"): model = Net()``) is planned without
     allocating it, and each stage is then materialised on its own device only (see
-    :mod:`ppll_compile.materialize`): its tensors allocated there, then filled by
+    :mod:`ppll_compile.lower.materialize`): its tensors allocated there, then filled by
 
     - default: the model's own initialisation (Hugging Face's ``_init_weights``, else ``reset_parameters()`` of
       every module the stage holds; a tensor no module initialises is an error);
@@ -138,7 +153,7 @@ _HERE: dict[str, Callable[[int], bool]] = {
     "mps": lambda index: torch.backends.mps.is_available() and index == 0,
     "xpu": lambda index: torch.xpu.is_available() and index < torch.xpu.device_count(),
 }
-"""Whether this machine has the device of a kind (one of :data:`~ppll_compile.plan.DEVICE_TYPES`) and index."""
+"""Whether this machine has the device of a kind (one of :data:`~ppll_compile.plans.plan.DEVICE_TYPES`) and index."""
 
 
 def _check_devices_here(opts: PlanOptions, placing: bool) -> None:
@@ -371,7 +386,7 @@ def _heads(a: Analysis, request: StageRequest, saved: SavedPlan | None, policy: 
 
 def _scores_spec(a: Analysis) -> TensorSpec | None:
     """The tensor of the model's output the last stage's default loss reads (see
-    :func:`~ppll_compile.heads.logits_of`): the output itself, an output dict's ``logits``, or the first tensor of a
+    :func:`~ppll_compile.heads.build.logits_of`): the output itself, an output dict's ``logits``, or the first tensor of a
     tuple or list; ``None`` when it finds none."""
     spec = a.output_spec()
     if spec is not None:
@@ -393,7 +408,7 @@ _WAY_OUT = ("pass the trainer the loss of your task: compiled.trainer(..., loss=
 def _output_notes(model: nn.Module, a: Analysis, plan: Plan, num_classes: int | None) -> list[str]:
     """What the plan says about the model's output where the default losses do not fit it (empty where they do).
 
-    The defaults (:func:`~ppll_compile.heads.task_loss`) read ``N x C`` scores with class labels of shape ``[N]``,
+    The defaults (:func:`~ppll_compile.heads.build.task_loss`) read ``N x C`` scores with class labels of shape ``[N]``,
     ``N x L x C`` per-token scores with labels ``[N, L]``, and one score per example (``[N]`` or ``N x 1``) with float
     or 0/1 targets of shape ``[N]``; an output of another rank, not floating point, or without a tensor fits none. A
     model that says its output is features (``num_classes == 0``, as timm's without a classifier), ``num_classes=``

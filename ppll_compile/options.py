@@ -14,13 +14,13 @@ from torch import nn
 from ppll_compile import partitioners
 from ppll_compile.partitioners.objective import Links
 
+from .cost.hardware import hardware_defaults, load_hardware
+from .cost.optimizers import OPTIMIZER_STATES
 from .errors import PartitionError, PlanError
-from .hardware import hardware_defaults, load_hardware
-from .optimizers import OPTIMIZER_STATES
-from .plan import MODES, PLAN_VERSION, Plan, TensorSpec, device_problem
-from .plan_file import read_plan_document
-from .policy import check_plan_heads
-from .precision import FUSIONS, default_fusion, precision_spec
+from .heads.policy import check_plan_heads
+from .plans.file import read_plan_document
+from .plans.plan import MODES, PLAN_VERSION, Plan, TensorSpec, device_problem
+from .plans.precision import FUSIONS, default_fusion, precision_spec
 
 DEFAULT_FLOPS_PER_SECOND = 1e13
 """Sustained training throughput assumed per device when costs are counted in FLOPs (10 TFLOP/s)."""
@@ -99,19 +99,19 @@ class PlanOptions:
     from ``split_points`` or the partitioner); ``False`` (``None``: the PPLL default) means one device per
     stage. ``pipebd`` plans default to ``True``."""
     hardware: str | None = None
-    """The devices the plan is made for (:mod:`~ppll_compile.hardware`): a preset (``h100``, ``h200``,
+    """The devices the plan is made for (:mod:`~ppll_compile.cost.hardware`): a preset (``h100``, ``h200``,
     ``a100-80gb``, ``a100-40gb``, ``l40s``, ``mi300x``: priced from the vendor's figures, nothing timed here;
     ``cpu``: this machine, calibrated) or a JSON figures file; its memory per device is the default
     ``memory_limit`` and its intra-node link the default ``link_bandwidth``. ``None``: this machine's figures
     (the first device's, calibrated), no default cap."""
     precision: str = "fp32"
-    """The precision the model trains in (:mod:`~ppll_compile.precision`): ``fp32`` (default), ``bf16`` or ``fp16``
+    """The precision the model trains in (:mod:`~ppll_compile.plans.precision`): ``fp32`` (default), ``bf16`` or ``fp16``
     (mixed precision as ``torch.autocast`` runs it: low-precision compute and activations, float32 weights, gradients
     and optimizer state), or ``bf16-pure`` (everything bfloat16); the costs, the memory, the boundaries and the
     trainer's autocast follow it."""
     fusion: str | None = None
     """How element-wise chains are priced: ``eager`` (one operator at a time, as PyTorch runs a model that is not
-    compiled) or ``fused`` (one kernel per chain, as ``torch.compile`` runs it; see :mod:`~ppll_compile.reprice`);
+    compiled) or ``fused`` (one kernel per chain, as ``torch.compile`` runs it; see :mod:`~ppll_compile.cost.reprice`);
     ``None``: ``fused`` for a low precision, ``eager`` for ``fp32``."""
 
     def __post_init__(self) -> None:
@@ -352,7 +352,7 @@ def resolve_options(gpus: int | None, base: SavedPlan | None, options: dict[str,
     """Options from the call, falling back to a re-applied plan's own settings, then to the defaults of the
     hardware they name (its memory per device as ``memory_limit``, its intra-node link as ``link_bandwidth``, and
     for more devices than one of its nodes holds, its nodes and their links: see
-    :func:`~ppll_compile.hardware.hardware_defaults`)."""
+    :func:`~ppll_compile.cost.hardware.hardware_defaults`)."""
     given = {**(base.settings if base is not None else {}), **options}
     hardware = given.get("hardware")
     devices = gpus if gpus is not None else len(given.get("devices") or ()) or None

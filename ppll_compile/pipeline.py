@@ -13,10 +13,10 @@ import torch.fx as fx
 from torch import nn
 
 from .errors import PolicyError, PPLLError, TraceError
-from .head_types import head_type_for
-from .lowered import Lowered, Stage
-from .plan import Plan, TensorSpec
-from .policy import load_policy
+from .heads.policy import load_policy
+from .heads.types import head_type_for
+from .lower.stages import Lowered, Stage
+from .plans.plan import Plan, TensorSpec
 from .runtime import Trainer
 from .runtime.messages import dtype_of
 

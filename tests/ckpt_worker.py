@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ppll_compile  # noqa: E402
-from ppll_compile.runtime import checkpoint  # noqa: E402
+from ppll_compile.runtime.checkpoint import store as checkpoint
 from tests.helpers import sgd  # noqa: E402
 from tests.models import Residual  # noqa: E402
 

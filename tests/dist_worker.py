@@ -11,8 +11,8 @@ import sys
 import time
 import traceback
 import warnings
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,8 +22,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # the repository root: ``tests.…`` imports
 
-import ppll_compile  # noqa: E402
 from models import Residual, conv_student, conv_teacher  # noqa: E402
+
+import ppll_compile  # noqa: E402
 from tests.helpers import seeded_batches, sgd  # noqa: E402
 
 __all__ = ["Trap", "Chain", "SizedResidual", "fifo_pipeline", "fifo_program", "fifo_fit", "chain_pipeline",

@@ -19,8 +19,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # the repository root: ``tests.…`` imports
 
-import ppll_compile  # noqa: E402
 from dist_worker import launch  # noqa: E402
+
+import ppll_compile  # noqa: E402
 from tests.helpers import sgd  # noqa: E402
 
 __all__ = ["TinyLM", "token_batches", "lm_pipeline", "lm_program", "METRICS", "main"]

@@ -22,12 +22,12 @@ import torch
 from torch import nn
 
 import ppll_compile
-from ppll_compile.plan import Plan
-from ppll_compile.policy import validate_policy
+from ppll_compile.heads.policy import validate_policy
+from ppll_compile.plans.plan import Plan
 from tests.models import CNN, Residual
 
 if TYPE_CHECKING:
-    from ppll_compile.simulate import Simulation
+    from ppll_compile.simulation.simulate import Simulation
 
 __all__ = ["BATCH", "CONV_X", "IMG", "sgd", "free_port", "quiet", "image_batches", "compiled_residual",
            "seeded_batches", "stage_state", "train_residual", "on_first_stage", "assert_same_parameters", "heads_policy",

@@ -18,8 +18,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # the repository root: ``tests.…`` imports
 
-import ppll_compile  # noqa: E402
 from dist_worker import launch  # noqa: E402
+
+import ppll_compile  # noqa: E402
 from tests.helpers import seeded_batches, sgd  # noqa: E402
 from tests.models import Residual  # noqa: E402
 

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # the repository root: ``tests.…`` imports
 
 from dist_worker import fifo_pipeline  # noqa: E402
+
 from tests.helpers import resume_loader  # noqa: E402
 
 __all__ = ["EVERY", "checkpoint_batches", "main"]

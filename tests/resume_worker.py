@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # the repository root: ``tests.…`` imports
 
 from dist_worker import fifo_pipeline, launch, stage_states  # noqa: E402
+
 from tests.helpers import RESUME_EPOCH, free_port, resume_loader  # noqa: E402
 
 __all__ = ["EVERY", "KILL_AT", "main"]

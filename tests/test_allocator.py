@@ -34,7 +34,6 @@ from ppll_compile.allocator import (  # noqa: E402
 )
 
 
-
 def _glibc() -> bool:
     try:
         return sys.platform.startswith("linux") and bool(os.confstr("CS_GNU_LIBC_VERSION"))
@@ -211,7 +210,7 @@ def test_every_runtime_starts_through_the_base(monkeypatch: pytest.MonkeyPatch) 
     import ppll_compile
     from ppll_compile.runtime import trainer as trainer_module
     from ppll_compile.runtime.base import Runtime
-    from ppll_compile.runtime.distributed import DistributedRuntime
+    from ppll_compile.runtime.distributed.runtime import DistributedRuntime
     from ppll_compile.runtime.dna import DNAPerBlockRuntime, DNARuntime
     from ppll_compile.runtime.registry import RUNTIME_CLASSES
     from ppll_compile.runtime.sequential import SequentialRuntime

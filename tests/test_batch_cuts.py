@@ -12,7 +12,7 @@ from torch import nn
 
 import ppll_compile
 from ppll_compile import CutError, PlanError
-from ppll_compile.batch_cuts import FOLDED
+from ppll_compile.analysis.batch_cuts import FOLDED
 
 
 @pytest.fixture(autouse=True)

@@ -12,15 +12,15 @@ import yaml
 from torch import nn
 
 import ppll_compile
-import ppll_compile.cli
+import ppll_compile.cli.command
 from ppll_compile import Plan, PlanError, PolicyError
-from ppll_compile.cli import main
-from ppll_compile.head_types import head_type
+from ppll_compile.cli.command import main
+from ppll_compile.cli.model_file import load_model
 from ppll_compile.errors import ModelFileError
-from ppll_compile.heads import build_head
-from ppll_compile.model_file import load_model
-from ppll_compile.plan_specs import TensorSpec
-from ppll_compile.policy import check_plan_heads, load_policy
+from ppll_compile.heads.build import build_head
+from ppll_compile.heads.policy import check_plan_heads, load_policy
+from ppll_compile.heads.types import head_type
+from ppll_compile.plans.specs import TensorSpec
 
 W = "an integer from {low} to 1048576 (a width x width layer this wide holds 4 TiB of parameters)"
 D = "an integer from {low} to 1024 (deeper than ResNet-1001's trunk)"
@@ -334,11 +334,11 @@ def test_ppll_plan_prints_no_cpp_frames(tmp_path, capsys, monkeypatch):
             raise kind("Storage size calculation overflowed with sizes=[4, 2]" + frames)
         return fail
 
-    monkeypatch.setattr(ppll_compile.cli, "plan", torch_error(RuntimeError))
+    monkeypatch.setattr(ppll_compile.cli.command, "plan", torch_error(RuntimeError))
     assert cli_error([model, "--gpus", "2"], capsys, status=1) == (
         "ppll-plan: internal error: RuntimeError: Storage size calculation overflowed with sizes=[4, 2]; rerun with "
         "--debug for the traceback\n")
-    monkeypatch.setattr(ppll_compile.cli, "plan", torch_error(ValueError))
+    monkeypatch.setattr(ppll_compile.cli.command, "plan", torch_error(ValueError))
     assert cli_error([model, "--gpus", "2"], capsys) == (
         "ppll-plan: error: Storage size calculation overflowed with sizes=[4, 2]\n")
     huge = tmp_path / "huge.py"

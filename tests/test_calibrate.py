@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import ppll_compile
-from ppll_compile import roofline
-from ppll_compile.cli import main
+from ppll_compile.cli.command import main
+from ppll_compile.cost import roofline
 
 CPU = torch.device("cpu")
 

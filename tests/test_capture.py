@@ -330,8 +330,8 @@ def test_baking_the_root_branch_keeps_the_rest_following_the_mode():
 
 
 def _check_noise_opaque_and_drop_switched(order: tuple[str, str]) -> None:
-    from ppll_compile.modes import TrainEval
-    from ppll_compile.trace import trace
+    from ppll_compile.capture.modes import TrainEval
+    from ppll_compile.capture.trace import trace
 
     torch.manual_seed(0)
     model, x = NoiseAndDrop(order), torch.randn(5, 8)
@@ -364,7 +364,7 @@ def test_a_dropout_submodule_after_a_structural_one_is_still_traced_into():
 
 
 def test_a_root_op_reading_a_structural_submodule_does_not_blame_the_root():
-    from ppll_compile.trace import trace
+    from ppll_compile.capture.trace import trace
 
     torch.manual_seed(0)
     model, x = NoiseThenRootOp(), torch.randn(5, 8)
@@ -395,7 +395,7 @@ def _both(module: nn.Module) -> tuple[fx.GraphModule, fx.GraphModule]:
 
 
 def test_merge_modes_switches_constants_and_copies_and_reports_branches():
-    from ppll_compile.modes import TrainEval, merge_modes
+    from ppll_compile.capture.modes import TrainEval, merge_modes
 
     train, eval_ = _both(_Modal())
     merge = merge_modes(train, eval_)
@@ -638,7 +638,7 @@ class _ReadsChannelsLast(nn.Module):
 
 
 def test_layout_of_reads_the_graph():
-    from ppll_compile.layout import CHANNELS_LAST, layout_of
+    from ppll_compile.analysis.layout import CHANNELS_LAST, layout_of
 
     gm = fx.symbolic_trace(_PermuteNorm())
     nodes = {n.name: n for n in gm.graph.nodes}

@@ -9,13 +9,14 @@ import pytest
 import torch
 from torch import nn
 
-from ppll_compile import cost, roofline
-from ppll_compile.capture import capture
-from ppll_compile.cost import META_KEY, measure_graph
+from ppll_compile.capture.export import ONCE_NOTE, mode_matters
+from ppll_compile.capture.frontends import capture
+from ppll_compile.cost import nodes as cost
+from ppll_compile.cost import roofline
+from ppll_compile.cost.nodes import META_KEY, measure_graph
+from ppll_compile.cost.oplog import OpLog
 from ppll_compile.errors import TraceError
-from ppll_compile.export import ONCE_NOTE, mode_matters
-from ppll_compile.oplog import OpLog
-from ppll_compile.plan_file import EXPORT_NOTE
+from ppll_compile.plans.file import EXPORT_NOTE
 
 needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                                         reason="transformers is not installed")
@@ -97,7 +98,7 @@ def test_a_hugging_face_model_goes_straight_to_torch_export(monkeypatch):
 
     def no_trace(*args, **kwargs):
         raise AssertionError("symbolic tracing was tried")
-    monkeypatch.setattr("ppll_compile.capture.trace", no_trace)
+    monkeypatch.setattr("ppll_compile.capture.frontends.trace", no_trace)
     ids = torch.randint(0, 128, (2, 8))
     c = capture(_llama(1), (), {"input_ids": ids})
     assert c.tracer == "export"

@@ -12,7 +12,7 @@ import torch
 
 import ppll_compile
 from ppll_compile import CheckpointError
-from ppll_compile.runtime import checkpoint
+from ppll_compile.runtime.checkpoint import store as checkpoint
 from tests import ckpt_worker as w
 from tests.helpers import free_port, sgd
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ppll_compile import CheckpointError
-from ppll_compile.runtime import checkpoint
+from ppll_compile.runtime.checkpoint import store as checkpoint
 from tests import ckpt_worker as w
 from tests.helpers import sgd
 

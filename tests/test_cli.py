@@ -11,13 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from models import Residual, conv_student, conv_teacher
 from torch import nn
 
 import ppll_compile
 from ppll_compile import Plan
-from ppll_compile.cli import _options, _parse_size, _parser, main
-
-from models import Residual, conv_student, conv_teacher
+from ppll_compile.cli.command import _options, _parse_size, _parser, main
 
 X = torch.randn(4, 3, 16, 16)
 

@@ -6,9 +6,10 @@ import textwrap
 
 import pytest
 
-from ppll_compile import hardware, partitioners, policies
-from ppll_compile.cli import main
-from ppll_compile.cli_advice import cli_worded
+from ppll_compile import partitioners, policies
+from ppll_compile.cli.advice import cli_worded
+from ppll_compile.cli.command import main
+from ppll_compile.cost import hardware
 from ppll_compile.options import PlanOptions
 
 GATED = """

@@ -12,9 +12,9 @@ import torch
 import yaml
 from torch import nn
 
-import ppll_compile.cli
+import ppll_compile.cli.command
 from ppll_compile import Plan, PlanError, PolicyError, TraceError, compile, plan
-from ppll_compile.cli import main
+from ppll_compile.cli.command import main
 from ppll_compile.pipebd.policy import load_distill_policy
 
 PIPEBD = """
@@ -147,7 +147,7 @@ def test_an_internal_error_exits_1_with_a_short_message_and_the_traceback_under_
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(ppll_compile.cli, "plan", broken)
+    monkeypatch.setattr(ppll_compile.cli.command, "plan", broken)
     argv = [str(files["model.py"]), "--gpus", "2"]
     assert main(argv) == 1
     out, err = capsys.readouterr()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ppll_compile.cli import main
+from ppll_compile.cli.command import main
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 import ppll_compile
-from ppll_compile.cost import META_KEY, measure_graph
-from ppll_compile.module_cost import measure_module
-from ppll_compile.trace import trace
+from ppll_compile.capture.trace import trace
+from ppll_compile.cost.modules import measure_module
+from ppll_compile.cost.nodes import META_KEY, measure_graph
 
 
 def _costs(model, *inputs, reuse=True):
@@ -126,7 +126,7 @@ def test_native_attention_formula_matches_the_training_path():
     """The eval fast path (_native_multi_head_attention) is counted like the training path."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from ppll_compile.flops import flop_counter
+    from ppll_compile.cost.flops import flop_counter
     b, seq, e = 2, 10, 32
     mha = nn.MultiheadAttention(e, 4, batch_first=True).eval()
     x = torch.randn(b, seq, e)

@@ -7,14 +7,13 @@ import networkx as nx
 import pytest
 import torch
 import torchvision
-
-from ppll_compile.capture import capture
-from ppll_compile.cost import META_KEY, measure_graph
-from ppll_compile.cuts import MAX_SIDE_VALUES, Cut, legal_cuts
-from ppll_compile.plan import TensorSpec
-from ppll_compile.trace import trace
-
 from models import DictOut, Masked, Residual, TwoInputs
+
+from ppll_compile.analysis.cuts import MAX_SIDE_VALUES, Cut, legal_cuts
+from ppll_compile.capture.frontends import capture
+from ppll_compile.capture.trace import trace
+from ppll_compile.cost.nodes import META_KEY, measure_graph
+from ppll_compile.plans.plan import TensorSpec
 
 
 def _cuts(model, *inputs):
@@ -183,7 +182,7 @@ def test_bert_given_an_attention_mask_is_cut_after_every_encoder_layer():
     # state, which stays the main value (tried as a side value first, the hidden state left the mask as the main
     # value and only the last layer's inside cuttable)
     import ppll_compile
-    from ppll_compile.trace import module_path
+    from ppll_compile.capture.trace import module_path
     model, kwargs = _bert_with_mask()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -220,7 +219,8 @@ def test_mistral_is_cut_after_every_decoder_layer_with_its_mask_and_rotary_table
     # the causal mask is computed by no parameter and tried first alone; the rotary cos and sin, which only help
     # together with it, are still found among the most used values
     import transformers as tf
-    from ppll_compile.trace import module_path
+
+    from ppll_compile.capture.trace import module_path
     config = tf.MistralConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                               intermediate_size=128, vocab_size=100, tie_word_embeddings=False)
     with torch.device("meta"):

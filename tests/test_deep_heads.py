@@ -9,11 +9,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ppll_compile.errors import CutError, PolicyError
-from ppll_compile.heads import InfoProHead, MomentumHead, build_head, head_loss, head_spec, make_head
-from ppll_compile.lower import next_blocks
-from ppll_compile.plan import Plan, TensorSpec
-from ppll_compile.policy import load_policy
-from tests.helpers import IMG, compile_quietly, heads_policy as policy
+from ppll_compile.heads import InfoProHead, MomentumHead
+from ppll_compile.heads.build import build_head, head_spec, make_head
+from ppll_compile.heads.modules import head_loss
+from ppll_compile.heads.policy import load_policy
+from ppll_compile.lower.split import next_blocks
+from ppll_compile.plans.plan import Plan, TensorSpec
+from tests.helpers import IMG, compile_quietly
+from tests.helpers import heads_policy as policy
 from tests.models import CNN, Res
 
 

@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 from ppll_compile.errors import StageError
-from ppll_compile.plan import TensorSpec
-from ppll_compile.runtime.faults import BEAT_KEY, ERROR_KEY, Faults
-from ppll_compile.runtime.wire import Wire
+from ppll_compile.plans.plan import TensorSpec
+from ppll_compile.runtime.distributed.faults import BEAT_KEY, ERROR_KEY, Faults
+from ppll_compile.runtime.distributed.wire import Wire
 from tests.helpers import free_port, run_dist_scenario
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -21,6 +21,7 @@ sys.path.insert(1, str(HERE.parent))  # the repository root: ``tests.…`` impor
 pytest.importorskip("transformers")
 
 from hf_dist_worker import BUILDS, MODELS, pipeline, train  # noqa: E402
+
 from tests.helpers import free_port, run_torchrun  # noqa: E402
 
 pytestmark = pytest.mark.slow

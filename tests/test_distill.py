@@ -12,7 +12,7 @@ from torch import nn
 
 import ppll_compile
 from ppll_compile import CutError, Plan, PolicyError, StageError
-from ppll_compile.cli import main
+from ppll_compile.cli.command import main
 from ppll_compile.pipebd.policy import distill_loss, load_distill_policy
 from tests.helpers import sgd
 from tests.models import conv_student, conv_teacher

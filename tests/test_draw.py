@@ -9,15 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from models import Masked, Residual, conv_student, conv_teacher
 
 import ppll_compile
 from ppll_compile import PPLLError
 from ppll_compile.draw import draw_gantt, draw_graph, plot_costs
 from ppll_compile.draw.costs import cost_bars
 from ppll_compile.draw.graph import MAX_NODES, describe_graph
-from ppll_compile.timeline import Event, Timeline
-
-from models import Masked, Residual, conv_student, conv_teacher
+from ppll_compile.plans.timeline import Event, Timeline
 
 PNG = b"\x89PNG\r\n\x1a\n"
 X = torch.randn(4, 3, 16, 16)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ppll_compile
-from ppll_compile.head_modules import to_target_length
+from ppll_compile.heads.losses import to_target_length
 
 transformers = pytest.importorskip("transformers")
 
@@ -174,10 +174,10 @@ def test_bart_given_decoder_input_ids_is_cut_after_every_encoder_layer(one_threa
         warnings.simplefilter("ignore")
         compiled = ppll_compile.compile(model, gpus=3, example_kwargs=ids, tied="untie",
                                         split_points=["model.encoder.layers.0", "model.decoder.layers.0"])
-    from ppll_compile.capture import capture
-    from ppll_compile.cost import measure_graph
-    from ppll_compile.cuts import legal_cuts
-    from ppll_compile.trace import module_path
+    from ppll_compile.analysis.cuts import legal_cuts
+    from ppll_compile.capture.frontends import capture
+    from ppll_compile.capture.trace import module_path
+    from ppll_compile.cost.nodes import measure_graph
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         captured = capture(model, (), ids)

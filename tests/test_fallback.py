@@ -14,9 +14,9 @@ from torch import fx, nn
 
 import ppll_compile
 from ppll_compile import TraceError
-from ppll_compile.capture import LIBRARY_NOTE, capture
-from ppll_compile.plan_file import EXPORT_NOTE
-from ppll_compile.trace import trace
+from ppll_compile.capture.frontends import LIBRARY_NOTE, capture
+from ppll_compile.capture.trace import trace
+from ppll_compile.plans.file import EXPORT_NOTE
 
 
 class _Base(nn.Module):
@@ -76,7 +76,7 @@ def test_auto_takes_torch_export_after_any_tracing_failure_and_says_why(cls, cau
 def test_an_error_that_is_not_a_trace_error_also_falls_back(monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("tracer broke")
-    monkeypatch.setattr("ppll_compile.capture.trace", boom)
+    monkeypatch.setattr("ppll_compile.capture.frontends.trace", boom)
     c = capture(RaisesFxError(), (torch.randn(4, 16),), {})
     assert c.tracer == "export"
     assert c.notes[0] == (f"{EXPORT_NOTE} (symbolic tracing cannot take it: torch.fx cannot trace RaisesFxError: "
@@ -122,7 +122,7 @@ WAYS_OUT = ("so one captured graph cannot behave like the model in both, whichev
 def test_a_branch_on_training_in_forward_names_the_exact_call_and_skips_torch_export(monkeypatch):
     def no_export(*args, **kwargs):
         raise AssertionError("torch.export was tried")
-    monkeypatch.setattr("ppll_compile.capture.export", no_export)
+    monkeypatch.setattr("ppll_compile.capture.frontends.export", no_export)
     with pytest.raises(TraceError) as info:
         capture(RootBranch(), (torch.randn(4, 16),), {})
     assert str(info.value) == ("RootBranch.forward computes differently in train and in eval mode (it branches on "

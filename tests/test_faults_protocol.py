@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 
 from ppll_compile.errors import StageError
-from ppll_compile.plan import TensorSpec
-from ppll_compile.runtime import faults as faults_module
-from ppll_compile.runtime.faults import ERROR_KEY, Faults, wait_quietly
-from ppll_compile.runtime.wire import Wire
+from ppll_compile.plans.plan import TensorSpec
+from ppll_compile.runtime.distributed import faults as faults_module
+from ppll_compile.runtime.distributed.faults import ERROR_KEY, Faults, wait_quietly
+from ppll_compile.runtime.distributed.wire import Wire
 
 STAGES = {0: 0, 1: 1, 2: 1, 3: 2}  # rank -> stage: stage 1 has two replicas
 

@@ -34,8 +34,9 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(ROOT))
 
-import ppll_compile  # noqa: E402
 from dist_worker import stage_states  # noqa: E402
+
+import ppll_compile  # noqa: E402
 from tests.helpers import free_port  # noqa: E402
 
 pytestmark = pytest.mark.cuda

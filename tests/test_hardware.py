@@ -9,18 +9,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from models import conv_student, conv_teacher
 from torch import nn
 
 import ppll_compile
-from ppll_compile import InfeasibleMemoryError, Plan, PlanError, PlanOptions, partition, profile, roofline
-from ppll_compile.analysis import analyse
-from ppll_compile.cli import main
-from ppll_compile.hardware import NAMES, PRESETS, load_hardware
-from ppll_compile.oplog import COMPUTE, FAMILIES, OpLog
+from ppll_compile import InfeasibleMemoryError, Plan, PlanError, PlanOptions
+from ppll_compile.analysis.analyse import analyse
+from ppll_compile.cli.command import main
+from ppll_compile.cost import roofline
+from ppll_compile.cost.hardware import NAMES, PRESETS, load_hardware
+from ppll_compile.cost.oplog import COMPUTE, FAMILIES, OpLog
+from ppll_compile.lower import profile
 from ppll_compile.options import read_saved_plan
-from ppll_compile.plan_table import format_bytes
-
-from models import conv_student, conv_teacher
+from ppll_compile.place import partition
+from ppll_compile.plans.table import format_bytes
 from tests.helpers import CONV_X
 
 GPUS = ("h100", "h200", "a100-80gb", "a100-40gb", "l40s", "mi300x")

@@ -11,10 +11,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ppll_compile import policies
 from ppll_compile.errors import PolicyError
-from ppll_compile.heads import AuxHead, InfoProHead, build_head, head_loss, make_head
-from ppll_compile.plan import TensorSpec
-from ppll_compile.head_modules import CIFAR_MEAN, CIFAR_STD
-from ppll_compile.policy import KINDS, Policy, load_policy, tensor_kind, validate_policy
+from ppll_compile.heads import AuxHead, InfoProHead
+from ppll_compile.heads.build import build_head, make_head
+from ppll_compile.heads.modules import CIFAR_MEAN, CIFAR_STD, head_loss
+from ppll_compile.heads.policy import KINDS, Policy, load_policy, tensor_kind, validate_policy
+from ppll_compile.plans.plan import TensorSpec
 
 SHAPES = {"feature_map": (8, 64, 16, 16), "channels_last": (8, 16, 16, 64), "sequence": (8, 17, 96), "vector": (8, 256)}
 INPUT_SHAPE = (8, 3, 32, 32)

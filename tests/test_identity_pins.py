@@ -8,7 +8,7 @@ import torch
 
 import ppll_compile
 from ppll_compile import CheckpointError
-from ppll_compile.runtime.group import plan_identity, plan_mismatch
+from ppll_compile.runtime.distributed.group import plan_identity, plan_mismatch
 from tests import ckpt_worker as w
 from tests.helpers import sgd
 

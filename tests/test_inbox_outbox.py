@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ppll_compile.runtime.inbox import Failure, Inbox
+from ppll_compile.runtime.distributed.inbox import Failure, Inbox
+from ppll_compile.runtime.distributed.outbox import Outbox
+from ppll_compile.runtime.distributed.wire import END, Stop
 from ppll_compile.runtime.messages import Message
-from ppll_compile.runtime.outbox import Outbox
-from ppll_compile.runtime.wire import END, Stop
 
 CPU = torch.device("cpu")
 WAIT = 10.0  # seconds before a test that waits on a thread fails instead of hanging

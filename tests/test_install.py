@@ -6,10 +6,10 @@ import json
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = ("ppll_compile", "partitioners", "policies")

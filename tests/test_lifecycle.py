@@ -21,8 +21,8 @@ from ppll_compile.runtime.base import RuntimeSetup
 from ppll_compile.runtime.config import TrainConfig
 from ppll_compile.runtime.threads import ThreadsRuntime
 from tests import ckpt_worker as w
-from tests.helpers import sgd
 from tests.dist_worker import Chain, Trap
+from tests.helpers import sgd
 
 pytestmark = pytest.mark.usefixtures("one_thread_quietly")
 ROOT = Path(__file__).resolve().parent.parent

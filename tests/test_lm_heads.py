@@ -10,11 +10,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import ppll_compile
 from ppll_compile.errors import PolicyError
-from ppll_compile.head_types import head_type
-from ppll_compile.heads import head_spec
-from ppll_compile.output_head import NoOutputProjection, ProjectionHead
-from ppll_compile.plan import TensorSpec
-from ppll_compile.policy import validate_policy
+from ppll_compile.heads.build import head_spec
+from ppll_compile.heads.output import NoOutputProjection, ProjectionHead
+from ppll_compile.heads.policy import validate_policy
+from ppll_compile.heads.types import head_type
+from ppll_compile.plans.plan import TensorSpec
 from tests.helpers import assert_same_parameters, quiet
 
 V, D, LAYERS = 128, 32, 4      # the tiny Llama's vocabulary, hidden size and decoder layers

@@ -19,8 +19,8 @@ sys.path.insert(0, str(HERE))
 import meta_worker as w  # noqa: E402
 
 import ppll_compile  # noqa: E402
+from ppll_compile.capture.meta import PLANNED_ON_META  # noqa: E402
 from ppll_compile.errors import PPLLError  # noqa: E402
-from ppll_compile.meta import PLANNED_ON_META  # noqa: E402
 from tests.helpers import free_port, quiet  # noqa: E402
 from tests.models import Residual  # noqa: E402
 

@@ -12,8 +12,8 @@ import torch
 
 import ppll_compile
 from ppll_compile.errors import PPLLError
-from ppll_compile.runtime.gather import TensorInfo
-from ppll_compile.runtime.model_files import SafetensorsFile
+from ppll_compile.runtime.checkpoint.gather import TensorInfo
+from ppll_compile.runtime.checkpoint.model_files import SafetensorsFile
 from tests.helpers import compiled_residual, image_batches, sgd
 from tests.models import Residual
 

@@ -11,15 +11,14 @@ import re
 
 import pytest
 import torch
+from ppll_compile.partitioners.objective import Segments, stage_seconds
+from ppll_compile.partitioners.problem import format_bytes
+from ppll_compile.partitioners.replicas import brute_force_replicated, layout_costs, solve_replicated
 from torch import nn
 
-from ppll_compile import partitioners
 import ppll_compile
-from ppll_compile.partitioners.objective import Segments, stage_seconds
-from ppll_compile.partitioners.replicas import brute_force_replicated, layout_costs, solve_replicated
-from ppll_compile import api
+from ppll_compile import api, partitioners
 from ppll_compile.errors import InfeasibleMemoryError, PartitionError, PPLLError
-from ppll_compile.partitioners.problem import format_bytes
 
 pytestmark = pytest.mark.usefixtures("one_thread_quietly")
 

@@ -16,7 +16,7 @@ sys.path.insert(0, str(HERE))
 import one_plan_worker as w  # noqa: E402
 
 import ppll_compile  # noqa: E402
-from ppll_compile.plan import Plan  # noqa: E402
+from ppll_compile.plans.plan import Plan  # noqa: E402
 from tests.helpers import run_gloo_workers  # noqa: E402
 
 SHARED = "planned on rank 0 and shared with all 3 ranks (torchrun): every rank lowers this plan"

@@ -12,13 +12,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from ppll_compile.partitioners import (
     SOLVERS,
-    Solver,
     InfeasibleMemoryError,
     PartitionError,
     Problem,
+    Solver,
     bottleneck,
     brute_force,
     register,

@@ -11,11 +11,10 @@ import pytest
 import torch
 import torchvision
 import yaml
+from models import DictOut, Masked, Residual
 
 import ppll_compile
 from ppll_compile import CutError, PartitionError, Plan, PlanError
-
-from models import DictOut, Masked, Residual
 
 X = torch.randn(4, 3, 16, 16)
 

@@ -13,7 +13,7 @@ from torch import nn
 
 import ppll_compile
 from ppll_compile import Plan, PlanError
-from ppll_compile.analysis import analyse
+from ppll_compile.analysis.analyse import analyse
 from ppll_compile.options import PlanOptions
 
 pytestmark = pytest.mark.usefixtures("one_thread_quietly")

@@ -16,8 +16,15 @@ from torch import nn
 
 import ppll_compile
 from ppll_compile import PPLLError
-from tests.helpers import assert_same_parameters, compiled_residual, image_batches, sgd, stage_state
-from tests.helpers import free_port, train_residual
+from tests.helpers import (
+    assert_same_parameters,
+    compiled_residual,
+    free_port,
+    image_batches,
+    sgd,
+    stage_state,
+    train_residual,
+)
 from tests.models import Residual, conv_student, conv_teacher
 
 HERE = Path(__file__).resolve().parent

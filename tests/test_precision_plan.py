@@ -14,13 +14,13 @@ from torch import nn
 
 import ppll_compile
 from ppll_compile import PPLLError
-from ppll_compile.analysis import analyse
-from ppll_compile.cli import main
-from ppll_compile.cost import META_KEY, measure_graph
-from ppll_compile.hardware import PRESETS
+from ppll_compile.analysis.analyse import analyse
+from ppll_compile.cli.command import main
+from ppll_compile.cost.hardware import PRESETS
+from ppll_compile.cost.nodes import META_KEY, measure_graph
+from ppll_compile.cost.roofline import seconds
 from ppll_compile.options import PlanOptions
-from ppll_compile.plan import Plan
-from ppll_compile.roofline import seconds
+from ppll_compile.plans.plan import Plan
 from tests.helpers import BATCH, assert_same_parameters, free_port, image_batches, run_torchrun, sgd
 from tests.models import Residual
 
@@ -268,15 +268,15 @@ N_SCORES = 4 * 16 * 1000
 
 
 def _loss(dtype: str):
-    from ppll_compile.heads import counted_loss
-    from ppll_compile.plan_specs import TensorSpec
+    from ppll_compile.heads.build import counted_loss
+    from ppll_compile.plans.specs import TensorSpec
     size = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     return counted_loss(TensorSpec(name="logits", shape=(4, 16, 1000), dtype=dtype, bytes=N_SCORES * size), 1000,
                         per_token=True)
 
 
 def test_meta_autocast_runs_layers_low_and_losses_in_float32_as_cuda_autocast():
-    from ppll_compile.precision import MetaAutocast
+    from ppll_compile.cost.autocast import MetaAutocast
     with torch.device("meta"):
         layer, x, y = nn.Linear(8, 5), torch.empty(3, 8), torch.zeros(3, dtype=torch.long)
         with MetaAutocast(torch.bfloat16):
@@ -300,9 +300,9 @@ def test_a_low_precision_loss_holds_its_output_low_and_saves_and_differentiates_
 
 @pytest.mark.parametrize("precision", ["bf16", "bf16-pure"])
 def test_a_low_precision_head_runs_its_layers_low_and_its_loss_in_float32(precision):
-    from ppll_compile.heads import counted_head
-    from ppll_compile.plan_specs import TensorSpec
-    from ppll_compile.policy import load_policy
+    from ppll_compile.heads.build import counted_head
+    from ppll_compile.heads.policy import load_policy
+    from ppll_compile.plans.specs import TensorSpec
     spec = {p: TensorSpec(name="h", shape=(4, 16, 32), dtype=d, bytes=4 * 16 * 32 * s)
             for p, d, s in (("fp32", "float32", 4), (precision, "bfloat16", 2))}
     (full, full_cost), (low, low_cost) = (

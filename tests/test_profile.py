@@ -11,12 +11,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ppll_compile.analysis import Analysis, analyse
-from ppll_compile.heads import head_spec
-from ppll_compile.options import PlanOptions
 from ppll_compile import HeadSpec
-from ppll_compile.policy import Policy, load_policy
-from ppll_compile.profile import StageTime, round_statistics, time_blocks, time_stages
+from ppll_compile.analysis.analyse import Analysis, analyse
+from ppll_compile.heads.build import head_spec
+from ppll_compile.heads.policy import Policy, load_policy
+from ppll_compile.lower.profile import round_statistics, time_blocks, time_stages
+from ppll_compile.options import PlanOptions
+from ppll_compile.plans.specs import StageTime
 
 CPU = torch.device("cpu")
 

@@ -10,10 +10,15 @@ import torch
 from ppll_compile import StageError
 from ppll_compile.runtime.messages import Message
 from ppll_compile.runtime.queues import Mailbox, Recent
-from tests.helpers import assert_same_parameters, compiled_residual
-from tests.helpers import image_batches, on_first_stage, sgd
-from tests.helpers import train_residual
-from tests.helpers import no_workers_left
+from tests.helpers import (
+    assert_same_parameters,
+    compiled_residual,
+    image_batches,
+    no_workers_left,
+    on_first_stage,
+    sgd,
+    train_residual,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread_quietly")
 

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 import ppll_compile
-from ppll_compile.pipeline import CompiledPipeline
 from ppll_compile import CutError, PPLLError, Trainer
+from ppll_compile.pipeline import CompiledPipeline
 
 BATCH = 16
 IN = 12

@@ -8,17 +8,23 @@ import torch
 from torch import nn
 
 import ppll_compile
+from ppll_compile.cost.optimizers import OPTIMIZERS, kind_of, optimizer_spec, states_of
+from ppll_compile.cost.roofline import step_ops
 from ppll_compile.errors import PolicyError
-from ppll_compile.head_modules import AuxHead
-from ppll_compile.head_types import (BUILT_IN, HeadType, head_type, head_type_names, register_head_type,
-                                     unregister_head_type)
-from ppll_compile.heads import build_head, head_loss, head_spec
-from ppll_compile.optimizers import OPTIMIZERS, kind_of, optimizer_spec, states_of
-from ppll_compile.plan import TensorSpec
-from ppll_compile.policy import load_policy, validate_policy
-from ppll_compile.profile import make_optimizer
-from ppll_compile.roofline import step_ops
-from ppll_compile.schema import integer
+from ppll_compile.heads.build import build_head, head_spec
+from ppll_compile.heads.modules import AuxHead, head_loss
+from ppll_compile.heads.policy import load_policy, validate_policy
+from ppll_compile.heads.schema import integer
+from ppll_compile.heads.types import (
+    BUILT_IN,
+    HeadType,
+    head_type,
+    head_type_names,
+    register_head_type,
+    unregister_head_type,
+)
+from ppll_compile.lower.profile import make_optimizer
+from ppll_compile.plans.plan import TensorSpec
 from tests.models import Residual
 
 SHAPES = {"feature_map": (4, 16, 8, 8), "channels_last": (4, 8, 8, 16), "sequence": (4, 9, 64), "vector": (4, 32)}
@@ -111,7 +117,7 @@ def test_an_unknown_head_type_lists_the_known_ones():
     with pytest.raises(PolicyError) as e:
         head_type("nope")
     assert str(e.value) == (f"unknown head type 'nope'; known head types: {KNOWN} (or register one with "
-                            f"ppll_compile.head_types.register_head_type)")
+                            f"ppll_compile.heads.types.register_head_type)")
     with pytest.raises(PolicyError) as e:
         validate_policy({"heads": {"feature_map": {"type": "nope"}}}, "p.yaml")
     assert str(e.value) == f"p.yaml: heads.feature_map.type must be one of {KNOWN}, got 'nope'"

@@ -8,7 +8,6 @@ import random
 import re
 
 import pytest
-
 from ppll_compile.partitioners import InfeasibleMemoryError, PartitionError, Problem, bottleneck, brute_force
 from ppll_compile.partitioners.replicas import (
     Layout,

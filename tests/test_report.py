@@ -11,13 +11,12 @@ from torch import nn
 
 import ppll_compile
 from ppll_compile import Plan
-from ppll_compile.cli import main
-from ppll_compile.hardware import PRESETS
-from ppll_compile.heads import counted_head
-from ppll_compile.plan import TensorSpec
-from ppll_compile.plan_report import LARGE_HEAD, memory_split, mfu, model_flops, peak_flops
-from ppll_compile.policy import validate_policy
-
+from ppll_compile.cli.command import main
+from ppll_compile.cost.hardware import PRESETS
+from ppll_compile.heads.build import counted_head
+from ppll_compile.heads.policy import validate_policy
+from ppll_compile.plans.plan import TensorSpec
+from ppll_compile.plans.report import LARGE_HEAD, memory_split, mfu, model_flops, peak_flops
 from tests.helpers import quiet
 
 N, L, D, V = 4, 8, 16, 96  # batch, tokens, width, vocabulary of the tiny causal LM

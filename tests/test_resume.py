@@ -11,8 +11,17 @@ import torch
 import ppll_compile
 from ppll_compile import CheckpointError, PPLLError
 from ppll_compile.runtime.rng import stream_seed
-from tests.helpers import (BATCH, CONV_X, RESUME_EPOCH, compiled_residual, image_batches, resume_loader,
-                           run_gloo_workers, sgd, stage_state)
+from tests.helpers import (
+    BATCH,
+    CONV_X,
+    RESUME_EPOCH,
+    compiled_residual,
+    image_batches,
+    resume_loader,
+    run_gloo_workers,
+    sgd,
+    stage_state,
+)
 from tests.models import conv_student, conv_teacher
 
 HERE = Path(__file__).parent

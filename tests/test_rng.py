@@ -23,8 +23,8 @@ if __name__ == "__main__":
     sys.path.insert(0, str(HERE.parent))
 
 import ppll_compile  # noqa: E402
-from ppll_compile.runtime.queues import Recent  # noqa: E402
 from ppll_compile.runtime.messages import Message  # noqa: E402
+from ppll_compile.runtime.queues import Recent  # noqa: E402
 from ppll_compile.runtime.rng import RNG_LOCK, stream_seed  # noqa: E402
 from tests.helpers import run_gloo_workers  # noqa: E402
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,11 +13,11 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import ppll_compile
-from ppll_compile import roofline
+from ppll_compile.cost import roofline
+from ppll_compile.cost.oplog import Op, OpLog
+from ppll_compile.cost.roofline import DeviceFigures, seconds, step_ops
 from ppll_compile.draw.costs import cost_bars
 from ppll_compile.errors import PlanError
-from ppll_compile.oplog import Op, OpLog
-from ppll_compile.roofline import DeviceFigures, seconds, step_ops
 
 B = 5
 
@@ -206,8 +207,7 @@ def test_a_boundary_saved_by_the_stage_and_its_head_counts_once() -> None:
 
 
 def test_roofline_stage_costs_include_the_optimizer_step() -> None:
-    fig = DeviceFigures(**json.loads(open(roofline.__file__.replace("ppll_compile/roofline.py",
-                                                                    "tests/device_figures.json")).read()))
+    fig = DeviceFigures(**json.loads((Path(__file__).parent / "device_figures.json").read_text()))
     plan = _plan(_mlp(), torch.randn(B, 8), split_points=["1"], policy=_linear_head, optimizer="momentum")
     assert plan.profile == "roofline" and plan.calibration["device"] == fig.device
     first, second = plan.stages

@@ -8,15 +8,15 @@ import warnings
 
 import pytest
 import torch
+from ppll_compile.partitioners.batch import most_replicas, split_refusal
 from torch import nn
 
 import ppll_compile
 from ppll_compile import Plan, PlanError
 from ppll_compile.options import PlanOptions
-from ppll_compile.partition import Costs, StageLayout, fewest_devices, idle_note
-from ppll_compile.partitioners.batch import most_replicas, split_refusal
+from ppll_compile.place.partition import Costs, StageLayout, fewest_devices, idle_note
+from ppll_compile.runtime.distributed.wire import split
 from ppll_compile.runtime.messages import Message
-from ppll_compile.runtime.wire import split
 
 pytestmark = pytest.mark.usefixtures("one_thread_quietly")
 

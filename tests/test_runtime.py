@@ -12,10 +12,17 @@ import yaml
 
 import ppll_compile
 from ppll_compile import CheckpointError, StageError
-from tests.helpers import BATCH, image_batches, sgd, stage_state
-from tests.helpers import assert_same_parameters, compiled_residual
-from tests.helpers import no_workers_left, on_first_stage
-from tests.helpers import train_residual
+from tests.helpers import (
+    BATCH,
+    assert_same_parameters,
+    compiled_residual,
+    image_batches,
+    no_workers_left,
+    on_first_stage,
+    sgd,
+    stage_state,
+    train_residual,
+)
 from tests.models import Residual
 
 pytestmark = pytest.mark.usefixtures("one_thread_quietly")

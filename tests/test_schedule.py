@@ -5,9 +5,8 @@ import threading
 import pytest
 
 import ppll_compile
-from ppll_compile.runtime.schedule import Action, Grid, Memory, Op, StageRule, grid, next_input, rules
-from tests.helpers import compiled_residual, image_batches, on_first_stage
-from tests.helpers import sgd
+from ppll_compile.plans.schedule import Action, Grid, Memory, Op, StageRule, grid, next_input, rules
+from tests.helpers import compiled_residual, image_batches, on_first_stage, sgd
 
 pytestmark = pytest.mark.usefixtures("one_thread_quietly")
 

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 import ppll_compile
-from ppll_compile.plan import Plan
-from ppll_compile.simulate import Simulation, simulate
+from ppll_compile.plans.plan import Plan
+from ppll_compile.simulation.simulate import Simulation, simulate
 from tests.helpers import CONV_X, lane, quiet, synthetic_plan
 from tests.models import conv_student, conv_teacher
 

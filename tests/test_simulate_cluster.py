@@ -11,8 +11,8 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import ppll_compile
-from ppll_compile.plan import Plan, format_bytes
-from ppll_compile.simulate import Simulation, simulate
+from ppll_compile.plans.plan import Plan, format_bytes
+from ppll_compile.simulation.simulate import Simulation, simulate
 from tests.helpers import CONV_X, quiet, synthetic_plan
 from tests.models import conv_student
 

@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 import ppll_compile
-from ppll_compile.plan import Plan
-from ppll_compile.simulate import Simulation, simulate
-from tests.models import conv_student, conv_teacher
+from ppll_compile.plans.plan import Plan
+from ppll_compile.simulation.simulate import Simulation, simulate
 from tests.helpers import CONV_X, lane, quiet, synthetic_plan
+from tests.models import conv_student, conv_teacher
 
 pytestmark = pytest.mark.usefixtures("one_thread_quietly")
 

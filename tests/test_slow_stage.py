@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import ppll_compile
-from ppll_compile.cli import main
-from ppll_compile.partition import SLOW_STAGE_SECONDS
+from ppll_compile.cli.command import main
+from ppll_compile.place.partition import SLOW_STAGE_SECONDS
 from tests.models import Residual
 
 X = torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(0))

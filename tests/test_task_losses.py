@@ -14,9 +14,10 @@ from torch import nn
 
 import ppll_compile
 from ppll_compile.errors import PPLLError, StageError
-from ppll_compile.heads import IGNORE_INDEX, build_head, model_loss, task_loss, task_of
-from ppll_compile.plan import TensorSpec
-from ppll_compile.policy import load_policy
+from ppll_compile.heads.build import build_head
+from ppll_compile.heads.losses import IGNORE_INDEX, model_loss, task_loss, task_of
+from ppll_compile.heads.policy import load_policy
+from ppll_compile.plans.plan import TensorSpec
 from tests.helpers import assert_same_parameters, compiled_residual, sgd
 from tests.models import conv_student, conv_teacher
 

@@ -8,7 +8,7 @@ import torch
 
 import ppll_compile
 from ppll_compile import PPLLError
-from ppll_compile.timeline import Event, Recorder, Timeline
+from ppll_compile.plans.timeline import Event, Recorder, Timeline
 from tests.models import Residual, conv_student, conv_teacher
 
 BATCH = 8

@@ -11,9 +11,12 @@ from torch import nn
 
 from ppll_compile import policies
 from ppll_compile.errors import PolicyError
-from ppll_compile.heads import IGNORE_INDEX, AuxHead, build_head, head_for, head_loss, head_spec, make_head, model_loss
-from ppll_compile.plan import TensorSpec
-from ppll_compile.policy import KINDS, load_policy, tensor_kind, validate_policy
+from ppll_compile.heads import AuxHead
+from ppll_compile.heads.build import build_head, head_for, head_spec, make_head
+from ppll_compile.heads.losses import IGNORE_INDEX, model_loss
+from ppll_compile.heads.modules import head_loss
+from ppll_compile.heads.policy import KINDS, load_policy, tensor_kind, validate_policy
+from ppll_compile.plans.plan import TensorSpec
 
 N, H, W, C = 4, 5, 6, 16  # a channels-last map N x H x W x C
 N_, L, D = 3, 7, 24       # a sequence N x L x D

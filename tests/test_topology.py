@@ -10,17 +10,16 @@ import warnings
 
 import pytest
 import torch
-from torch import nn
-
-import ppll_compile
+from models import conv_student, conv_teacher
 from ppll_compile.partitioners import Problem, bottleneck, brute_force, solve, stage_costs
 from ppll_compile.partitioners.objective import Links
 from ppll_compile.partitioners.replicas import ReplicaProblem, brute_force_replicated, layout_costs, solve_replicated
-from ppll_compile import Plan, PlanError
-from ppll_compile.cli import main
-from ppll_compile.options import PlanOptions
+from torch import nn
 
-from models import conv_student, conv_teacher
+import ppll_compile
+from ppll_compile import Plan, PlanError
+from ppll_compile.cli.command import main
+from ppll_compile.options import PlanOptions
 
 pytestmark = pytest.mark.usefixtures("one_thread_quietly")
 

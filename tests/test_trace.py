@@ -4,12 +4,11 @@ import re
 
 import pytest
 import torch
-
-from ppll_compile.errors import TraceError
-from ppll_compile.modes import TrainEval
-from ppll_compile.trace import trace
-
 from models import DataDependent, DictOut, Residual, WithNoisy
+
+from ppll_compile.capture.modes import TrainEval
+from ppll_compile.capture.trace import trace
+from ppll_compile.errors import TraceError
 
 
 def test_functional_dropout_follows_the_mode():

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 from ppll_compile.errors import PPLLError
-from ppll_compile.plan import TensorSpec
+from ppll_compile.plans.plan import TensorSpec
+from ppll_compile.runtime.distributed.wire import END, Stop, Wire, check_splittable, join, split
 from ppll_compile.runtime.messages import EVAL, TRAIN, Message
-from ppll_compile.runtime.wire import END, Stop, Wire, check_splittable, join, split
 
 PLANNED = 4  # the planned batch size: a dimension 0 of 4 in a spec is the batch
 
@@ -234,7 +234,7 @@ def test_side_tensors_of_every_dtype_travel_as_tensors(link):
 
 
 def test_the_kind_of_a_side_value_is_recorded_from_the_captured_graph_and_kept_by_plan_files():
-    from ppll_compile.cost import tensor_spec
+    from ppll_compile.cost.nodes import tensor_spec
     mask, flag = tensor_spec("mask", torch.ones(2, 3, dtype=torch.bool)), tensor_spec("flag", True)
     assert (mask.scalar, mask.dtype, flag.scalar, flag.dtype) == (False, "bool", True, "bool")
     assert [TensorSpec.from_dict(s.to_dict()) for s in (mask, flag, ZERO_D)] == [mask, flag, ZERO_D]

@@ -15,8 +15,22 @@ import torch
 from torch import nn
 
 import ppll_compile
-from benchmarks.zoo import (PAIRS, ZOO, all_equal, batches, build, call, changed, compile_entry, compile_pair, logits,
-                            parameter_sharing, train, train_pair, train_sizes)
+from benchmarks.zoo import (
+    PAIRS,
+    ZOO,
+    all_equal,
+    batches,
+    build,
+    call,
+    changed,
+    compile_entry,
+    compile_pair,
+    logits,
+    parameter_sharing,
+    train,
+    train_pair,
+    train_sizes,
+)
 
 pytestmark = [pytest.mark.usefixtures("one_thread_quietly"), pytest.mark.slow]  # real models
 

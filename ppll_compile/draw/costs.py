@@ -7,8 +7,8 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..plan import Plan
-from ..units import format_flops
+from ..plans.plan import Plan
+from ..plans.units import format_flops
 from .figure import figure, output_path, save
 
 _SEGMENT_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860")

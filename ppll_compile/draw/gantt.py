@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..timeline import KINDS, Timeline
+from ..plans.timeline import KINDS, Timeline
 from .figure import figure, output_path, save
 
 _KIND_COLORS = {"receive": "#d0d0d0", "forward": "#4c72b0", "backward": "#dd8452", "allreduce": "#8172b3",
@@ -22,7 +22,7 @@ class Gantt:
     bars: int
     """Number of bars drawn (one per event shown)."""
     kinds: tuple[str, ...]
-    """Span kinds shown, in :data:`~ppll_compile.timeline.KINDS` order (the legend)."""
+    """Span kinds shown, in :data:`~ppll_compile.plans.timeline.KINDS` order (the legend)."""
     batches: tuple[int, ...]
     """Batch indices shown."""
     title: str

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..capture.trace import module_path
 from ..errors import PlanError, PPLLError
-from ..plan import Plan
-from ..trace import module_path
+from ..plans.plan import Plan
 from .figure import figure, output_path, save
 
 ENGINES = ("auto", "graphviz", "matplotlib")

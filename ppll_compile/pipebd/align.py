@@ -6,10 +6,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..analysis import Analysis
-from ..cuts import Cut
+from ..analysis.analyse import Analysis
+from ..analysis.cuts import Cut
 from ..errors import CutError
-from ..plan import TensorSpec
+from ..plans.plan import TensorSpec
 
 
 @dataclass(frozen=True, kw_only=True)

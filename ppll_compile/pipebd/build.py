@@ -10,19 +10,19 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..analysis import Analysis, Summary, analyse
-from ..assemble import StageParts, assemble, stage_devices
+from ..analysis.analyse import Analysis, Summary, analyse
+from ..capture.trace import module_path
+from ..cost.roofline import DeviceFigures, seconds, step_ops
 from ..errors import CutError, PolicyError
-from ..lower import model_inputs, split_stages
-from ..lowered import Lowered, Stage
+from ..lower.profile import first_device, time_blocks
+from ..lower.split import model_inputs, split_stages
+from ..lower.stages import Lowered, Stage
 from ..options import PlanOptions
-from ..partition import Costs, block_layout, idle_note, plan_figures, planned_batch
 from ..pipeline import DistillPipeline
-from ..plan import BlockPlan, Plan, TensorSpec
-from ..plan_specs import HeadSpec
-from ..profile import first_device, time_blocks
-from ..roofline import DeviceFigures, seconds, step_ops
-from ..trace import module_path
+from ..place.assemble import StageParts, assemble, stage_devices
+from ..place.partition import Costs, block_layout, idle_note, plan_figures, planned_batch
+from ..plans.plan import BlockPlan, Plan, TensorSpec
+from ..plans.specs import HeadSpec
 from .align import Blocks, align, output_spec, stage_ends
 from .policy import LOGIT_LOSSES, DistillPolicy, distill_loss, load_distill_policy
 

@@ -15,7 +15,7 @@ from torch.nn import functional as F
 from ppll_compile import policies as _policies
 
 from ..errors import PolicyError
-from ..policy import read_yaml
+from ..heads.policy import read_yaml
 
 LOSSES: dict[str, dict[str, float]] = {"mse": {}, "smooth_l1": {"beta": 1.0}, "kl": {"temperature": 1.0},
                                        "soft_ce": {"temperature": 1.0}}

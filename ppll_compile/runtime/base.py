@@ -11,8 +11,8 @@ from typing import Any, ClassVar, TypeAlias
 import torch
 
 from ..errors import StageError
-from ..lowered import Lowered
-from ..plan import Plan
+from ..lower.stages import Lowered
+from ..plans.plan import Plan
 from .config import TrainConfig
 from .messages import Message, add_counts
 from .momentum import link_local

@@ -10,8 +10,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..optimizers import OPTIMIZER_STATES, kind_of, states_of
-from ..units import format_bytes
+from ..cost.optimizers import OPTIMIZER_STATES, kind_of, states_of
+from ..plans.units import format_bytes
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
@@ -24,12 +25,12 @@ class TrainConfig:
     schedule_reused: bool = False
     """Step the schedulers after steps on reused inputs too (``queue="reuse"``)."""
     loss: Callable[[Any, Tensor], Tensor] | None = None
-    """Loss of the last stage, ``fn(model_output, target)``; default :func:`~ppll_compile.heads.model_loss`. It also
+    """Loss of the last stage, ``fn(model_output, target)``; default :func:`~ppll_compile.heads.build.model_loss`. It also
     scores the auxiliary heads of a regression (float targets): ``fn(head_scores, target)``, the scores reshaped to
     the target's shape."""
     aux_loss: tuple[Callable[[Any, Tensor], Tensor] | None, ...] = ()
     """Loss of every auxiliary head, ``fn(head_scores, target)``, one per stage but the last (``None``: the task's,
-    :func:`~ppll_compile.heads.task_loss`); empty: the task's everywhere."""
+    :func:`~ppll_compile.heads.build.task_loss`); empty: the task's everywhere."""
     clip_grad_norm: float | None = None
     """Clip each stage's gradient norm (block and head together) to this value."""
     autocast: tuple[torch.dtype | None, ...] = ()
@@ -53,8 +54,8 @@ def _described(optimizer: torch.optim.Optimizer) -> str:
 
 def optimizer_mismatch(planned: str, stages: Sequence[tuple[int, int, torch.optim.Optimizer]]) -> str | None:
     """What to tell the user when the optimizers the trainer built keep another number of state tensors per parameter
-    than the plan's ``optimizer`` (a kind of :data:`~ppll_compile.optimizers.OPTIMIZERS`) costed; ``None`` when they
-    agree, when the optimizer is not one :func:`~ppll_compile.optimizers.states_of` knows, or when no stage has
+    than the plan's ``optimizer`` (a kind of :data:`~ppll_compile.cost.optimizers.OPTIMIZERS`) costed; ``None`` when they
+    agree, when the optimizer is not one :func:`~ppll_compile.cost.optimizers.states_of` knows, or when no stage has
     gradients.
 
     ``stages``: (stage index, the plan's gradient bytes of its backbone, its first optimizer) per stage run here.

@@ -20,12 +20,12 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import PPLLError
-from ..lowered import Lowered, move
-from ..plan import Plan
-from ..timeline import span
+from ..lower.stages import Lowered, move
+from ..plans.plan import Plan
+from ..plans.timeline import span
 from .base import Counts, Losses, Runtime, progress_bar
 from .config import TrainConfig
-from .group import init_group, rank_device
+from .distributed.group import init_group, rank_device
 from .inputs import batch_message, loader_pair
 from .messages import TRAIN, Message
 from .pipebd import Students, teacher_pass

@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..lowered import Lowered
-from ..meta import check_real_batch
-from ..plan import Plan, TensorSpec
+from ..capture.meta import check_real_batch
+from ..lower.stages import Lowered
+from ..plans.plan import Plan, TensorSpec
 from .messages import Message, dtype_of, shape_text
 
 

@@ -22,10 +22,10 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
 
 from ..errors import CheckpointError, PPLLError
-from ..lowered import Lowered
-from ..plan import Plan
+from ..lower.stages import Lowered
+from ..plans.plan import Plan
 from .base import Losses, Runtime, progress_bar
-from .checkpoint import latest
+from .checkpoint.store import latest
 from .inputs import loader_pair
 from .messages import EVAL, TRAIN, Message
 from .rebalancer import Rebalancer

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..errors import PPLLError
-from ..plan import TensorSpec
+from ..plans.plan import TensorSpec
 
 TRAIN, EVAL = "train", "eval"
 

@@ -25,8 +25,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..errors import PPLLError
-from ..lowered import Lowered
-from .faults import wait_quietly
+from ..lower.stages import Lowered
+from .distributed.faults import wait_quietly
 from .runner import Runner
 
 TAG = 0x3A11

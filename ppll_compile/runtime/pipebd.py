@@ -9,9 +9,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..head_modules import logits_of
-from ..lowered import Stage
-from ..plan import StagePlan
+from ..heads.losses import logits_of
+from ..lower.stages import Stage
+from ..plans.plan import StagePlan
 from .config import TrainConfig
 from .messages import Message
 from .runner import Runner

@@ -10,10 +10,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..heads import logits_of, model_loss
-from ..head_modules import head_scored_loss
-from ..lowered import Stage
-from ..plan import StagePlan
+from ..heads.losses import logits_of, model_loss
+from ..heads.modules import head_scored_loss
+from ..lower.stages import Stage
+from ..plans.plan import StagePlan
 from .config import TrainConfig
 from .messages import Message
 from .runner import Runner
@@ -24,8 +24,8 @@ class _Trainable(nn.Module):
     """The modules a stage trains, as one module that DDP can wrap: ``forward`` gives (output, loss).
 
     The last stage's loss is ``loss(output, target)`` (the trainer's ``loss=``, else the task's,
-    :func:`~ppll_compile.heads.model_loss`); an auxiliary head's is ``aux_loss(scores, target)`` when given, else the
-    task's (:func:`~ppll_compile.heads.task_loss`, float targets scored by ``regression``: the trainer's ``loss=``)."""
+    :func:`~ppll_compile.heads.build.model_loss`); an auxiliary head's is ``aux_loss(scores, target)`` when given, else the
+    task's (:func:`~ppll_compile.heads.build.task_loss`, float targets scored by ``regression``: the trainer's ``loss=``)."""
 
     def __init__(self, stage: Stage, head: nn.Module | None, loss: Callable[[Any, Tensor], Tensor] | None,
                  aux_loss: Callable[[Any, Tensor], Tensor] | None = None) -> None:
@@ -39,7 +39,7 @@ class _Trainable(nn.Module):
         self._where = f"stage {i}'s auxiliary head"
 
     def scored_loss(self, out: Any, target: Any, raw: Tensor | None, scores: bool = True) -> tuple[Any, Tensor]:
-        """The scores (the head's, or the model output's :func:`~ppll_compile.heads.logits_of`; ``scores=False``:
+        """The scores (the head's, or the model output's :func:`~ppll_compile.heads.build.logits_of`; ``scores=False``:
         maybe ``None``) and the local loss of the stage's output ``out``."""
         if self.head is None:
             return logits_of(out), self._loss(out, target)

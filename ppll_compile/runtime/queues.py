@@ -16,8 +16,8 @@ from typing import Any
 
 from torch import Tensor
 
+from ..plans.schedule import Memory
 from .messages import Message
-from .schedule import Memory
 
 
 class Mailbox:

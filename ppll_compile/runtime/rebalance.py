@@ -33,8 +33,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from ..lowered import Lowered
-from ..plan import Plan
+from ..lower.stages import Lowered
+from ..plans.plan import Plan
 from .base import Runtime
 from .registry import runtime_names
 from .rng import stream_seed

@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+
 import torch
 
 from ..errors import CutError, PPLLError
-from ..lowered import Lowered
-from ..plan import Plan
+from ..lower.stages import Lowered
+from ..plans.plan import Plan
 from .base import Runtime
 from .config import TrainConfig
-from .rebalance import (Move, Rebalance, Replanning, StateSnapshot, carry_state, choose_move, head_seed,
-                        median_seconds)
+from .rebalance import Move, Rebalance, Replanning, StateSnapshot, carry_state, choose_move, head_seed, median_seconds
 from .registry import runtime_names
 from .runners import make_runners
 

@@ -13,10 +13,10 @@ import torch
 from torch import Tensor
 
 from ..errors import PPLLError
-from ..plan import Plan
-from ..precision import precision_spec
+from ..plans.plan import Plan
+from ..plans.precision import precision_spec
 from .base import Runtime
-from .distributed import DistributedRuntime
+from .distributed.runtime import DistributedRuntime
 from .dna import DNAPerBlockRuntime, DNARuntime
 from .sequential import SequentialRuntime
 from .threads import ThreadsRuntime
@@ -188,7 +188,7 @@ def _dtype_text(value: Any) -> str:
 
 def autocast_per_stage(value: Any, plan: Plan) -> tuple[torch.dtype | None, ...]:
     """The dtype every stage of ``plan`` trains under ``torch.autocast`` in (empty: none anywhere): the plan's
-    precision's (:attr:`~ppll_compile.precision.Precision.autocast`) when ``value`` is ``None``. A ``bf16``, ``fp16``
+    precision's (:attr:`~ppll_compile.plans.precision.Precision.autocast`) when ``value`` is ``None``. A ``bf16``, ``fp16``
     or ``bf16-pure`` plan takes only its own dtype (its costs, memory and boundaries are priced in it); any other
     ``value`` is refused, naming both and the way out. An ``fp32`` plan takes a dtype, or one dtype-or-None per
     stage, as before precisions were planned, with a warning that its costs are float32's."""

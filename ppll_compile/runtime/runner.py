@@ -13,9 +13,9 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import PPLLError
-from ..lowered import move
-from ..plan import StagePlan
-from ..timeline import Recorder, span
+from ..lower.stages import move
+from ..plans.plan import StagePlan
+from ..plans.timeline import Recorder, span
 from .config import TrainConfig
 from .messages import Message, dtype_of
 from .rng import StageRNG, stream_seed

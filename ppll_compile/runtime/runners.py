@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from ..lowered import Lowered
-from ..meta import check_materialized
-from ..plan import Plan
+from ..capture.meta import check_materialized
+from ..lower.stages import Lowered
+from ..plans.plan import Plan
 from .config import TrainConfig
 from .pipebd import DistillRunner
 from .ppll import StageRunner

@@ -3,7 +3,7 @@ tallies gives (mean losses, accuracies, perplexity, the user's metrics).
 
 A PPLL stage's tally is a tuple of floats summed over batches (and over the replicas of a stage):
 ``(loss_sum, loss_weight, correct, labelled, per_token, *metric_sums)``. The loss of a batch counts times its
-weight: the labels not :data:`~ppll_compile.heads.IGNORE_INDEX` for class labels (per example or per token), the
+weight: the labels not :data:`~ppll_compile.heads.build.IGNORE_INDEX` for class labels (per example or per token), the
 batch size otherwise; so when the loss is a mean (as every default one is), the mean over the data equals the loss
 of the whole data as one batch. A metric counts times the batch size.
 """
@@ -18,7 +18,7 @@ from typing import Any
 from torch import Tensor
 
 from ..errors import PPLLError
-from ..heads import IGNORE_INDEX, task_of
+from ..heads.losses import IGNORE_INDEX, task_of
 
 BUILT_IN = ("loss", "stage_loss", "accuracy", "stage_accuracy", "perplexity", "samples")
 """The keys :meth:`~.trainer.Trainer.evaluate` returns for a ``ppll`` plan (a user metric takes another name)."""

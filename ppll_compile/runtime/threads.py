@@ -13,12 +13,12 @@ from typing import Any
 import torch
 
 from ..errors import PPLLError, StageError
-from ..timeline import span
+from ..plans.schedule import StageRule, next_input, rules
+from ..plans.timeline import span
 from .base import Losses, Runtime
 from .messages import Message
 from .queues import Mailbox, Recent
 from .runner import Runner, StageCancelled
-from .schedule import StageRule, next_input, rules
 
 _END = object()
 _POLL = 0.05  # seconds between checks for a failed stage while waiting on a queue

@@ -16,16 +16,16 @@ from torch import Tensor, nn
 
 from ..allocator import keep_freed_memory
 from ..errors import PPLLError
-from ..lowered import Lowered
-from ..plan import Plan
-from ..timeline import Recorder, Timeline
+from ..lower.stages import Lowered
+from ..plans.plan import Plan
+from ..plans.timeline import Recorder, Timeline
 from .base import Losses, Runtime, RuntimeSetup
-from .checkpointer import Checkpointer
+from .checkpoint.checkpointer import Checkpointer
+from .checkpoint.model_state import ModelState
 from .config import TrainConfig, optimizer_mismatch
 from .inputs import batch_message
 from .loops import DataLoops
 from .messages import TRAIN, Message
-from .model_state import ModelState
 from .rebalance import REBALANCE_STEPS, REBALANCE_THRESHOLD, Move, Replanning, check_rebalance
 from .rebalancer import Rebalancer
 from .registry import autocast_per_stage, aux_loss_per_head, check_options, check_pure
@@ -48,7 +48,7 @@ class Trainer(DataLoops, ModelState):
     ``distributed``: there each process's ``model`` is up to date for its own :attr:`stages` only, and
     :meth:`model_state_dict` (the whole trained model, on rank 0) and :meth:`save_model` gather every stage's.
     ``loss=fn(output, target)``: the last stage's loss (default: the task's); ``aux_loss=fn(scores, target)`` (or one
-    per auxiliary head, ``None``: the task's): every head's. The task's rule: :func:`~ppll_compile.heads.task_loss`.
+    per auxiliary head, ``None``: the task's): every head's. The task's rule: :func:`~ppll_compile.heads.build.task_loss`.
     Every stage sends its output on as soon as its forward made it, before its backward and step (early
     forwarding). ``queue``: ``"fifo"`` (every input in order: the same computation as ``sequential``),
     ``"latest"`` (a stage takes the newest waiting input and drops the older ones, counted in :attr:`dropped`;
@@ -73,7 +73,7 @@ class Trainer(DataLoops, ModelState):
     :mod:`.rebalancer`. :attr:`plan` is then the new plan (the compiled pipeline's too); :attr:`rebalances` lists the
     moves. ``replanner`` (set by :meth:`~ppll_compile.pipeline.CompiledPipeline.trainer`) plans and splits the model.
 
-    ``autocast`` follows the plan's precision (``plan(..., precision=...)``, see :mod:`~ppll_compile.precision`): a
+    ``autocast`` follows the plan's precision (``plan(..., precision=...)``, see :mod:`~ppll_compile.plans.precision`): a
     ``bf16`` or ``bf16-pure`` plan trains every stage's forward and loss under ``torch.autocast`` in bfloat16, an
     ``fp16`` one in float16, an ``fp32`` one under none; ``autocast=`` may repeat the plan's dtype, and any other
     value on a low-precision plan is refused (one option: the plan's). On an ``fp32`` plan ``autocast`` (a dtype, or

@@ -1,0 +1,6 @@
+"""Placement: the analysed model in, the plan out.
+
+Takes: an :class:`~..analysis.analyse.Analysis`, the heads of :mod:`..heads` and the options.
+Gives: the stage layout (:mod:`.partition`: cost vectors to a solver of :mod:`ppll_compile.partitioners`, which
+stay torch-free) and the :class:`~..plans.plan.Plan` assembled from it (:mod:`.assemble`). With ``profile="time"``
+it times candidate stages by lowering them (:mod:`..lower.profile`)."""
