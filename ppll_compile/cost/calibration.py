@@ -21,7 +21,7 @@ def calibrate(device: str | torch.device = "cpu", threads: int | None = None, re
     a CPU's share when ``stages`` stages share it (``cores // stages``, as a plan with ``gpus=stages`` gives each
     stage), 1 on a GPU. ``out``: also write the figures to this JSON file, to pin with ``PPLL_DEVICE_FIGURES=out``
     (the same figures for every plan, on any machine). The figures record the machine's load while measuring, and
-    a warning says when it was busy (:data:`~ppll_compile.cost.roofline.BUSY_LOAD`). ``PPLL_DEVICE_FIGURES`` does not
+    a warning says when it was busy (:data:`~ppll_compile.cost.figures.BUSY_LOAD`). ``PPLL_DEVICE_FIGURES`` does not
     stop a calibration, but while it is set plans use the file it names. ``ppll-plan --calibrate`` and
     ``--recalibrate`` do the same from the command line.
     """

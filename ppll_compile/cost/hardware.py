@@ -27,8 +27,9 @@ from typing import Any
 import torch
 
 from ..errors import PlanError
+from .figures import PRESET_SOURCE, read_figures
 from .oplog import COMPUTE, FAMILIES
-from .roofline import PRESET_SOURCE, DeviceFigures, device_memory, read_figures
+from .roofline import DeviceFigures, device_memory
 
 COMPUTE_FRACTION = {"matmul": 0.7, "attention": 0.5, "conv": 0.5, "conv_bwd": 0.4}
 """Assumed fraction of the dense peak each compute family achieves. ``matmul`` 0.7: cuBLAS/hipBLASLt GEMMs of
@@ -166,7 +167,7 @@ LARGEST_DEVICE: str = _LARGEST.name
 def load_hardware(spec: str | Path) -> Hardware:
     """The hardware ``spec`` names: a preset of :data:`NAMES` (``cpu``: this machine, figures calibrated here), or
     the path of a JSON figures file as :func:`ppll_compile.calibrate` writes (``out=``), optionally with the
-    device's ``memory_bytes`` and the link fields of :data:`~ppll_compile.cost.roofline.FILE_EXTRAS`."""
+    device's ``memory_bytes`` and the link fields of :data:`~ppll_compile.cost.figures.FILE_EXTRAS`."""
     text = str(spec)
     if text in PRESETS:
         return PRESETS[text]

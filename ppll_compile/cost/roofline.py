@@ -1,4 +1,5 @@
-"""Roofline costs: a device's calibrated rates, bandwidths and overhead, and the seconds of operators on it.
+"""Roofline costs: the seconds of operators on a device, and the device's figures (:mod:`.figures`) they are priced
+with: measured on this machine, cached, or pinned by a file.
 
 An operator (an :class:`~ppll_compile.cost.oplog.Op`: its family, FLOPs and bytes) takes ``max(flops / rate, bytes /
 bandwidth) + overhead`` seconds on a device. Operators fall into families that run at different fractions of the
@@ -23,12 +24,13 @@ by less than their run-to-run spread).
 
 Everything measured is cached under the user's cache directory, keyed by the device's name, its thread count
 (CPU) and the torch version, with the machine's load while measuring; a calibration on a busy machine (see
-:data:`BUSY_LOAD`) warns. :func:`ppll_compile.calibrate` (``ppll-plan --calibrate``, ``--recalibrate``) measures
-as a step of its own; a plan on a device without cached figures measures them first. ``PPLL_DEVICE_FIGURES=path.json``
-pins the figures instead (reproducible plans on any machine): a JSON object with the fields of
-:class:`DeviceFigures` (and, ignored there, the link fields :data:`FILE_EXTRAS` that ``hardware=FILE`` reads). A
-hardware preset's figures (:mod:`~ppll_compile.cost.hardware`) are priced the same way, from the vendor's figures: their
-``source`` begins with :data:`PRESET_SOURCE` and nothing is timed on this machine.
+:data:`~.figures.BUSY_LOAD`) warns. :func:`ppll_compile.calibrate` (``ppll-plan --calibrate``, ``--recalibrate``)
+measures as a step of its own; a plan on a device without cached figures measures them first.
+``PPLL_DEVICE_FIGURES=path.json`` pins the figures instead (reproducible plans on any machine): a JSON object with
+the fields of :class:`DeviceFigures` (and, ignored there, the link fields :data:`~.figures.FILE_EXTRAS` that
+``hardware=FILE`` reads). A hardware preset's figures (:mod:`~ppll_compile.cost.hardware`) are priced the same way,
+from the vendor's figures: their ``source`` begins with :data:`~.figures.PRESET_SOURCE` and nothing is timed on this
+machine.
 """
 
 from __future__ import annotations
@@ -42,7 +44,6 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,7 @@ from torch.nn import functional as F
 from torch.utils import _pytree as pytree
 
 from ..errors import PlanError
+from .figures import BUSY_ENV, REDO, DeviceFigures, busy_threshold, read_figures
 from .oplog import COMPUTE, FAMILIES, Op, OpLog, nbytes
 from .optimizers import optimizer_spec
 
@@ -62,33 +64,6 @@ FIGURES_ENV = "PPLL_DEVICE_FIGURES"
 CACHE_ENV = "PPLL_CACHE_DIR"
 """Environment variable overriding the cache directory (default ``$XDG_CACHE_HOME/ppll-compile`` or
 ``~/.cache/ppll-compile``)."""
-BUSY_LOAD = 0.5
-"""The load per core at or above which a calibration counts the machine as busy and warns: the larger 1-minute load
-average read before and after measuring, over the machine's cores. At 0.5 other work holds half the cores on
-average, and a rate measured beside it may be far below what the device does alone."""
-BUSY_ENV = "PPLL_BUSY_LOAD"
-"""Environment variable setting another busy threshold than :data:`BUSY_LOAD` (``0``: every calibration warns,
-``inf``: none does)."""
-PRESET_SOURCE = "preset "
-"""How the ``source`` of a hardware preset's figures begins (``preset h100 (NVIDIA H100 ... datasheet)``)."""
-FILE_EXTRAS = ("intra_node_bandwidth", "inter_node_bandwidth", "gpus_per_node", "sources")
-"""Fields a figures file may hold beside :class:`DeviceFigures`'s, for ``hardware=FILE``: the device's links
-(bytes/s, one direction), devices per node, and where the figures come from."""
-
-
-def busy_threshold() -> float:
-    """The load per core at or above which a calibration warns: :data:`BUSY_ENV`, else :data:`BUSY_LOAD`."""
-    text = os.environ.get(BUSY_ENV, "").strip()
-    if not text:
-        return BUSY_LOAD
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value >= 0:
-        raise PlanError(f"{BUSY_ENV}={text!r} is not a load per core; expected a number >= 0 (default {BUSY_LOAD}; "
-                        f"0 warns on every calibration, inf on none), or unset {BUSY_ENV}")
-    return value
 
 
 def _rebuild(value: Any, device: torch.device, generator: torch.Generator) -> Any:
@@ -106,82 +81,6 @@ def _rebuild(value: Any, device: torch.device, generator: torch.Generator) -> An
     if isinstance(value, tuple):
         return [_rebuild(v, device, generator) for v in value]
     return value
-
-
-@dataclass(frozen=True, kw_only=True)
-class DeviceFigures:
-    """What one device does per second, measured by :func:`measure_device`."""
-
-    device: str
-    """The device's name (a CPU's model name and thread count, a GPU's name)."""
-    torch: str
-    """The torch version measured with."""
-    rates: dict[str, float] = field(default_factory=dict)
-    """By ``family:dtype`` (``matmul:float32``, ``norm:float32``, ...): FLOP/s of a compute family, bytes/s of a
-    memory-bound one."""
-    calls: dict[str, float] = field(default_factory=dict)
-    """Seconds of compute-family operators measured at their own shapes (see :func:`measure_calls`), by
-    ``repr(op.call)``: a matrix product's or a convolution's rate depends on its shape."""
-    overhead: float = 5e-6
-    """Seconds every operator costs beyond its work (dispatch, launch)."""
-    source: str = "measured"
-    """Where the figures came from: ``measured`` (now), ``cache`` or a pinned file's path."""
-    load: dict[str, float] = field(default_factory=dict)
-    """The machine's load while the rates were measured: the 1-minute load average ``before`` and ``after``
-    measuring, and its ``cores``; empty when unknown (figures written by hand or by an earlier version, or a
-    system without a load average)."""
-    memory_bytes: int | None = None
-    """Bytes of memory the device holds (a GPU's, or this machine's RAM for a CPU); ``None`` when unknown."""
-
-    def rate(self, family: str, dtype: str) -> float:
-        """The rate of ``family`` at ``dtype`` (float32's when that dtype was not measured)."""
-        return self.rates.get(f"{family}:{dtype}") or self.rates[f"{family}:float32"]
-
-    def load_per_core(self) -> float | None:
-        """The larger load average read while measuring, over the cores (``None`` when not recorded)."""
-        if not self.load:
-            return None
-        return max(self.load["before"], self.load["after"]) / max(self.load["cores"], 1)
-
-    def busy(self) -> bool:
-        """Whether the machine was busy while measuring: its load per core at or above :func:`busy_threshold`."""
-        load = self.load_per_core()
-        return load is not None and load >= busy_threshold()
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def record(self) -> dict[str, Any]:
-        """The figures as a plan records them: the per-call seconds counted, not listed (the load when known)."""
-        return {**{k: v for k, v in self.to_dict().items()
-                    if k != "calls" and (k != "load" or v) and (k != "memory_bytes" or v is not None)},
-                "timed_calls": len(self.calls)}
-
-    def describe(self) -> str:
-        """One line for a plan's notes: the figures, where they came from, and how to measure them again."""
-        if self.source.startswith(PRESET_SOURCE):
-            memory = f", {self.memory_bytes / 1e9:.0f} GB per device" if self.memory_bytes else ""
-            return (f"costs are seconds on {self.device} (roofline, {self.source} figures at assumed achievable "
-                    f"fractions of its peaks: {self.rate('matmul', 'bfloat16') / 1e12:.0f} TFLOP/s bfloat16 matmul, "
-                    f"{self.rate('matmul', 'float32') / 1e12:.0f} TFLOP/s float32 matmul, "
-                    f"{self.rate('memory', 'float32') / 1e9:.0f} GB/s memory, {self.overhead * 1e6:.1f} us per "
-                    f"operator{memory}); nothing was timed on this machine")
-        timed = f", {len(self.calls)} operator shapes timed" if self.calls else ""
-        source = f"pinned by {Path(self.source).name}" if self.source not in ("measured", "cache") else self.source
-        text = (f"costs are seconds on {self.device} (roofline, {source} figures: "
-                f"{self.rate('matmul', 'float32') / 1e9:.0f} GFLOP/s matmul, "
-                f"{self.rate('memory', 'float32') / 1e9:.0f} GB/s memory{timed})")
-        load = self.load_per_core()
-        at = f" at load {load:.2f} per core" + (" (busy: they may be slow)" if self.busy() else "") \
-            if load is not None else ""
-        if self.source == "measured":
-            return text + f"; measured now{at} and cached: {_REDO}"
-        if self.source == "cache" and self.busy():
-            return text + f"; measured{at}: {_REDO}"
-        return text
-
-
-_REDO = "`ppll-plan --recalibrate` or `ppll_compile.calibrate(refresh=True)` measures them again"
 
 
 def seconds(ops: Iterable[Op], figures: DeviceFigures) -> float:
@@ -362,16 +261,6 @@ def measure_device(device: torch.device, threads: int = 1, *, clock: Clock = tim
                          load=load, memory_bytes=device_memory(device))
 
 
-def read_figures(path: str) -> tuple[DeviceFigures, dict[str, Any]]:
-    """The figures a JSON file holds (``source``: its path) and its :data:`FILE_EXTRAS` fields; raises
-    ``OSError``, ``ValueError`` or ``TypeError`` when it cannot be read as such."""
-    data = json.loads(Path(path).read_text())
-    if not isinstance(data, dict):
-        raise ValueError(f"a JSON object was expected, not {type(data).__name__}")
-    extras = {k: data.pop(k) for k in FILE_EXTRAS if k in data}
-    return DeviceFigures(**{**data, "source": str(path)}), extras
-
-
 def device_memory(device: torch.device) -> int | None:
     """Bytes of memory ``device`` holds: a GPU's total, this machine's RAM for a CPU; ``None`` when unknown."""
     try:
@@ -411,10 +300,10 @@ def measure_calls(calls: Iterable[tuple[Any, ...]], device: torch.device, thread
     shapes: the fastest of three timed repeats after a warm-up, each repeat running it often enough to last a
     millisecond, on rotating copies of its arguments (at least 8 MiB of them, so that it does not read from a
     warm cache), as in a training step. Leaves the process as it was (see the module's text). A call that cannot
-    be re-created is left out (its roofline estimate stands), and so is a call whose arguments and outputs
-    (sized on the meta device first, nothing allocated;
-    outputs as large as the arguments where the meta device cannot run it) exceed :data:`TIMING_BUDGET`: it is priced by the
-    roofline formula, never timed at a smaller shape; copies and repeats are cut to stay within the budget."""
+    be re-created is left out (its roofline estimate stands), and so is a call whose arguments and outputs (sized on
+    the meta device first, nothing allocated; outputs as large as the arguments where the meta device cannot run it)
+    exceed :data:`TIMING_BUDGET`: it is priced by the roofline formula, never timed at a smaller shape; copies and
+    repeats are cut to stay within the budget."""
     out: dict[str, float] = {}
     meta = torch.device("meta")
     with _isolated(device, threads) as (sync, g), torch.no_grad():
@@ -480,7 +369,7 @@ def device_figures(device: torch.device, threads: int = 1, *, calls: Iterable[tu
             warnings.warn(f"the machine was busy while the figures of {figures.device} were measured (load average "
                           f"{figures.load_per_core():.2f} per core over {figures.load['cores']:.0f} cores, at or "
                           f"above {threshold}; {BUSY_ENV} sets the threshold): they may be slow, and they are "
-                          f"cached; when it is quieter, {_REDO}", stacklevel=2)
+                          f"cached; when it is quieter, {REDO}", stacklevel=2)
     missing = {repr(c): c for c in calls if c and repr(c) not in figures.calls}
     if missing:
         figures = dataclasses.replace(figures, calls={**figures.calls,

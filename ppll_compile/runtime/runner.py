@@ -1,11 +1,11 @@
-"""``Runner``: what every kind of stage shares (device, optimizers, schedulers, autocast, randomness, counters)."""
+"""``Runner``: what every kind of stage shares (device, messages, autocast, randomness, counters, checkpoints); its
+optimizers, schedulers and steps are :class:`~.updates.GradientUpdates`'s."""
 
 from __future__ import annotations
 
 import contextlib
-import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -19,10 +19,7 @@ from ..plans.timeline import Recorder, span
 from .config import TrainConfig
 from .messages import Message, dtype_of
 from .rng import StageRNG, stream_seed
-
-
-def _finite(loss: Tensor) -> bool:
-    return math.isfinite(float(loss))
+from .updates import GradientUpdates
 
 
 def _check_output(out: Any) -> None:
@@ -42,30 +39,9 @@ class StageCancelled(PPLLError):
     touch its parameters again: a worker thread still inside that stage's forward ends there, without a step."""
 
 
-def _clip_and_step(parts: Sequence[tuple[torch.optim.Optimizer, list[nn.Parameter]]], scaler: Any,
-                   clip: float | None, live: Callable[[], None] = lambda: None) -> bool:
-    """Unscale (``scaler``: a GradScaler or ``None``), clip to ``clip`` and step every (optimizer, its parameters) of
-    ``parts``; ``False`` when the scaler skipped the step (infinite or NaN gradients). ``live()`` is called right
-    before each optimizer's gradients and parameters change (it raises once the stage is cancelled)."""
-    for optimizer, params in parts:
-        live()
-        if scaler is not None:
-            scaler.unscale_(optimizer)
-        if clip is not None:
-            nn.utils.clip_grad_norm_(params, clip)
-        if scaler is not None:
-            scaler.step(optimizer)
-        else:
-            optimizer.step()
-    if scaler is None:
-        return True
-    before = scaler.get_scale()
-    scaler.update()
-    return scaler.get_scale() >= before  # the scale backs off after a skipped step
-
-
-class Runner:
-    """What every kind of stage shares: its device, optimizers, schedulers, autocast, messages and counters.
+class Runner(GradientUpdates):
+    """What every kind of stage shares: its device, autocast, messages, randomness and counters, and (from
+    :class:`~.updates.GradientUpdates`) its optimizers, schedulers and gradient updates.
 
     A replicated stage (``plan.replicas > 1``) runs under DDP in its replica ``group``; each replica
     trains on a slice of the batch, its loss scaled so that the all-reduced gradient is the whole batch's.
@@ -124,42 +100,22 @@ class Runner:
         if not self.params:
             raise PPLLError(f"stage {self.index} has no parameters to train; compile with fewer stages "
                             f"or other split points")
-        self._groups = groups
-        self.optimizers = [config.optimizer(g) for g in groups]
-        """One optimizer per independently trained part (a PPLL stage: one; a Pipe-BD stage: one per block)."""
-        self.schedulers = [config.scheduler(o) for o in self.optimizers] if config.scheduler is not None else []
+        dtype = config.autocast[self.index] if config.autocast else None
+        self._setup_updates(config, groups, device, dtype)
         self.steps = 0
         """Batches trained on (reused inputs included); with ``accumulate=1`` also the optimizer steps."""
-        self.updates = 0
-        """Optimizer steps: one per ``accumulate`` batches, one per partial group at an end of the data (a float16
-        step the scaler skipped counts too)."""
-        self.accumulate, self.pending, self._group_schedules = config.accumulate, 0, True
-        """Batches per optimizer step (``accumulate=``); those of the current group trained on so far."""
         self.reused = 0
         """Inputs trained on again because no new one had arrived (``queue="reuse"``)."""
         self.dropped = 0
         """Inputs that arrived and were never trained on, because a newer one had arrived (``queue="latest"``)."""
-        dtype = config.autocast[self.index] if config.autocast else None
         self._autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype is not None \
             else contextlib.nullcontext
-        self.scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
-        """The stage's gradient scaler under float16 autocast (``None``: bfloat16 keeps float32's range)."""
         self._out_dtypes = tuple(dtype_of(t) for t in self.plan.boundary)
         self._net: nn.Module = trainable
         self._rng = StageRNG(device)
         if group is not None:
             self._net = DistributedDataParallel(trainable, process_group=group,
                                                 device_ids=[device] if device.type == "cuda" else None)
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        """The first (for a PPLL stage the only) optimizer."""
-        return self.optimizers[0]
-
-    @property
-    def scheduler(self) -> Any:
-        """The first scheduler, or ``None`` when the trainer has none."""
-        return self.schedulers[0] if self.schedulers else None
 
     @property
     def is_last(self) -> bool:
@@ -310,48 +266,6 @@ class Runner:
         """One EMA step of this stage's momentum head towards the next stage's ``weights``."""
         raise NotImplementedError
 
-    def update(self, loss: Tensor, scale: float = 1.0, parts: Sequence[int] | None = None, *,
-               batch: int = -1, schedule: bool = True) -> bool:
-        """Backward ``loss`` times ``scale / accumulate``; once ``accumulate`` batches are in, clip and step the
-        optimizers (and schedulers) of ``parts``; whether they stepped.
-
-        ``parts`` indexes :attr:`optimizers` (default: all); ``batch`` names the spans when tracing; ``schedule=False``
-        (said by a group's last batch) leaves the schedulers. Under float16 the loss is scaled by :attr:`scaler` and
-        the gradients unscaled before clipping; a step it skips (inf/NaN gradients) leaves the schedulers too.
-        :attr:`before_step` (when set) runs between the last backward and the optimizer steps.
-        """
-        if self.config.nan_check and not _finite(loss):
-            raise FloatingPointError(f"loss is {float(loss)} (nan_check=True); lower the learning rate, clip "
-                                     f"gradients (clip_grad_norm=...) or check the data")
-        parts = range(len(self.optimizers)) if parts is None else parts
-        self.check_live()
-        if self.pending == 0:
-            for i in parts:
-                self.optimizers[i].zero_grad(set_to_none=True)
-        scale = scale / self.accumulate
-        with span(self.recorder, "backward", batch):
-            scaled = loss * scale if scale != 1.0 else loss
-            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-        self.pending += 1
-        self._group_schedules = schedule
-        if self.pending < self.accumulate:
-            return False
-        _step_group(self, parts, batch)
-        return True
-
-    def flush(self) -> bool:
-        """The end of the data (``finish``, a ``fit`` epoch's end): step on a partial accumulation group of ``k``
-        batches, its gradients times ``accumulate / k`` (their mean); whether the optimizers stepped."""
-        if self.pending == 0:
-            return False
-        self.check_live()
-        factor = self.accumulate / self.pending
-        for p in self.params:
-            if p.grad is not None:
-                p.grad.mul_(factor)
-        _step_group(self, range(len(self.optimizers)), -1)
-        return True
-
     def _state(self) -> dict[str, Any]:
         raise NotImplementedError
 
@@ -380,19 +294,3 @@ class Runner:
         if self.scaler is not None and "scaler" in state:  # a checkpoint without one: the scaler starts afresh
             self.scaler.load_state_dict(state["scaler"])
 
-
-def _step_group(r: Runner, parts: Sequence[int], batch: int) -> None:
-    """Runner ``r`` clips and steps the optimizers (and schedulers) of ``parts`` on the gradients accumulated so far."""
-    if r.before_step is not None:
-        start = time.perf_counter()
-        r.before_step()
-        r._waited += time.perf_counter() - start
-    with span(r.recorder, "step", batch):
-        stepped = _clip_and_step([(r.optimizers[i], r._groups[i]) for i in parts], r.scaler, r.config.clip_grad_norm,
-                                 r.check_live)
-        if r.schedulers and r._group_schedules and stepped:
-            for i in parts:
-                r.check_live()
-                r.schedulers[i].step()
-    r.pending = 0
-    r.updates += 1
