@@ -1,4 +1,10 @@
-"""Pure solvers that cut a sequence of model segments into contiguous pipeline stages, one stage per device."""
+"""Pure solvers that cut a sequence of model segments into contiguous pipeline stages, one stage per device.
+
+Takes: lists of numbers (each segment's cost and memory, device speeds, memory caps: :mod:`.problem`), never
+torch. Gives: the stage layout: exact, uniform, greedy and by-parameter solvers (:mod:`.exact`, :mod:`.baselines`),
+with replicas (:mod:`.replicas`), a stage's cost defined once (:mod:`.objective`), the batch split across replicas
+(:mod:`.batch`), and their errors (:mod:`.errors`). Installed as ``ppll_compile.partitioners``.
+"""
 
 from __future__ import annotations
 

@@ -3,6 +3,8 @@
 Every public function writes one file, its format chosen by the suffix (``.png``, ``.svg`` or ``.pdf``), and
 returns a small frozen description of what it drew. matplotlib and graphviz are imported only when drawing.
 
+Takes: a plan, a compiled pipeline or a timeline. Gives: one picture file each, and what it drew.
+
 - :mod:`~ppll_compile.draw.figure`: the output path check, the figure and its saving, shared by all pictures.
 - :mod:`~ppll_compile.draw.costs`: stacked cost bars per stage (:func:`plot_costs`).
 - :mod:`~ppll_compile.draw.graph`: the traced graph by stage (:func:`describe_graph`, :func:`draw_graph`).
