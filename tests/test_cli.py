@@ -16,7 +16,8 @@ from torch import nn
 
 import ppll_compile
 from ppll_compile import Plan
-from ppll_compile.cli.command import _options, _parse_size, _parser, main
+from ppll_compile.cli.command import _options, _parser, main
+from ppll_compile.cli.arguments import _parse_size
 
 X = torch.randn(4, 3, 16, 16)
 
