@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import hashlib
 import os
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
@@ -289,3 +290,11 @@ def meta_note(how: Materialization, plan: Plan, here: Sequence[int]) -> str:
     where = "every stage" if len(here) == plan.num_stages else \
         f"stage(s) {', '.join(map(str, here))} (this rank's; the others stay on meta)" if here else "no stage"
     return f"the model was built on the meta device: {where} allocated on its own device and {how.how()}"
+
+
+def planned(how: Materialization, plan: Plan, given: Iterable[int] | None, seed: int) -> tuple[Materialization, Plan]:
+    """``how`` for ``plan``: the stages this process materialises (``given``, see :func:`local_stages`) and the seed
+    of their initialisation; and ``plan`` with its note on them (:func:`meta_note`)."""
+    how = dataclasses.replace(how, stages=local_stages(plan, given), seed=seed)
+    here = sorted(range(plan.num_stages) if how.stages is None else how.stages)
+    return how, dataclasses.replace(plan, notes=(*plan.notes, meta_note(how, plan, here)))
