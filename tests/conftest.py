@@ -12,6 +12,14 @@ os.environ.setdefault("PPLL_DEVICE_FIGURES", str(Path(__file__).with_name("devic
 
 
 @pytest.fixture
+def quietly():
+    """No CPU-fallback warnings of compile (a test that records warnings sets its own filter)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+@pytest.fixture
 def one_thread_quietly():
     """One torch thread (the same reduction order in every runtime) and no CPU-fallback warnings of compile."""
     threads = torch.get_num_threads()

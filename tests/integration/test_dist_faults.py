@@ -29,12 +29,12 @@ from ppll_compile.runtime.distributed.faults import BEAT_KEY, ERROR_KEY, Faults
 from ppll_compile.runtime.distributed.wire import Wire
 from tests.helpers import free_port, run_dist_scenario
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import dist_worker as w  # noqa: E402
 
 pytestmark = pytest.mark.slow  # every test forks worker processes
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]
 WORKER = HERE / "dist_worker.py"
 ENV = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                           "MASTER_PORT")} | {"OMP_NUM_THREADS": "1"}

@@ -15,7 +15,7 @@ import pytest
 
 from tests.helpers import run_dist_scenario
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import dist_worker as w  # noqa: E402
 
 pytestmark = pytest.mark.slow  # forks worker processes

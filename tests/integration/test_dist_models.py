@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent))  # the repository root: ``tests.…`` imports
 

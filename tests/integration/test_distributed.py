@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # A user's first run: no pinned figures, an empty cache. The script plans (cache PLAN_DIR), then compiles from
 # seed 0 (cache COMPILE_DIR), and reports what each left behind.

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow  # an example runs end to end
 
 pytest.importorskip("sklearn")
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 CHANCE = 0.1  # digits has 10 balanced classes, and so has the CIFAR-style synthetic task
 
 

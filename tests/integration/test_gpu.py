@@ -1,12 +1,12 @@
 """On CUDA devices: the pipeline equals the model, the runtimes agree, the plan's stage times and memory hold.
 
-Every test is marked ``cuda`` and skipped without a CUDA device: ``pytest -m cuda tests/test_gpu.py`` on a GPU
-machine (meant to take a few minutes on one H200). Stages go on one GPU, each on its own worker thread and CUDA
+Every test is marked ``cuda`` and skipped without a CUDA device: ``pytest -m cuda tests/integration/test_gpu.py`` on a
+GPU machine (meant to take a few minutes on one H200). Stages go on one GPU, each on its own worker thread and CUDA
 stream under the ``threads`` runtime (``devices=["cuda:0", "cuda:0"]``), and, where there are several, one per GPU.
 The timing and memory tests print every stage's measured / predicted ratio (``-s`` shows them; a failure lists them).
 
-Run as a script, ``python tests/test_gpu.py nccl OUT`` is one rank of the NCCL test (started by it, with ``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set).
+Run as a script, ``python tests/integration/test_gpu.py nccl OUT`` is one rank of the NCCL test (started by it, with
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torchvision
 from torch import nn
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(ROOT))
@@ -37,7 +37,7 @@ sys.path.insert(1, str(ROOT))
 from dist_worker import stage_states  # noqa: E402
 
 import ppll_compile  # noqa: E402
-from tests.helpers import free_port  # noqa: E402
+from tests.helpers import compile_quietly, free_port  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
@@ -101,12 +101,6 @@ def _sync(device: torch.device | str | None = None) -> None:
             torch.cuda.synchronize()
     elif torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _compile(model: nn.Module, x: torch.Tensor, **options: Any) -> ppll_compile.CompiledPipeline:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return ppll_compile.compile(model, example_inputs=(x,), **options)
 
 
 @contextlib.contextmanager
@@ -189,7 +183,7 @@ def test_pipeline_in_eval_mode_equals_the_model(name, placement):
         with torch.no_grad():
             expected = reference.to(devices[0]).eval()(x.to(devices[0])).cpu()
         del reference
-        compiled = _compile(model, x, devices=devices)
+        compiled = compile_quietly(model, x, devices=devices)
         assert [str(d) for d in compiled.devices] == devices
         assert {str(p.device) for p in compiled.stages[-1].parameters()} == {devices[-1]}
         with torch.no_grad():
@@ -206,9 +200,9 @@ def test_threads_runtime_trains_what_the_sequential_runtime_trains(name, placeme
     batches = _batches(4, 8, size)
     with _exact_math():
         torch.manual_seed(0)
-        seq = _compile(build(), batches[0][0], devices=devices)
+        seq = compile_quietly(build(), batches[0][0], devices=devices)
         torch.manual_seed(0)
-        thr = _compile(build(), batches[0][0], plan=seq.plan)
+        thr = compile_quietly(build(), batches[0][0], plan=seq.plan)
         _copy_states(seq, thr)
         start = _states(seq)
         ref = _train(seq, "sequential", batches)
@@ -269,7 +263,7 @@ def _measured(name: str, placement: str) -> tuple[ppll_compile.Plan, list[float]
         build, size = MODELS[name]
         torch.manual_seed(0)
         (x, y), = _batches(1, 64, size)
-        compiled = _compile(build(), x, devices=devices, optimizer="momentum")
+        compiled = compile_quietly(build(), x, devices=devices, optimizer="momentum")
         with compiled.trainer(optimizer=_sgd) as trainer:
             # the batch on the first device already: the plan does not cost its copy from the host
             msgs = _stage_messages(trainer, x.to(devices[0]), y.to(devices[0]))
@@ -352,7 +346,7 @@ def _nccl_rank(out: Path) -> None:
     n, batch, size = NCCL_BATCHES
     batches = _batches(n, batch, size)
     with _exact_math():
-        compiled = _compile(_resnet18(), batches[0][0], plan=str(out / "plan.json"))
+        compiled = compile_quietly(_resnet18(), batches[0][0], plan=str(out / "plan.json"))
         start = torch.load(out / "start.pt", weights_only=True)
         for i, (stage, head) in enumerate(zip(compiled.stages, compiled.heads)):
             stage.load_state_dict(start[i]["block"])
@@ -382,7 +376,7 @@ def test_distributed_runtime_on_nccl_trains_what_the_sequential_runtime_trains(t
         plan.save(tmp_path / "plan.json")
         # compiled from the file as the ranks compile it (split_points= keeps the cut module whole when tracing, so
         # its stages would name their tensors otherwise)
-        ref = _compile(model, batches[0][0], plan=str(tmp_path / "plan.json"))
+        ref = compile_quietly(model, batches[0][0], plan=str(tmp_path / "plan.json"))
         torch.save({i: {"block": s.state_dict(), "head": h.state_dict() if h is not None else None}
                     for i, (s, h) in enumerate(zip(ref.stages, ref.heads))}, tmp_path / "start.pt")
         start = _states(ref)
@@ -399,6 +393,7 @@ def test_distributed_runtime_on_nccl_trains_what_the_sequential_runtime_trains(t
 
 if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[1] != "nccl":
-        raise SystemExit("usage: python tests/test_gpu.py nccl OUT  (one rank of the NCCL test; RANK etc. set)")
+        raise SystemExit("usage: python tests/integration/test_gpu.py nccl OUT  "
+                         "(one rank of the NCCL test; RANK etc. set)")
     warnings.simplefilter("ignore")
     _nccl_rank(Path(sys.argv[2]))

@@ -11,7 +11,7 @@ import torch
 from tests.dist_worker import fifo_pipeline
 from tests.helpers import resume_loader, run_torchrun
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread_quietly")  # the workers' one thread: the same sums
 WORKER = HERE / "restart_worker.py"
 EVERY = 2  # as restart_worker.EVERY

@@ -8,7 +8,6 @@ import textwrap
 
 import pytest
 import torch
-import yaml
 from torch import nn
 
 import ppll_compile
@@ -21,6 +20,7 @@ from ppll_compile.heads.build import build_head
 from ppll_compile.heads.policy import check_plan_heads, load_policy
 from ppll_compile.heads.types import head_type
 from ppll_compile.plans.specs import TensorSpec
+from tests.helpers import Net, cli_error, policy_file
 
 W = "an integer from {low} to 1048576 (a width x width layer this wide holds 4 TiB of parameters)"
 D = "an integer from {low} to 1024 (deeper than ResNet-1001's trunk)"
@@ -51,12 +51,6 @@ OPTIONS = [
     ("feature_map", {"type": "conv"}, "depth", D.format(low=0), True),
     ("feature_map", {"type": "conv"}, "width", W.format(low=0), 64.0),
 ]
-
-
-def policy_file(tmp_path, data, name="p.yaml"):
-    path = tmp_path / name
-    path.write_text(yaml.safe_dump(data))
-    return path
 
 
 def refused(path):
@@ -151,16 +145,6 @@ def test_a_policy_over_one_mib_is_refused_unread(tmp_path):
 
 
 # -- plan files ---------------------------------------------------------------------------------------------------
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU())
-        self.b = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.ReLU())
-        self.fc = nn.Linear(4, 3)
-
-    def forward(self, x):
-        return self.fc(self.b(self.a(x)).mean((2, 3)))
 
 
 @pytest.fixture(scope="module")
@@ -283,44 +267,6 @@ def build_model():
 def example_inputs():
     return (torch.randn(2, 3, 4, 4),)
 """
-
-
-def cli_error(argv, capsys, status=2):
-    assert main([str(a) for a in argv]) == status
-    out, err = capsys.readouterr()
-    assert out == "" and "Traceback" not in err and err.count("\n") == 1
-    return err
-
-
-def test_ppll_plan_refuses_oversized_policies_and_plans_in_one_line(tmp_path, capsys, good):
-    model = tmp_path / "model.py"
-    model.write_text(textwrap.dedent(MODEL))
-    deep = policy_file(tmp_path, {"heads": {"feature_map": {"type": "conv", "depth": 2**70}}}, "deep.yaml")
-    assert cli_error([model, "--gpus", "2", "--policy", deep], capsys) == (
-        f"ppll-plan: error: {deep}: heads.feature_map.depth must be an integer from 0 to 1024 (deeper than "
-        f"ResNet-1001's trunk), got 1180591620717411303424\n")
-    nested = tmp_path / "nested.yaml"
-    nested.write_text("heads: " + "[" * 20000 + "]" * 20000 + "\n")
-    assert cli_error([model, "--gpus", "2", "--policy", nested], capsys) == (
-        f"ppll-plan: error: {nested}: the policy is nested deeper than the YAML reader can follow (a policy nests a "
-        f"few levels: section, entry, option); pass the right file, or flatten it\n")
-    for field, value, message in (
-            ("replicas", 2**70, "stages[0].replicas must be an integer from 1 to 4096 (the most devices a plan may "
-                                f"use), got 1180591620717411303424{WAY_OUT}"),
-            ("head", 2**70, "stages[0].head.config.depth must be an integer from 0 to 1024 (deeper than "
-                            "ResNet-1001's trunk), got 1180591620717411303424")):
-        d = copy.deepcopy(good)
-        if field == "replicas":
-            d["stages"][0]["replicas"] = value
-        else:
-            d["stages"][0]["head"]["config"] = {"type": "conv", "depth": value}
-        plan_file = tmp_path / f"{field}.yaml"
-        plan_file.write_text(yaml.safe_dump(d))
-        assert cli_error([model, "--plan", plan_file], capsys) == f"ppll-plan: error: {plan_file}: {message}\n"
-    nested = tmp_path / "nested_plan.yaml"
-    nested.write_text("version: 1\nstages: " + "[" * 20000 + "]" * 20000 + "\n")
-    assert cli_error([model, "--plan", nested], capsys).startswith(
-        f"ppll-plan: error: {nested}: the plan is nested deeper than the reader can follow")
 
 
 def test_ppll_plan_prints_no_cpp_frames(tmp_path, capsys, monkeypatch):

@@ -4,48 +4,21 @@ torch.export front end, channels-last boundaries and token-level models, each ch
 from __future__ import annotations
 
 import copy
-import math
 import re
 import warnings
 
 import pytest
-import timm
 import torch
 import torch.nn.functional as F
-import torchvision
 from torch import fx, nn
-from transformers import (
-    BertConfig,
-    BertForSequenceClassification,
-    LlamaConfig,
-    LlamaForCausalLM,
-)
 
 import ppll_compile
-from ppll_compile import CutError, PolicyError, PPLLError, TraceError
+from ppll_compile import CutError, PPLLError, TraceError
 
 CUDA = "0 CUDA device(s)"
 
 
-@pytest.fixture(autouse=True)
-def _quiet():
-    """No CPU-fallback warnings of compile (a test that records warnings sets its own filter)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-
-
-def _compile(model, gpus=None, **kw):
-    return ppll_compile.compile(model, gpus, **kw)
-
-
-def _vit(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, num_classes=10).eval()
-
-
-def _ids(*shape: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, 128, shape, generator=torch.Generator().manual_seed(seed))
+pytestmark = pytest.mark.usefixtures("quietly")  # no CPU-fallback warnings of compile
 
 
 # ---- toy models -------------------------------------------------------------------------------------------
@@ -143,17 +116,6 @@ class NoiseThenRootOp(nn.Module):
         return self.c(torch.relu(self.noise(self.a(x))))
 
 
-class Wrapper(nn.Module):
-    """A plain wrapper around a third-party model."""
-
-    def __init__(self, inner: nn.Module):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x):
-        return self.inner(x)
-
-
 class SharedTwice(nn.Module):
     """One module called at two depths: a, shared, b, shared again, head. ``d=256`` makes the balanced two-stage
     cut fall between the two calls of ``shared`` when tied parameters are not taken into account."""
@@ -212,7 +174,7 @@ class ConvBNDrop(nn.Module):
 def test_forward_with_defaults_of_every_kind_compiles_and_equals_the_model():
     torch.manual_seed(0)
     model, x = Defaults().eval(), torch.randn(4, 8)
-    c = _compile(model, 2, example_inputs=(x,))
+    c = ppll_compile.compile(model, 2, example_inputs=(x,))
     assert [n.target for n in c.graph_module.graph.nodes if n.op == "placeholder"] == ["x"]
     c.eval()
     with torch.no_grad():
@@ -226,7 +188,7 @@ def test_forward_with_defaults_of_every_kind_compiles_and_equals_the_model():
 def test_a_python_value_given_at_compile_time_is_a_constant_of_the_graph():
     torch.manual_seed(0)
     model, x = Defaults().eval(), torch.randn(4, 8)
-    c = _compile(model, 2, example_inputs=(x,), example_kwargs={"temperature": 0.5, "flag": True}).eval()
+    c = ppll_compile.compile(model, 2, example_inputs=(x,), example_kwargs={"temperature": 0.5, "flag": True}).eval()
     with torch.no_grad():
         expected = model(x, flag=True, temperature=0.5)
         assert not torch.equal(expected, model(x))
@@ -242,7 +204,7 @@ def test_a_python_value_given_at_compile_time_is_a_constant_of_the_graph():
 def test_a_traced_tensor_input_left_out_of_the_call_is_named():
     torch.manual_seed(0)
     model, x, mask = Defaults().eval(), torch.randn(4, 8), (torch.rand(4, 16) > 0.5).float()
-    c = _compile(model, 2, example_inputs=(x,), example_kwargs={"mask": mask}).eval()
+    c = ppll_compile.compile(model, 2, example_inputs=(x,), example_kwargs={"mask": mask}).eval()
     assert [n.target for n in c.graph_module.graph.nodes if n.op == "placeholder"] == ["x", "mask"]
     with torch.no_grad():
         assert torch.equal(c(x, mask=mask), model(x, mask=mask))
@@ -252,19 +214,6 @@ def test_a_traced_tensor_input_left_out_of_the_call_is_named():
         c(x)
 
 
-def test_timm_vit_with_is_causal_default_compiles_and_equals_the_model():
-    model, x = _vit(), torch.randn(2, 3, 32, 32)
-    c = _compile(model, 2, example_inputs=(x,)).eval()
-    assert len(c.stages) == 2
-    with torch.no_grad():
-        assert torch.equal(c(x), model(x))
-        y = torch.randn(3, 3, 32, 32)
-        assert torch.equal(c(y), model(y))
-    with pytest.raises(TypeError, match=re.escape("was compiled with is_causal=False, a constant of the captured "
-                                                  "graph, and is called with is_causal=True")):
-        c(x, is_causal=True)
-
-
 # ---- 2. train and eval ---------------------------------------------------------------------------------
 
 def test_functional_dropout_at_the_root_follows_the_mode_without_warnings():
@@ -272,7 +221,7 @@ def test_functional_dropout_at_the_root_follows_the_mode_without_warnings():
     model, x = RootDropout(), torch.randn(6, 8)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        c = _compile(model, 2, example_inputs=(x,), policy="dgl")
+        c = ppll_compile.compile(model, 2, example_inputs=(x,), policy="dgl")
     others = [str(w.message) for w in caught if issubclass(w.category, UserWarning) and CUDA not in str(w.message)]
     assert others == []
     c.eval()
@@ -293,15 +242,15 @@ def test_functional_dropout_at_the_root_follows_the_mode_without_warnings():
 def test_a_root_branch_on_training_is_refused_unless_baked():
     x = torch.randn(6, 8)
     with pytest.raises(TraceError) as info:
-        _compile(RootBranch(), 2, example_inputs=(x,), policy="dgl", tracer="fx")
+        ppll_compile.compile(RootBranch(), 2, example_inputs=(x,), policy="dgl", tracer="fx")
     msg = str(info.value)
     assert "RootBranch.forward computes differently in train and in eval mode (it branches on self.training" in msg
     assert "bake_train_mode=True" in msg
     with pytest.raises(TraceError, match=re.escape("branches on self.training")):
-        _compile(RootBranch(), 2, example_inputs=(x,), policy="dgl")  # auto: neither front end takes it
+        ppll_compile.compile(RootBranch(), 2, example_inputs=(x,), policy="dgl")  # auto: neither front end takes it
     torch.manual_seed(0)
     model = RootBranch()
-    c = _compile(model, 2, example_inputs=(x,), policy="dgl", bake_train_mode=True)
+    c = ppll_compile.compile(model, 2, example_inputs=(x,), policy="dgl", bake_train_mode=True)
     with torch.no_grad():
         c.train()
         assert torch.equal(c(x), model.train()(x))
@@ -322,7 +271,7 @@ def test_baking_the_root_branch_keeps_the_rest_following_the_mode():
     torch.manual_seed(0)
     model, x = BranchThenDropout(), torch.randn(6, 8)
     for tracer in ("fx", "export"):
-        c = _compile(model, 2, example_inputs=(x,), policy="dgl", bake_train_mode=True, tracer=tracer)
+        c = ppll_compile.compile(model, 2, example_inputs=(x,), policy="dgl", bake_train_mode=True, tracer=tracer)
         c.eval()
         with torch.no_grad():  # the branch stays (x 2), the dropout is off
             expected = model.c(torch.relu(model.b(torch.relu(model.a(x)) * 2)))
@@ -417,18 +366,6 @@ def test_merge_modes_switches_constants_and_copies_and_reports_branches():
     assert all(n.op != "call_module" for n in train.graph.nodes)  # left unchanged
 
 
-# ---- 3. a wrapped third-party model ----------------------------------------------------------------------
-
-def test_wrapped_timm_model_is_traced_into():
-    model, x = Wrapper(_vit()), torch.randn(2, 3, 32, 32)
-    p = ppll_compile.plan(model, 4, example_inputs=(x,))
-    assert len(p.stages) == 4
-    c = _compile(model, example_inputs=(x,), split_points=["inner.blocks.0"]).eval()
-    assert [s.last_module for s in c.plan.stages] == ["inner.blocks.0", "inner.head"]
-    with torch.no_grad():
-        assert torch.equal(c(x), model(x))
-
-
 # ---- 4. a module used at two depths -----------------------------------------------------------------------
 
 def _param_ids(stages) -> list[int]:
@@ -438,7 +375,7 @@ def _param_ids(stages) -> list[int]:
 def test_tied_error_never_puts_a_shared_module_into_two_stages():
     torch.manual_seed(0)
     model, x = SharedTwice(), torch.randn(6, 8)
-    c = _compile(model, 2, example_inputs=(x,), policy="dgl")
+    c = ppll_compile.compile(model, 2, example_inputs=(x,), policy="dgl")
     ids = _param_ids(c.stages)
     assert len(ids) == len(set(ids))  # no parameter in two stages
     assert sorted(ids) == sorted(id(p) for p in model.parameters())  # every model parameter exactly once
@@ -478,7 +415,7 @@ def test_too_few_cuts_because_of_tied_parameters_says_why():
 def _train_untied(model: nn.Module, x: torch.Tensor, runtime: str) -> tuple[nn.Module, list[torch.Tensor]]:
     model = copy.deepcopy(model)
     torch.manual_seed(1)  # the heads are initialised from the global generator
-    c = _compile(model, example_inputs=(x,), policy="dgl", split_points=["b"], tied="untie")
+    c = ppll_compile.compile(model, example_inputs=(x,), policy="dgl", split_points=["b"], tied="untie")
     g = torch.Generator().manual_seed(2)
     options = {"threads_per_stage": 1} if runtime == "threads" else {}
     with c.trainer(optimizer=lambda p: torch.optim.SGD(p, lr=0.1), runtime=runtime, **options) as trainer:
@@ -491,7 +428,7 @@ def _train_untied(model: nn.Module, x: torch.Tensor, runtime: str) -> tuple[nn.M
 def test_tied_untie_gives_the_later_stage_its_own_copy(one_thread_quietly):
     torch.manual_seed(0)
     model, x = SharedTwice(), torch.randn(6, 8)
-    c = _compile(model, example_inputs=(x,), policy="dgl", split_points=["b"], tied="untie")
+    c = ppll_compile.compile(model, example_inputs=(x,), policy="dgl", split_points=["b"], tied="untie")
     assert ("tied parameter(s) shared.weight, shared.bias used by stages 0 to 1: untied, each stage trains its own "
             "copy; the model keeps stage 0's") in c.plan.notes
     assert c.plan.untied == ("shared.weight", "shared.bias")
@@ -522,7 +459,7 @@ def test_tied_untie_gives_the_later_stage_its_own_copy(one_thread_quietly):
 def test_export_front_end_shares_the_models_parameters_and_buffers():
     torch.manual_seed(0)
     model, x = ConvBNDrop(), torch.randn(4, 3, 8, 8)
-    c = _compile(model, 2, example_inputs=(x,), tracer="export", policy="dgl")
+    c = ppll_compile.compile(model, 2, example_inputs=(x,), tracer="export", policy="dgl")
     assert c.plan.notes[0] == "captured with torch.export"
     ids = _param_ids(c.stages)
     assert len(ids) == len(set(ids)) and set(ids) == {id(p) for p in model.parameters()}
@@ -545,7 +482,7 @@ def test_a_moved_stage_keeps_the_model_pointing_at_the_buffers_it_updates():
     # moving a stage (to a GPU, or to another dtype) replaces its buffer tensors; the model must follow
     torch.manual_seed(0)
     model, x = ConvBNDrop(), torch.randn(4, 3, 8, 8)
-    c = _compile(model, 2, example_inputs=(x,), tracer="export", policy="dgl")
+    c = ppll_compile.compile(model, 2, example_inputs=(x,), tracer="export", policy="dgl")
     stage = next(s for s in c.stages if "bn1.running_mean" in dict(s.module.named_buffers()))
     stage.double()
     assert model.bn1.running_mean.dtype == torch.float64
@@ -555,63 +492,9 @@ def test_a_moved_stage_keeps_the_model_pointing_at_the_buffers_it_updates():
 def test_export_refuses_leaf_modules_and_an_unknown_tracer_is_named():
     model, x = ConvBNDrop(), torch.randn(4, 3, 8, 8)
     with pytest.raises(TraceError, match=re.escape("leaf_modules keeps modules opaque")):
-        _compile(model, 2, example_inputs=(x,), tracer="export", leaf_modules=["conv1"])
+        ppll_compile.compile(model, 2, example_inputs=(x,), tracer="export", leaf_modules=["conv1"])
     with pytest.raises(ValueError, match=re.escape("tracer must be one of auto, fx, export, got 'bogus'")):
-        _compile(model, 2, example_inputs=(x,), tracer="bogus")
-
-
-def _bert() -> nn.Module:
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, num_labels=3, max_position_embeddings=64)
-    return BertForSequenceClassification(config).eval()
-
-
-def test_hugging_face_model_needs_export_and_auto_takes_it():
-    from transformers.modeling_outputs import SequenceClassifierOutput
-
-    model, ids = _bert(), _ids(4, 16)
-    with pytest.raises(TraceError, match=re.escape("use tracer='export' (or 'auto')")):
-        _compile(model, 2, example_kwargs={"input_ids": ids}, tracer="fx")
-    c = _compile(model, 2, example_kwargs={"input_ids": ids})
-    assert c.plan.notes[0].startswith("captured with torch.export")
-    assert c.plan.num_classes == 3
-    c.eval()
-    with torch.no_grad():
-        out, ref = c(input_ids=ids), model(input_ids=ids)
-        assert isinstance(out, SequenceClassifierOutput)
-        assert torch.equal(out.logits, ref.logits)
-        other = _ids(3, 16, seed=1)  # another batch size
-        assert torch.equal(c(other).logits, model(other).logits)
-
-
-# ---- 6. channels-last boundaries ------------------------------------------------------------------------
-
-@pytest.mark.slow
-def test_swin_boundaries_are_channels_last_maps():
-    torch.manual_seed(0)
-    model = timm.create_model("swin_tiny_patch4_window7_224", img_size=64, window_size=4, depths=(2, 2, 2, 2),
-                              embed_dim=32, num_heads=(1, 2, 4, 8), num_classes=10).eval()
-    x = torch.randn(2, 3, 64, 64)
-    c = _compile(model, 4, example_inputs=(x,))
-    assert len(c.plan.stages) == 4
-    maps = [s for s in c.plan.stages[:-1] if len(s.boundary[0].shape) == 4]
-    assert maps  # Swin's stages hand on N x H x W x C maps (or, after a patch merging, N x L x C sequences)
-    for s in maps:
-        assert s.boundary[0].layout == "channels_last" and s.head.kind == "channels_last", s.index
-    legal = ppll_compile.plan(model, 2, example_inputs=(x,), split_points=["layers.0"])
-    assert legal.stages[0].boundary[0].layout == "channels_last" and legal.stages[0].head.kind == "channels_last"
-    assert any(re.search(r"^\d+ of \d+ legal cuts dropped: no head of policy 'auto' reads their tensors \(6-D", n)
-               for n in c.plan.notes), c.plan.notes
-    with torch.no_grad():
-        assert torch.equal(c.eval()(x), model(x))
-
-
-def test_resnet_boundary_is_a_plain_feature_map():
-    p = ppll_compile.plan(torchvision.models.resnet18(num_classes=10), 2, example_inputs=(torch.randn(2, 3, 32, 32),))
-    main = p.stages[0].boundary[0]
-    assert len(main.shape) == 4 and main.shape[1] > main.shape[2] and main.layout == ""
-    assert p.stages[0].head.kind == "feature_map"
+        ppll_compile.compile(model, 2, example_inputs=(x,), tracer="bogus")
 
 
 class _PermuteNorm(nn.Module):
@@ -654,78 +537,30 @@ def test_layout_of_reads_the_graph():
     assert layout_of(next(iter(gm.graph.nodes)), gm) == "channels_last"  # read by a permute back to N x C x H x W
 
 
-# ---- 7. token-level models ------------------------------------------------------------------------------
-
-@pytest.mark.slow
-def test_a_causal_lm_is_cut_between_its_decoder_layers_and_takes_other_lengths():
-    torch.manual_seed(0)
-    model, ids = _llama(), torch.randint(0, 128, (4, 16))
-    c = _compile(model, example_kwargs={"input_ids": ids}, split_points=["model.layers.1"])
-    boundary = c.plan.stages[0].boundary
-    # the hidden state, with the rotary cos and sin and the causal mask (a bool tensor, not a scalar) beside it
-    assert boundary[0].dtype == "float32" and len(boundary[0].shape) == 3
-    assert [t.dtype for t in boundary[1:]].count("bool") == 1
-    c.eval(), model.eval()
-    with torch.no_grad():
-        for x in (ids, ids[:3, :9], torch.randint(0, 128, (2, 40))):  # batch and length are free
-            assert torch.equal(c(input_ids=x).logits, model(input_ids=x).logits)
-
-
-def _llama() -> nn.Module:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
-                         num_key_value_heads=1, intermediate_size=64, max_position_embeddings=64, bos_token_id=0,
-                         eos_token_id=0, pad_token_id=0)
-    return LlamaForCausalLM(config)
-
-
-@pytest.mark.slow
-def test_causal_lm_trains_on_per_token_labels_with_lm_heads(one_thread_quietly):
-    model, ids = _llama(), _ids(2, 16)
-    c = _compile(model, 2, example_kwargs={"input_ids": ids})
-    assert c.plan.num_classes == 128
-    assert [s.head.config["type"] for s in c.plan.stages[:-1]] == ["lm"]
-    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
-    with c.trainer(optimizer=lambda p: torch.optim.SGD(p, lr=0.1)) as trainer:
-        stepped = trainer.step({"input_ids": ids}, labels)
-        finished = trainer.finish()
-    losses = [list(a) + list(b) for a, b in zip(stepped, finished)]
-    assert [len(ls) for ls in losses] == [1, 1]
-    assert all(math.isfinite(v) for ls in losses for v in ls)
-    c.eval()
-    with torch.no_grad():
-        assert torch.equal(c(input_ids=ids).logits, model.eval()(input_ids=ids).logits)
-
-
-def test_a_policy_without_per_token_heads_is_named():
-    with pytest.raises(PolicyError, match=re.escape("per token")):
-        ppll_compile.plan(_llama(), 2, example_kwargs={"input_ids": _ids(2, 16)}, policy="dgl")
-
-
 def test_the_ways_out_the_capture_errors_name_lead_to_working_plans():
     import sys
     from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).parent))
+    sys.path.insert(0, str(Path(__file__).parents[1]))
     from models import DataDependent
 
     x = torch.randn(4, 4)
     with pytest.raises(TraceError) as info:  # neither front end takes value-dependent Python
-        _compile(DataDependent(), 2, example_inputs=(x,))
+        ppll_compile.compile(DataDependent(), 2, example_inputs=(x,))
     assert "leaf_modules=['gate']" in str(info.value) and "torch.export, cannot capture it either" in str(info.value)
-    c = _compile(DataDependent(), 2, example_inputs=(x,), leaf_modules=["gate"])  # the advice, followed
+    c = ppll_compile.compile(DataDependent(), 2, example_inputs=(x,), leaf_modules=["gate"])  # the advice, followed
     assert c.plan.num_stages == 2 and c.plan.stages[0].flops_fwd > 0  # the opaque module is measured too
-    c = _compile(DataDependent(), example_inputs=(x,), split_points=["pre", "gate"])  # the other advice
+    c = ppll_compile.compile(DataDependent(), example_inputs=(x,), split_points=["pre", "gate"])  # the other advice
     assert c.plan.num_stages == 3
 
     model, y = NoiseThenRootOp(), torch.randn(4, 8)
     # a module with a train-only branch is kept whole under torch.export, as leaf_modules keeps it under fx
-    exported = _compile(model, 2, example_inputs=(y,), tracer="export")
+    exported = ppll_compile.compile(model, 2, example_inputs=(y,), tracer="export")
     assert any("kept whole" in n and "'noise'" in n for n in exported.plan.notes), exported.plan.notes
-    c = _compile(model, 2, example_inputs=(y,), tracer="fx", leaf_modules=["noise"])
+    c = ppll_compile.compile(model, 2, example_inputs=(y,), tracer="fx", leaf_modules=["noise"])
     c.eval(), model.eval(), exported.eval()
     with torch.no_grad():
         assert torch.equal(c(y), model(y)) and torch.equal(exported(y), model(y))
-    baked = _compile(model, 2, example_inputs=(y,), tracer="export", bake_train_mode=True)  # the other way out
+    baked = ppll_compile.compile(model, 2, example_inputs=(y,), tracer="export", bake_train_mode=True)  # the other way out
     assert baked.plan.num_stages == 2
 
 
@@ -740,7 +575,7 @@ def test_a_model_of_scalars_only_is_told_why_it_cannot_be_split():
 
     with pytest.raises(ValueError, match=re.escape("a model whose inputs are all Python scalars (or 0-D tensors) "
                                                    "cannot be split")):
-        _compile(Scalar(), 2, example_inputs=(2.0,))
+        ppll_compile.compile(Scalar(), 2, example_inputs=(2.0,))
 
 
 def test_example_inputs_the_model_cannot_take_are_named_with_the_failing_layer():
@@ -748,33 +583,5 @@ def test_example_inputs_the_model_cannot_take_are_named_with_the_failing_layer()
     with pytest.raises(ppll_compile.PlanError, match=re.escape(
             "the model does not run on the example inputs (input (4, 5)): node '_0' (module '0') fails with "
             "RuntimeError: ")) as info:
-        _compile(model, 2, example_inputs=(torch.randn(4, 5),))
+        ppll_compile.compile(model, 2, example_inputs=(torch.randn(4, 5),))
     assert "model(*example_inputs) must run" in str(info.value)
-
-
-@pytest.mark.slow  # torch.export of a teacher and a student BERT: about 8 s
-def test_pipebd_blocks_end_between_transformer_layers_with_the_mask_beside_the_output(one_thread_quietly):
-    # the block boundary after a BERT layer carries the hidden state and the attention mask; the student's next
-    # block takes both from the teacher, and the stage sends both
-    def bert(intermediate: int) -> nn.Module:
-        torch.manual_seed(intermediate)
-        return BertForSequenceClassification(BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=4,
-                                                        num_attention_heads=2, intermediate_size=intermediate,
-                                                        num_labels=3, max_position_embeddings=64))
-
-    ids, y = torch.randint(1, 128, (8, 16)), torch.randint(0, 3, (8,))
-    results = []
-    for runtime in ("sequential", "threads"):
-        teacher, student = bert(128), bert(64)
-        c = ppll_compile.compile(student, teacher=teacher, example_kwargs={"input_ids": ids}, replicas=False,
-                                 blocks=[("bert.encoder.layer.1", "bert.encoder.layer.1")],
-                                 split_points=["bert.encoder.layer.1"])
-        boundary = c.plan.stages[0].boundary
-        assert len(boundary) > 1 and boundary[0].shape == (8, 16, 32)
-        assert any(len(v.shape) == 4 for v in boundary[1:])  # the extended attention mask
-        with c.trainer(optimizer=lambda p: torch.optim.SGD(p, lr=0.1), runtime=runtime) as trainer:
-            for _ in range(2):
-                trainer.step(ids, y)
-            trainer.finish()
-        results.append([p.detach().clone() for p in student.parameters()])
-    assert all(torch.equal(a, b) for a, b in zip(*results))

@@ -11,6 +11,7 @@ from ppll_compile.cli.advice import cli_worded
 from ppll_compile.cli.command import main
 from ppll_compile.cost import hardware
 from ppll_compile.options import PlanOptions
+from tests.helpers import cli_user_error
 
 GATED = """
 import torch
@@ -40,14 +41,6 @@ def gated(tmp_path) -> str:
     path = tmp_path / "gated.py"
     path.write_text(textwrap.dedent(GATED).lstrip())
     return str(path)
-
-
-def _error(capsys, argv: list[str]) -> str:
-    """The stderr of a ppll-plan run that must fail with a user error (exit 2, nothing on stdout)."""
-    assert main(argv) == 2
-    out, err = capsys.readouterr()
-    assert out == "" and "Traceback" not in err
-    return err
 
 
 def _help(capsys) -> dict[str, str]:
@@ -98,22 +91,6 @@ def test_help_lists_what_the_code_ships(capsys):
                                     "profile it was made with")
 
 
-# ---- errors reached through the command line, worded as flags ----------------------------------
-
-@pytest.mark.slow
-def test_a_module_fx_cannot_trace_is_advised_as_leaf_modules_flag_that_works(gated, capsys):
-    err = _error(capsys, [gated, "--gpus", "2", "--devices", "cpu,cpu", "--tracer", "fx"])
-    assert err == (
-        f"ppll-plan: error: torch.fx cannot trace Sequential: in module '2' at {gated}:10 `if x.sum() > 0:`: "
-        f"TraceError: symbolically traced variables cannot be used as inputs to control flow\n"
-        f"Ways out: keep that module opaque with --leaf-modules 2, or name the cuts yourself with --split-points "
-        f"A,B so that only the modules holding them are traced into.\n")
-    # the advice works as printed
-    assert main([gated, "--gpus", "2", "--devices", "cpu,cpu", "--tracer", "fx", "--leaf-modules", "2",
-                 "--yaml", "-"]) == 0
-    assert "leaf_modules" not in capsys.readouterr().err
-
-
 @pytest.mark.parametrize("argv, message", [
     (["--gpus", "2", "--tracer", "export", "--leaf-modules", "2"],
      "--leaf-modules keeps modules opaque to torch.fx symbolic tracing; torch.export captures every module. Drop "
@@ -130,7 +107,7 @@ def test_a_module_fx_cannot_trace_is_advised_as_leaf_modules_flag_that_works(gat
      "--replicas 2 lets the exact partitioner place replicas; drop --partitioner greedy"),
 ], ids=["export-leaf-modules", "too-many-gpus", "gpus-per-node", "hardware-time", "replicas-partitioner"])
 def test_library_errors_are_worded_as_flags(gated, capsys, argv, message):
-    assert _error(capsys, [gated, *argv]) == f"ppll-plan: error: {message}\n"
+    assert cli_user_error(capsys, [gated, *argv]) == f"ppll-plan: error: {message}\n"
 
 
 def test_the_cpu_fallback_note_and_warning_name_the_devices_flag(gated, tmp_path, capsys, monkeypatch):

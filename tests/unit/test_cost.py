@@ -1,27 +1,18 @@
 """Measured costs equal their closed forms."""
 
 import warnings
-
-import pytest
 import torch
 from torch import nn
 
 import ppll_compile
-from ppll_compile.capture.trace import trace
 from ppll_compile.cost.modules import measure_module
-from ppll_compile.cost.nodes import META_KEY, measure_graph
-
-
-def _costs(model, *inputs, reuse=True):
-    gm = trace(model, example_inputs=inputs)
-    measure_graph(gm, inputs, reuse=reuse)
-    return {n.name: n.meta[META_KEY] for n in gm.graph.nodes if n.op != "output"}, gm
+from tests.helpers import measured_costs
 
 
 def test_linear_flops_closed_form():
     b, i, o = 8, 32, 16
     model = nn.Sequential(nn.Linear(i, o), nn.ReLU(), nn.Linear(o, 4))
-    costs, _ = _costs(model, torch.randn(b, i))
+    costs, _ = measured_costs(model, torch.randn(b, i))
     assert costs["_0"].flops_fwd == 2 * b * i * o
     assert costs["_0"].flops_bwd == 2 * b * i * o  # weight gradient only: the input needs none
     assert costs["_2"].flops_fwd == 2 * b * o * 4
@@ -32,7 +23,7 @@ def test_linear_flops_closed_form():
 def test_conv_flops_closed_form():
     b, cin, cout, h, w, k = 4, 3, 8, 10, 12, 3
     model = nn.Sequential(nn.Conv2d(cin, cout, k, padding=1), nn.Conv2d(cout, cout, k, stride=2, padding=1))
-    costs, _ = _costs(model, torch.randn(b, cin, h, w))
+    costs, _ = measured_costs(model, torch.randn(b, cin, h, w))
     assert costs["_0"].flops_fwd == 2 * b * cout * h * w * cin * k * k
     assert costs["_1"].flops_fwd == 2 * b * cout * (h // 2) * (w // 2) * cout * k * k
     assert costs["_1"].flops_bwd == 2 * costs["_1"].flops_fwd
@@ -41,7 +32,7 @@ def test_conv_flops_closed_form():
 def test_conv_backward_counts_an_input_gradient_only_where_the_input_needs_one():
     b, cin, c1, c2, h, w, k = 4, 3, 8, 6, 10, 12, 3
     model = nn.Sequential(nn.Conv2d(cin, c1, k, padding=1), nn.Conv2d(c1, c2, k, stride=2, padding=1, groups=2))
-    costs, _ = _costs(model, torch.randn(b, cin, h, w))
+    costs, _ = measured_costs(model, torch.randn(b, cin, h, w))
     # as torch's conv_flop_count: 2 x batch x weight elements (out x in / groups x kh x kw) x output positions
     first = 2 * b * (c1 * cin * k * k) * (h * w)
     second = 2 * b * (c2 * (c1 // 2) * k * k) * ((h // 2) * (w // 2))
@@ -53,7 +44,7 @@ def test_depthwise_conv_backward_costs_twice_its_forward():
     # the weight gradient of a grouped conv sums over as many products as its forward (torch counts it dense)
     b, c, h, w, k = 4, 16, 8, 8, 3
     model = nn.Sequential(nn.Conv2d(3, c, 1), nn.Conv2d(c, c, k, padding=1, groups=c))
-    costs, _ = _costs(model, torch.randn(b, 3, h, w))
+    costs, _ = measured_costs(model, torch.randn(b, 3, h, w))
     assert costs["_1"].flops_fwd == 2 * b * c * h * w * k * k
     assert costs["_1"].flops_bwd == 2 * costs["_1"].flops_fwd
 
@@ -63,7 +54,7 @@ def test_saved_activations_of_a_conv_bn_relu_block_count_each_storage_once():
     model = nn.Sequential(nn.Conv2d(3, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU(inplace=True),
                           nn.Conv2d(c, c, 3, padding=1))
     x = torch.randn(b, 3, h, w)
-    costs, _ = _costs(model, x)
+    costs, _ = measured_costs(model, x)
     saved: dict[str, int] = {}
     for cost in costs.values():
         for k, v in cost.saved.items():
@@ -82,7 +73,7 @@ def test_stage_activation_bytes_count_a_storage_saved_by_several_nodes_once():
     model = nn.Sequential(nn.Conv2d(cin, c, 3, padding=1), nn.ReLU(inplace=True), nn.Flatten(),
                           nn.Linear(c * h * w, d), nn.ReLU(), nn.Linear(d, 5))
     x = torch.randn(b, cin, h, w)
-    costs, _ = _costs(model, x)
+    costs, _ = measured_costs(model, x)
     # the conv's output, overwritten by the in-place ReLU and viewed by Flatten, is saved by the ReLU and the Linear
     assert costs["_1"].saved.keys() == costs["_3"].saved.keys() == {"_0"}
     # the second ReLU's output is saved by that ReLU and by the last Linear
@@ -97,7 +88,7 @@ def test_stage_activation_bytes_count_a_storage_saved_by_several_nodes_once():
 def test_measuring_changes_nothing_on_the_model():
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).eval()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    _costs(model, torch.randn(2, 3, 8, 8))
+    measured_costs(model, torch.randn(2, 3, 8, 8))
     assert not model.training and not any(m.training for m in model.modules())
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
@@ -116,7 +107,7 @@ def test_attention_flops_include_the_attention_kernel():
         def forward(self, x):
             return self.attn(x, x, x, need_weights=False)[0]
 
-    costs, _ = _costs(Wrap(), torch.randn(b, seq, e))
+    costs, _ = measured_costs(Wrap(), torch.randn(b, seq, e))
     projections = 2 * b * seq * e * (3 * e) + 2 * b * seq * e * e
     attention = 2 * (2 * b * seq * seq * e)  # QK^T and AV
     assert costs["attn"].flops_fwd == projections + attention
@@ -146,23 +137,3 @@ def test_measure_module_on_meta():
     cost = measure_module(lin, lambda: lin(x))
     assert (cost.flops_fwd, cost.flops_bwd, cost.param_count) == (2 * 8 * 16 * 4, 2 * 8 * 16 * 4, 16 * 4 + 4)
     assert cost.activation_bytes == 8 * 16 * 4
-
-
-@pytest.mark.parametrize("name", ["residual", "masked", "resnet18", "mobilenet_v2", "vit"])
-def test_repeated_nodes_reuse_exactly_what_running_them_measures(name):
-    # a node that repeats an earlier one replays its measurement; running every node afresh gives the same
-    import torchvision
-
-    from tests.models import Masked, Residual
-
-    torch.manual_seed(0)
-    model, inputs = {
-        "residual": lambda: (Residual(), (torch.randn(2, 3, 8, 8),)),
-        "masked": lambda: (Masked(depth=4), (torch.randn(2, 5, 8), torch.ones(2, 5))),
-        "resnet18": lambda: (torchvision.models.resnet18(), (torch.randn(2, 3, 64, 64),)),
-        "mobilenet_v2": lambda: (torchvision.models.mobilenet_v2(), (torch.randn(2, 3, 64, 64),)),
-        "vit": lambda: (torchvision.models.VisionTransformer(32, 8, 4, 2, 32, 64), (torch.randn(2, 3, 32, 32),)),
-    }[name]()
-    reused, _ = _costs(model, *inputs)
-    fresh, _ = _costs(model, *inputs, reuse=False)
-    assert reused == fresh

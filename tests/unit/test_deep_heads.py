@@ -10,12 +10,12 @@ from torch import nn
 
 from ppll_compile.errors import CutError, PolicyError
 from ppll_compile.heads import InfoProHead, MomentumHead
-from ppll_compile.heads.build import build_head, head_spec, make_head
+from ppll_compile.heads.build import build_head, make_head
 from ppll_compile.heads.modules import head_loss
 from ppll_compile.heads.policy import load_policy
 from ppll_compile.lower.split import next_blocks
 from ppll_compile.plans.plan import Plan, TensorSpec
-from tests.helpers import IMG, compile_quietly
+from tests.helpers import IMG, compile_quietly, SeqNet
 from tests.helpers import heads_policy as policy
 from tests.models import CNN, Res
 
@@ -35,22 +35,6 @@ def refused(fn, *args, **kwargs) -> str:
     with pytest.raises((PolicyError, CutError)) as e:
         fn(*args, **kwargs)
     return str(e.value)
-
-
-class SeqNet(nn.Module):
-    """Linear embedding, ``n`` pre-norm transformer blocks in a Sequential (MLP ``ratio`` x D), LayerNorm, the first
-    token, linear."""
-
-    def __init__(self, d: int = 32, n: int = 4, classes: int = 5, ratio: int = 4) -> None:
-        super().__init__()
-        self.embed = nn.Linear(12, d)
-        self.blocks = nn.Sequential(*[nn.TransformerEncoderLayer(d, 2, ratio * d, dropout=0.0, batch_first=True,
-                                                                 norm_first=True) for _ in range(n)])
-        self.norm = nn.LayerNorm(d)
-        self.fc = nn.Linear(d, classes)
-
-    def forward(self, x):
-        return self.fc(self.norm(self.blocks(self.embed(x)))[:, 0])
 
 
 SEQ_X = torch.randn(4, 6, 12)
@@ -98,58 +82,6 @@ def test_a_policy_file_asks_for_transformer_blocks_and_conv_layers_of_depth_0_to
     bad = tmp_path / "bad.yaml"
     bad.write_text("heads:\n  sequence: {type: transformer, init: clone}\n")
     assert error(load_policy, bad) == f"{bad}: heads.sequence.init must be one of fresh, copy, got 'clone'"
-
-
-@pytest.fixture(scope="module")
-def vit():
-    """A timm ViT-Tiny of 4 blocks for 32x32 images (random init), compiled into 2 stages after blocks.0 with a
-    transformer head that copies blocks.1 and blocks.2."""
-    timm = pytest.importorskip("timm")
-    torch.manual_seed(0)
-    model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=4, num_classes=10)
-    c = compile_quietly(model, torch.randn(4, 3, 32, 32), gpus=2, split_points=["add_2"],
-                        policy=policy({"type": "transformer", "depth": 2, "init": "copy"}))
-    return model, c
-
-
-def test_a_copied_transformer_head_equals_the_next_stages_first_blocks_and_is_its_own(vit):
-    model, c = vit
-    assert [n for n, _ in c.stages[1].named_parameters()][0].startswith("module.blocks")
-    assert not any("blocks_0" in n or "blocks.0" in n for n, _ in c.stages[1].named_parameters())
-    head = c.lowered.heads[0]
-    copies = head.net[0].blocks
-    assert len(copies) == 2 and all(type(b) is type(model.blocks[1]) for b in copies)
-    for copy, original in zip(copies, (model.blocks[1], model.blocks[2])):
-        mine, theirs = list(copy.named_parameters()), list(original.named_parameters())
-        assert [n for n, _ in mine] == [n for n, _ in theirs]
-        for (name, p), (_, q) in zip(mine, theirs):
-            assert torch.equal(p, q), name
-            assert p.data_ptr() != q.data_ptr(), name  # a copy, not a view of the model's weights
-    # training the head moves its blocks and leaves the model's alone
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    head_before = [p.detach().clone() for p in copies.parameters()]
-    opt = torch.optim.SGD(c.lowered.stage_parameters(c.plan.stages[0]), lr=0.5)
-    h = torch.randn(4, 17, 192)
-    head_loss(head, h, torch.randint(0, 10, (4,))).backward()
-    model_grads = [n for n, p in model.named_parameters() if p.grad is not None]
-    opt.step()
-    assert model_grads == [] and all(torch.equal(p, before[n]) for n, p in model.named_parameters())
-    assert any(not torch.equal(p, q) for p, q in zip(copies.parameters(), head_before))
-
-
-def test_planning_costs_a_copy_head_as_its_blocks(vit):
-    model, c = vit
-    config = c.plan.stages[0].head.config
-    boundary = c.plan.stages[0].boundary[0]
-    given = head_spec(policy(), config, boundary, 10, None, "sgd", blocks=[model.blocks[1], model.blocks[2]])
-    assert given.param_count == c.plan.stages[0].head.param_count == sum(
-        p.numel() for p in c.lowered.heads[0].parameters())
-    assert (given.flops_fwd, given.flops_bwd) == (c.plan.stages[0].head.flops_fwd, c.plan.stages[0].head.flops_bwd)
-    # blocks of another shape than the stand-in are costed as themselves
-    other = SeqNet(d=192, ratio=2).blocks[:2]  # MLP ratio 2: a smaller block than ViT's
-    counted = head_spec(policy(), config, boundary, 10, None, "sgd", blocks=list(other))
-    assert counted.param_count == sum(p.numel() for p in other.parameters()) + 2 * 192 + 192 * 10 + 10
-    assert counted.param_count < given.param_count
 
 
 # ---- momentum (MAN) heads -------------------------------------------------------------------------------------

@@ -14,41 +14,27 @@ import ppll_compile
 from ppll_compile import CutError, Plan, PolicyError, StageError
 from ppll_compile.cli.command import main
 from ppll_compile.pipebd.policy import distill_loss, load_distill_policy
-from tests.helpers import sgd
-from tests.models import conv_student, conv_teacher
-
-X = torch.randn(8, 3, 16, 16)
-TEACHER_ENDS = [4, 8, 12]  # conv_teacher's blocks end after these layers (exclusive), then the logits
-STUDENT_ENDS = [2, 6, 8]
+from tests.helpers import (
+    DISTILL_STUDENT_ENDS,
+    DISTILL_TEACHER_ENDS,
+    DISTILL_X,
+    distill_batches,
+    distill_compiled,
+    distill_pair,
+    distill_reference,
+    distill_slices,
+    sgd,
+)
+from tests.models import conv_student
 
 
 pytestmark = pytest.mark.usefixtures("one_thread_quietly")
 
 
-def _pair(seed: int = 0) -> tuple[nn.Module, nn.Module]:
-    torch.manual_seed(seed)
-    return conv_teacher(), conv_student()
-
-
-def _compiled(**options):
-    teacher, student = _pair()
-    options.setdefault("split_points", ["5"])
-    return ppll_compile.compile(student, teacher=teacher, example_inputs=(X,), **options)
-
-
-def _batches(n: int, seed: int = 1, last: int = 8) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(8 if i < n - 1 else last, 3, 16, 16, generator=g) for i in range(n)]
-
-
-def _slices(model: nn.Sequential, ends: list[int]) -> list[nn.Sequential]:
-    return [model[a:b] for a, b in zip([0, *ends], [*ends, len(model)])]
-
-
 # ---- alignment ----------------------------------------------------------------------------------------
 
 def test_blocks_align_at_the_ends_of_equal_shape_runs():
-    p = _compiled().plan
+    p = distill_compiled().plan
     assert p.mode == "pipebd" and p.teacher == "Sequential" and len(p.blocks) == 4
     assert [b.teacher_module for b in p.blocks] == ["3", "7", "11", "14"]
     assert [b.student_module for b in p.blocks] == ["1", "5", "7", "10"]
@@ -60,16 +46,16 @@ def test_blocks_align_at_the_ends_of_equal_shape_runs():
 
 
 def test_named_blocks_choose_the_boundaries():
-    teacher, student = _pair()
-    p = ppll_compile.plan(student, teacher=teacher, example_inputs=(X,), gpus=1, replicas=False,
+    teacher, student = distill_pair()
+    p = ppll_compile.plan(student, teacher=teacher, example_inputs=(DISTILL_X,), gpus=1, replicas=False,
                           blocks=[("7", "5")])
     assert [(b.teacher_module, b.student_module) for b in p.blocks] == [("7", "5"), ("14", "10")]
 
 
 def test_named_blocks_of_other_shapes_list_the_candidates():
-    teacher, student = _pair()
+    teacher, student = distill_pair()
     with pytest.raises(CutError) as info:
-        ppll_compile.plan(student, teacher=teacher, example_inputs=(X,), gpus=2, blocks=[("3", "5")])
+        ppll_compile.plan(student, teacher=teacher, example_inputs=(DISTILL_X,), gpus=2, blocks=[("3", "5")])
     text = str(info.value)
     assert text.startswith("blocks[0]: the teacher's output at '3' has shape [8, 8, 16, 16] but the student's at "
                            "'5' has [8, 16, 8, 8]; a student block learns the teacher's output, so the shapes must "
@@ -96,26 +82,26 @@ def test_outputs_of_other_shapes_are_refused():
 
 
 def test_mode_and_teacher_must_agree():
-    teacher, student = _pair()
+    teacher, student = distill_pair()
     with pytest.raises(TypeError, match=re.escape("mode='pipebd' distils the model from a teacher: pass teacher=")):
-        ppll_compile.plan(student, 2, mode="pipebd", example_inputs=(X,))
+        ppll_compile.plan(student, 2, mode="pipebd", example_inputs=(DISTILL_X,))
     with pytest.raises(ValueError, match=re.escape("a teacher is only used by mode='pipebd'")):
-        ppll_compile.plan(student, 2, teacher=teacher, mode="ppll", example_inputs=(X,))
+        ppll_compile.plan(student, 2, teacher=teacher, mode="ppll", example_inputs=(DISTILL_X,))
     with pytest.raises(ValueError, match=re.escape("blocks= aligns a teacher with a student")):
-        ppll_compile.plan(student, 2, blocks=[("3", "1")], example_inputs=(X,))
+        ppll_compile.plan(student, 2, blocks=[("3", "1")], example_inputs=(DISTILL_X,))
 
 
 # ---- lowering ----------------------------------------------------------------------------------------
 
 def test_blocks_are_transparent_and_share_the_students_parameters():
-    teacher, student = _pair()
-    c = ppll_compile.compile(student, teacher=teacher, example_inputs=(X,), gpus=2)
+    teacher, student = distill_pair()
+    c = ppll_compile.compile(student, teacher=teacher, example_inputs=(DISTILL_X,), gpus=2)
     with torch.no_grad():
-        torch.testing.assert_close(c(X), student(X), rtol=0, atol=0)
-        values = (X,)
+        torch.testing.assert_close(c(DISTILL_X), student(DISTILL_X), rtol=0, atol=0)
+        values = (DISTILL_X,)
         for block in c.teacher_blocks:
             values = block(*values)
-        torch.testing.assert_close(values, teacher(X), rtol=0, atol=0)
+        torch.testing.assert_close(values, teacher(DISTILL_X), rtol=0, atol=0)
     ours = {id(p) for k in range(len(c.student_blocks)) for p in c.student_blocks[k].parameters()}
     assert ours == {id(p) for p in student.parameters()}
     assert not any(p.requires_grad for p in teacher.parameters()) and not teacher.training
@@ -177,24 +163,24 @@ def test_soft_ce_and_kl_at_a_temperature_are_scaled_by_its_square(temperature):
 
 
 def test_the_default_policy_is_pipebds_own_for_logits_and_mse_otherwise():
-    p = _compiled().plan
+    p = distill_compiled().plan
     assert p.policy == "pipebd"
     assert [b.loss for b in p.blocks] == [{"type": "mse"}] * 3 + [{"type": "soft_ce", "temperature": 1.0}]
     assert p.stages[1].head.config == {"type": "mse+soft_ce"}
-    teacher, student = _pair()  # the models up to their last feature map: no logits
-    p = ppll_compile.plan(student[:8], teacher=teacher[:12], example_inputs=(X,), split_points=["5"])
+    teacher, student = distill_pair()  # the models up to their last feature map: no logits
+    p = ppll_compile.plan(student[:8], teacher=teacher[:12], example_inputs=(DISTILL_X,), split_points=["5"])
     assert p.policy == "mse" and [b.loss for b in p.blocks] == [{"type": "mse"}] * 3
     assert "policy auto: the models return shape [8, 32, 4, 4], not N x C logits, so the last block learns under " \
            "mse like the others (policy 'mse'); Pipe-BD's soft-target cross-entropy needs logits" in p.notes
     with pytest.raises(PolicyError, match=re.escape(
             "policy 'pipebd' compares the last block's outputs with soft_ce, which needs N x C logits; the models "
             "return shape [8, 32, 4, 4] (use policy='mse')")):
-        ppll_compile.plan(student[:8], teacher=teacher[:12], example_inputs=(X,), policy="pipebd",
+        ppll_compile.plan(student[:8], teacher=teacher[:12], example_inputs=(DISTILL_X,), policy="pipebd",
                           split_points=["5"])
 
 
 def test_the_kl_policy_puts_kl_on_the_last_block_only():
-    p = _compiled(policy="kl").plan
+    p = distill_compiled(policy="kl").plan
     assert [b.loss for b in p.blocks] == [{"type": "mse"}] * 3 + [{"type": "kl", "temperature": 4.0}]
     assert p.policy == "kl" and p.stages[1].head.config == {"type": "mse+kl"}
 
@@ -227,18 +213,18 @@ def test_a_policy_file_is_read(tmp_path):
 # ---- placement ----------------------------------------------------------------------------------------
 
 def test_replicas_fixed_per_stage_and_stage_ends_by_hand():
-    p = _compiled(replicas=(2, 1)).plan
+    p = distill_compiled(replicas=(2, 1)).plan
     assert [s.replicas for s in p.stages] == [2, 1] and p.world_size == 3 and p.partitioner == "manual"
-    free = _compiled(split_points=None, replicas=(1, 2)).plan  # the partitioner groups the blocks
+    free = distill_compiled(split_points=None, replicas=(1, 2)).plan  # the partitioner groups the blocks
     assert [s.replicas for s in free.stages] == [1, 2] and len(free.stages) == 2
     with pytest.raises(CutError, match=re.escape("split_points: '3' is not where a block ends; a pipebd stage ends "
                                                  "at a block end: '_1', '_5', '_7'")):
-        _compiled(split_points=["3"])
+        distill_compiled(split_points=["3"])
 
 
 def test_the_chosen_layout_is_optimal_for_the_plans_own_costs():
     from ppll_compile.partitioners.replicas import ReplicaProblem, brute_force_replicated
-    p = _compiled(split_points=None, gpus=4, profile="flops", flops_per_second=1e9, link_bandwidth=1e12).plan
+    p = distill_compiled(split_points=None, gpus=4, profile="flops", flops_per_second=1e9, link_bandwidth=1e12).plan
     problem = ReplicaProblem(compute=[b.cost for b in p.blocks], devices=4, allreduce_bandwidth=1e12,
                              comm=[b.output.bytes / 1e12 for b in p.blocks[:-1]] + [0.0],
                              grad_bytes=[b.grad_bytes for b in p.blocks], memory=[b.memory_bytes for b in p.blocks])
@@ -246,11 +232,11 @@ def test_the_chosen_layout_is_optimal_for_the_plans_own_costs():
 
 
 def test_a_saved_plan_is_reapplied(tmp_path):
-    p = _compiled(replicas=(1, 2), policy="kl").plan
+    p = distill_compiled(replicas=(1, 2), policy="kl").plan
     path = p.save(tmp_path / "plan.json")
     assert Plan.load(path) == p
-    teacher, student = _pair()
-    again = ppll_compile.plan(student, teacher=teacher, example_inputs=(X,), plan=path)
+    teacher, student = distill_pair()
+    again = ppll_compile.plan(student, teacher=teacher, example_inputs=(DISTILL_X,), plan=path)
     assert [s.blocks for s in again.stages] == [s.blocks for s in p.stages]
     assert [s.replicas for s in again.stages] == [1, 2] and [b.loss for b in again.blocks] == [b.loss for b in p.blocks]
 
@@ -258,60 +244,25 @@ def test_a_saved_plan_is_reapplied(tmp_path):
 def test_ppll_plans_take_replicas_too():
     torch.manual_seed(0)
     student = conv_student()
-    p = ppll_compile.plan(student, example_inputs=(X,), split_points=["5"], replicas=(2, 1))
+    p = ppll_compile.plan(student, example_inputs=(DISTILL_X,), split_points=["5"], replicas=(2, 1))
     assert [s.replicas for s in p.stages] == [2, 1] and p.world_size == 3
     assert p.stages[0].comm_cost == pytest.approx(p.stages[0].boundary[0].bytes / p.link_bandwidth / 2)
     with pytest.raises(ValueError, match=re.escape("with split_points the stages are fixed: give their replicas as "
                                                    "a tuple")):
-        ppll_compile.plan(student, example_inputs=(X,), split_points=["5"], replicas=True)
+        ppll_compile.plan(student, example_inputs=(DISTILL_X,), split_points=["5"], replicas=True)
     with pytest.raises(ValueError, match=re.escape("replicated stages split the batch evenly over identical devices")):
-        ppll_compile.plan(student, 2, example_inputs=(X,), replicas=True, device_speeds=[1, 2])
+        ppll_compile.plan(student, 2, example_inputs=(DISTILL_X,), replicas=True, device_speeds=[1, 2])
 
 
 # ---- training -----------------------------------------------------------------------------------------
 
-def _reference(batches: list[torch.Tensor], policy: str = "pipebd") -> list[torch.Tensor]:
-    """Blockwise distillation written out by hand on the Sequential slices: the parameters after ``batches``."""
-    teacher, student = _pair()
-    t_blocks, s_blocks = _slices(teacher, TEACHER_ENDS), _slices(student, STUDENT_ENDS)
-    optimizers = [sgd(list(b.parameters())) for b in s_blocks]
-    rules = load_distill_policy(policy)
-    for x in batches:
-        with torch.no_grad():
-            acts = [x]
-            for b in t_blocks:
-                acts.append(b(acts[-1]))
-        for k, (b, opt) in enumerate(zip(s_blocks, optimizers)):
-            loss = distill_loss(rules.last if k == 3 else rules.loss)(b(acts[k]), acts[k + 1])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    return [p.detach().clone() for p in student.parameters()]
-
-
-def _train(runtime: str, batches, policy: str = "mse", replicas=None, **options) -> list[torch.Tensor]:
-    c = _compiled(policy=policy, replicas=replicas)
-    with c.trainer(optimizer=sgd, runtime=runtime, **options) as trainer:
-        for x in batches:
-            trainer.step(x)
-    return [p.detach().clone() for p in c.model.parameters()]
-
-
-@pytest.mark.parametrize("runtime,options", [("sequential", {}), ("threads", {}), ("threads", {"decoupled": False}),
-                                             ("dna", {}), ("threads", {"replicas": (2, 1)})])
-def test_every_runtime_equals_blockwise_distillation_by_hand(runtime, options):
-    # one process runs a replicated stage once, on the whole batch: the same computation
-    batches = _batches(5, last=5)
-    for ours, ref in zip(_train(runtime, batches, "kl", **options), _reference(batches, "kl")):
-        torch.testing.assert_close(ours, ref)
-
 
 def test_reuse_queue_trains_a_later_stage_again_while_it_waits():
-    c = _compiled()
+    c = distill_compiled()
     slow = c.student_blocks[0]
     forward = slow.forward
     slow.forward = lambda *v: (time.sleep(0.05), forward(*v))[1]
-    batches = _batches(6)
+    batches = distill_batches(6)
     with c.trainer(optimizer=sgd, runtime="threads", queue="reuse") as trainer:
         for x in batches:
             trainer.step(x)
@@ -320,12 +271,12 @@ def test_reuse_queue_trains_a_later_stage_again_while_it_waits():
 
 
 def test_evaluate_gives_each_blocks_mean_loss():
-    teacher, student = _pair()
-    c = ppll_compile.compile(student, teacher=teacher, example_inputs=(X,), split_points=["5"])
-    data = [(x, torch.zeros(len(x), dtype=torch.long)) for x in _batches(2, seed=3, last=5)]
+    teacher, student = distill_pair()
+    c = ppll_compile.compile(student, teacher=teacher, example_inputs=(DISTILL_X,), split_points=["5"])
+    data = [(x, torch.zeros(len(x), dtype=torch.long)) for x in distill_batches(2, seed=3, last=5)]
     with c.trainer(optimizer=sgd, runtime="threads") as trainer:
         result = trainer.evaluate(data)
-    t_blocks, s_blocks = _slices(teacher, TEACHER_ENDS), _slices(student, STUDENT_ENDS)
+    t_blocks, s_blocks = distill_slices(teacher, DISTILL_TEACHER_ENDS), distill_slices(student, DISTILL_STUDENT_ENDS)
     x = torch.cat([x for x, _ in data])
     expected = []
     with torch.no_grad():
@@ -340,34 +291,34 @@ def test_evaluate_gives_each_blocks_mean_loss():
 
 
 def test_checkpoints_resume_across_runtimes(tmp_path):
-    batches = _batches(6)
-    c = _compiled()
+    batches = distill_batches(6)
+    c = distill_compiled()
     with c.trainer(optimizer=sgd, runtime="threads") as trainer:
         for x in batches[:3]:
             trainer.step(x)
         trainer.save(tmp_path / "ckpt")
-    c2 = _compiled()
+    c2 = distill_compiled()
     with c2.trainer(optimizer=sgd, runtime="dna") as trainer:
         trainer.load(tmp_path / "ckpt")
         for x in batches[3:]:
             trainer.step(x)
-    for ours, ref in zip(c2.model.parameters(), _reference(batches)):
+    for ours, ref in zip(c2.model.parameters(), distill_reference(batches)):
         torch.testing.assert_close(ours.detach(), ref)
 
 
 def test_a_failing_block_names_its_stage():
-    c = _compiled()
+    c = distill_compiled()
     block = c.student_blocks[2]
     block.forward = lambda *v: (_ for _ in ()).throw(RuntimeError("student broke"))
     with pytest.raises(StageError) as info, c.trainer(optimizer=sgd, runtime="threads") as trainer:
-        for x in _batches(3):
+        for x in distill_batches(3):
             trainer.step(x)
         trainer.finish()
     assert str(info.value).startswith("stage 1 failed at batch 0: RuntimeError: student broke")
 
 
 def test_trainer_options_that_do_not_fit_distillation_are_refused():
-    c = _compiled()
+    c = distill_compiled()
     with pytest.raises(ValueError, match=re.escape("a pipebd plan trains on the distillation losses of its policy; "
                                                    "drop loss=")):
         c.trainer(optimizer=sgd, loss=F.cross_entropy)
@@ -375,7 +326,7 @@ def test_trainer_options_that_do_not_fit_distillation_are_refused():
         with pytest.raises(ValueError, match=re.escape('decoupled=False (a barrier of all the stages before every '
                                                        'optimizer step) applies to the pipelined runtimes')):
             c.trainer(optimizer=sgd, runtime=runtime, decoupled=False)
-    ppll = ppll_compile.compile(conv_student(), 2, example_inputs=(X,))
+    ppll = ppll_compile.compile(conv_student(), 2, example_inputs=(DISTILL_X,))
     with pytest.raises(ValueError, match=re.escape("runtime='dna' is not known; choose one of sequential, threads, "
                                                    "distributed")):
         ppll.trainer(optimizer=sgd, runtime="dna")

@@ -1,11 +1,8 @@
 """Pictures of plans: cost bars that add up to the stage costs, graphs coloured by stage with the cuts, Gantt charts."""
 
 import dataclasses
-import importlib.util
 import re
 import shutil
-import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,87 +12,36 @@ import ppll_compile
 from ppll_compile import PPLLError
 from ppll_compile.draw import draw_gantt, draw_graph, plot_costs
 from ppll_compile.draw.costs import cost_bars
-from ppll_compile.draw.graph import MAX_NODES, describe_graph
-from ppll_compile.plans.timeline import Event, Timeline
+from ppll_compile.draw.graph import describe_graph
+from ppll_compile.plans.timeline import Timeline
+from tests.helpers import draw_is_png, draw_is_svg, draw_quietly, draw_timeline
 
-PNG = b"\x89PNG\r\n\x1a\n"
 X = torch.randn(4, 3, 16, 16)
-
-
-def _quietly(build):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.manual_seed(0)
-        return build()
 
 
 @pytest.fixture(scope="module")
 def residual():
-    return _quietly(lambda: ppll_compile.compile(Residual(), 3, example_inputs=(X,), split_points=["stem", "relu"]))
+    return draw_quietly(lambda: ppll_compile.compile(Residual(), 3, example_inputs=(X,), split_points=["stem", "relu"]))
 
 
 @pytest.fixture(scope="module")
 def masked():
     """Every block reads the mask, so the cuts after blocks 0 and 1 send (x, mask) to later stages."""
     inputs = (torch.randn(2, 5, 8), torch.ones(2, 5))
-    return _quietly(lambda: ppll_compile.compile(Masked(depth=3), 3, example_inputs=inputs,
+    return draw_quietly(lambda: ppll_compile.compile(Masked(depth=3), 3, example_inputs=inputs,
                                                  split_points=["blocks.0", "blocks.1"]))
 
 
 @pytest.fixture(scope="module")
 def replicated():
-    return _quietly(lambda: ppll_compile.plan(conv_student(), example_inputs=(torch.randn(8, 3, 16, 16),),
+    return draw_quietly(lambda: ppll_compile.plan(conv_student(), example_inputs=(torch.randn(8, 3, 16, 16),),
                                               split_points=["5"], replicas=(2, 1), profile="flops"))
 
 
 @pytest.fixture(scope="module")
 def pipebd():
-    return _quietly(lambda: ppll_compile.compile(conv_student(), teacher=conv_teacher(), split_points=["5"],
+    return draw_quietly(lambda: ppll_compile.compile(conv_student(), teacher=conv_teacher(), split_points=["5"],
                                                  example_inputs=(torch.randn(8, 3, 16, 16),), replicas=(2, 1)))
-
-
-def _is_png(path) -> bool:
-    return path.read_bytes().startswith(PNG)
-
-
-def _is_svg(path) -> bool:
-    return path.read_text().lstrip().startswith(("<?xml", "<svg"))
-
-
-# ---- cost bars ----------------------------------------------------------------------------------------
-
-def _bottleneck_at(plan, j):
-    """The plan with stage ``j`` made the slowest by a longer send (a hand edit)."""
-    extra = plan.bottleneck_cost
-    stages = [dataclasses.replace(s, comm_cost=s.comm_cost + extra, cost=s.cost + extra) if s.index == j else s
-              for s in plan.stages]
-    return dataclasses.replace(plan, stages=tuple(stages))
-
-
-@pytest.mark.parametrize("which", ["residual", "pipebd", "residual-stage-1"])
-def test_cost_bars_add_up_to_the_stage_costs_and_mark_the_bottleneck(which, residual, pipebd, tmp_path):
-    plan = pipebd.plan if which == "pipebd" else residual.plan
-    if which == "residual-stage-1":
-        plan = _bottleneck_at(plan, 1)
-    bars = plot_costs(plan, tmp_path / "cost.png")
-    assert _is_png(bars.path)
-    assert len(bars.totals) == plan.num_stages
-    for s, total in zip(plan.stages, bars.totals):
-        assert total == pytest.approx(s.cost * 1e3, rel=1e-12, abs=0)
-        assert bars.segments["communication"][s.index] == s.comm_cost * 1e3
-    costs = [s.cost for s in plan.stages]
-    slowest = costs.index(max(costs))
-    assert costs.count(max(costs)) == 1 and (which != "residual-stage-1" or slowest == 1)
-    assert bars.bottleneck == plan.bottleneck_stage == slowest
-    assert bars.totals.index(max(bars.totals)) == slowest
-    assert bars.labels == tuple(f"stage {s.index}" + (" x 2" if s.replicas == 2 else "") for s in plan.stages)
-    assert f"K={plan.num_stages}" in bars.title and f"{plan.predicted_speedup:.2f}x" in bars.title
-    assert plan.mode.upper() in bars.title and plan.model in bars.title
-    head = "teacher forward" if plan.mode == "pipebd" else "aux head"
-    for s in plan.stages:  # the head's share of the compute follows its FLOP share
-        flops = s.flops_fwd + s.flops_bwd + s.aux_flops
-        compute = sum(bars.segments[k][s.index] for k in list(bars.segments)[:3])
-        assert bars.segments[head][s.index] == pytest.approx(compute * s.aux_flops / flops, rel=1e-12)
 
 
 def test_a_replicated_stage_shows_its_gradient_all_reduce(replicated, pipebd):
@@ -155,7 +101,7 @@ def test_nodes_take_their_stage_colour_and_cuts_leave_from_the_boundary(which, r
 
 def test_large_graphs_are_summarised_by_module(tmp_path):
     inputs = (torch.randn(2, 5, 8), torch.ones(2, 5))
-    compiled = _quietly(lambda: ppll_compile.compile(Masked(depth=6), 3, example_inputs=inputs))
+    compiled = draw_quietly(lambda: ppll_compile.compile(Masked(depth=6), 3, example_inputs=inputs))
     gm, plan = compiled.graph_module, compiled.plan
     names = [n.name for n in gm.graph.nodes]
     assert len(names) > 12
@@ -173,41 +119,7 @@ def test_large_graphs_are_summarised_by_module(tmp_path):
                                                    "output gives 5 boxes; pass max_nodes >= 5")):
         describe_graph(gm, plan, max_nodes=2)
     picture = draw_graph(compiled, tmp_path / "summary.png", max_nodes=12, engine="matplotlib")
-    assert _is_png(picture.path) and picture.description == desc
-
-
-def _png_size(path) -> tuple[int, int]:
-    """(width, height) in pixels, from the PNG header."""
-    head = path.read_bytes()[:24]
-    assert head.startswith(PNG)
-    return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
-
-
-@pytest.fixture(scope="module")
-def resnet32():
-    """ResNet-32 in 2 stages: 130 traced nodes in one long chain."""
-    spec = importlib.util.spec_from_file_location("resnet32", Path(__file__).parents[1] / "examples" / "resnet32.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return _quietly(lambda: ppll_compile.compile(module.build_model(), 2,
-                                                 example_inputs=(torch.randn(2, 3, 32, 32),)))
-
-
-def test_a_long_graph_is_drawn_as_its_module_summary_by_default(resnet32, tmp_path):
-    gm, plan = resnet32.graph_module, resnet32.plan
-    assert len(gm.graph.nodes) == 130 > MAX_NODES
-    desc = describe_graph(gm, plan)
-    assert desc.summary and desc.depth == 2 and len(desc.nodes) == 23  # conv1, bn1, relu, 15 blocks, ...
-    assert [n.label for n in desc.nodes[4:6]] == ["layer1.0\n8 nodes", "layer1.1\n8 nodes"]
-    assert describe_graph(gm, plan, detail="modules") == desc
-    nodes = describe_graph(gm, plan, detail="nodes")
-    assert not nodes.summary and len(nodes.nodes) == 130
-    summary = draw_graph(resnet32, tmp_path / "summary.png", engine="matplotlib")
-    every = draw_graph(resnet32, tmp_path / "nodes.png", engine="matplotlib", detail="nodes")
-    assert summary.description == desc and every.description == nodes
-    (w, h), (_, h_nodes) = _png_size(summary.path), _png_size(every.path)
-    assert h < 2500 and h < 4 * w  # the one-column node picture is about 10,000 pixels tall
-    assert h_nodes > 4 * h
+    assert draw_is_png(picture.path) and picture.description == desc
 
 
 def test_detail_modules_summarises_a_small_graph_and_bad_details_are_named(residual):
@@ -222,19 +134,19 @@ def test_detail_modules_summarises_a_small_graph_and_bad_details_are_named(resid
 @pytest.mark.skipif(shutil.which("dot") is None, reason="the Graphviz `dot` program is not installed")
 def test_graphviz_draws_one_cluster_per_stage(residual, tmp_path):
     picture = draw_graph(residual, tmp_path / "graph.svg", engine="graphviz")
-    assert picture.engine == "graphviz" and _is_svg(picture.path)
+    assert picture.engine == "graphviz" and draw_is_svg(picture.path)
     assert picture.source.count("subgraph cluster_stage") == residual.plan.num_stages
     red = [line for line in picture.source.splitlines() if "->" in line and ' color="#d62728"' in line]
     assert len(red) == len(picture.description.cut_edges) == 3
     auto = draw_graph((residual.graph_module, residual.plan), tmp_path / "graph.png")
-    assert auto.engine == "graphviz" and _is_png(auto.path)
+    assert auto.engine == "graphviz" and draw_is_png(auto.path)
 
 
 def test_matplotlib_draws_without_graphviz(residual, tmp_path, monkeypatch):
     png = draw_graph(residual, tmp_path / "graph.png", engine="matplotlib")
     svg = draw_graph(residual, tmp_path / "graph.svg", engine="matplotlib")
     assert png.engine == svg.engine == "matplotlib" and png.source is None
-    assert _is_png(png.path) and _is_svg(svg.path)
+    assert draw_is_png(png.path) and draw_is_svg(svg.path)
     monkeypatch.setattr(shutil, "which", lambda name: None)
     assert draw_graph(residual, tmp_path / "auto.png").engine == "matplotlib"
     with pytest.raises(PPLLError, match=re.escape(
@@ -260,34 +172,6 @@ def test_without_the_graphviz_package_auto_draws_with_matplotlib(residual, tmp_p
 
 # ---- gantt --------------------------------------------------------------------------------------------
 
-def _timeline(source="simulated"):
-    """Three stages, the middle one on two replicas taking alternate batches; 1 ms per span."""
-    events, kinds = [], ("receive", "forward", "backward", "allreduce", "step", "send")
-    for stage, replicas in enumerate((1, 2, 1)):
-        for replica in range(replicas):
-            t = stage * 3.0 + replica
-            for batch in range(replica, 4, replicas):
-                for kind in kinds if replicas > 1 else [k for k in kinds if k != "allreduce"]:
-                    events.append(Event(stage=stage, replica=replica, batch=batch, kind=kind, start=t / 1e3,
-                                        end=(t + 1) / 1e3))
-                    t += 1
-    return Timeline.of(events, source=source, model="Residual")
-
-
-def test_gantt_has_a_lane_per_replica_and_a_bar_per_event(tmp_path):
-    timeline = _timeline()
-    gantt = draw_gantt(timeline, tmp_path / "gantt.png")
-    assert _is_png(gantt.path)
-    assert gantt.lanes == ((0, 0), (1, 0), (1, 1), (2, 0)) == tuple(timeline.lanes)
-    assert gantt.bars == len(timeline.events) and gantt.batches == (0, 1, 2, 3)
-    assert gantt.kinds == ("receive", "forward", "backward", "allreduce", "step", "send")
-    assert "Simulated" in gantt.title
-    first = draw_gantt(timeline, tmp_path / "first.svg", batches=2)
-    assert _is_svg(first.path) and first.batches == (0, 1)
-    assert first.bars == sum(e.batch < 2 for e in timeline.events) and "first 2 of 4 batches" in first.title
-    titled = draw_gantt(_timeline("measured"), tmp_path / "titled.pdf", title="ResNet-32 on 4 GPUs")
-    assert titled.title == "ResNet-32 on 4 GPUs (measured)" and titled.path.read_bytes().startswith(b"%PDF")
-
 
 # ---- errors -------------------------------------------------------------------------------------------
 
@@ -300,7 +184,7 @@ def test_bad_suffixes_engines_and_inputs_say_what_to_do(residual, tmp_path):
     with pytest.raises(ValueError, match=re.escape(message.format(tmp_path / "g.dot", "suffix '.dot'"))):
         draw_graph(residual, tmp_path / "g.dot")
     with pytest.raises(ValueError, match=re.escape(message.format(tmp_path / "t.html", "suffix '.html'"))):
-        draw_gantt(_timeline(), tmp_path / "t.html")
+        draw_gantt(draw_timeline(), tmp_path / "t.html")
     with pytest.raises(ValueError, match=re.escape("engine 'neato' is not known; engines: auto, graphviz, "
                                                    "matplotlib")):
         draw_graph(residual, tmp_path / "g.png", engine="neato")
@@ -308,7 +192,7 @@ def test_bad_suffixes_engines_and_inputs_say_what_to_do(residual, tmp_path):
                                                   ".plan) or a tuple (graph_module, plan), got Plan")):
         draw_graph(residual.plan, tmp_path / "g.png")
     with pytest.raises(ValueError, match=re.escape("batches must be a positive number of batches to show, got 0")):
-        draw_gantt(_timeline(), tmp_path / "t.png", batches=0)
+        draw_gantt(draw_timeline(), tmp_path / "t.png", batches=0)
     with pytest.raises(ValueError, match=re.escape("the timeline has no events")):
         draw_gantt(Timeline.of([]), tmp_path / "t.png")
     assert not list(tmp_path.iterdir())

@@ -23,7 +23,7 @@ from ppll_compile.lower import profile
 from ppll_compile.options import read_saved_plan
 from ppll_compile.place import partition
 from ppll_compile.plans.table import format_bytes
-from tests.helpers import CONV_X
+from tests.helpers import CONV_X, plan_quietly
 
 GPUS = ("h100", "h200", "a100-80gb", "a100-40gb", "l40s", "mi300x")
 MEMORY_GB = {"h100": 80, "h200": 141, "a100-80gb": 80, "a100-40gb": 40, "l40s": 48, "mi300x": 192}
@@ -38,12 +38,6 @@ _FP32, _TF32, _HBM = 67e12, 494.5e12, 3.35e12
 H100_RATES = {"matmul": 0.7 * _FP32, "attention": 0.5 * _FP32, "conv": 0.5 * _TF32, "conv_bwd": 0.4 * _TF32,
               "memory": 0.8 * _HBM, "step": 0.8 * _HBM, "math": 0.7 * _HBM, "norm": 0.5 * _HBM, "pool": 0.5 * _HBM}
 H100_OVERHEAD = 5e-6
-
-
-def _plan(model: nn.Module, gpus: int, x: torch.Tensor, **options) -> Plan:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the CPU fallback
-        return ppll_compile.plan(model, gpus, example_inputs=(x,), **options)
 
 
 def _mlp() -> nn.Sequential:
@@ -105,7 +99,7 @@ def test_every_preset_loads_with_consistent_figures():
 def test_a_preset_plan_times_nothing_and_prices_every_operator_by_its_roofline(nothing_timed):
     model = _mlp()
     for gpus in (1, 2):
-        plan = _plan(model, gpus, X, hardware="h100")
+        plan = plan_quietly(model, X, gpus=gpus, hardware="h100")
         assert plan.hardware == "h100" and plan.profile == "roofline"
         assert plan.calibration["source"] == PRESETS["h100"].figures.source
         assert plan.calibration["rates"] == PRESETS["h100"].figures.rates and plan.calibration["timed_calls"] == 0
@@ -133,24 +127,24 @@ def test_a_preset_plan_times_nothing_and_prices_every_operator_by_its_roofline(n
 
 
 def test_the_preset_sets_the_memory_cap_and_the_link_unless_given():
-    plan = _plan(_mlp(), 2, X, hardware="h100")
+    plan = plan_quietly(_mlp(), X, gpus=2, hardware="h100")
     assert (plan.memory_limit, plan.link_bandwidth) == (80 * 10 ** 9, pytest.approx(0.8 * 450e9))
-    given = _plan(_mlp(), 2, X, hardware="mi300x", memory_limit=2 ** 30, link_bandwidth=1e9)
+    given = plan_quietly(_mlp(), X, gpus=2, hardware="mi300x", memory_limit=2 ** 30, link_bandwidth=1e9)
     assert (given.memory_limit, given.link_bandwidth, given.hardware) == (2 ** 30, 1e9, "mi300x")
-    default = _plan(_mlp(), 2, X)
+    default = plan_quietly(_mlp(), X, gpus=2)
     assert (default.memory_limit, default.link_bandwidth, default.hardware) == (None, 25e9, None)
-    assert default.calibration["source"] == str(Path(__file__).with_name("device_figures.json"))
+    assert default.calibration["source"] == str((Path(__file__).parents[1] / "device_figures.json"))
 
 
 def test_the_cpu_preset_is_this_machines_figures():
-    cpu, default = _plan(_mlp(), 2, X, hardware="cpu"), _plan(_mlp(), 2, X)
+    cpu, default = plan_quietly(_mlp(), X, gpus=2, hardware="cpu"), plan_quietly(_mlp(), X, gpus=2)
     assert cpu.calibration == default.calibration  # pinned by the tests' figures, as without hardware=
     assert [s.cost for s in cpu.stages] == [s.cost for s in default.stages] and cpu.cuts == default.cuts
     assert cpu.memory_limit == roofline.device_memory(torch.device("cpu")) and cpu.link_bandwidth == 25e9
 
 
 def _figures_file(tmp_path: Path, **extra) -> str:
-    data = json.loads(Path(__file__).with_name("device_figures.json").read_text())
+    data = json.loads((Path(__file__).parents[1] / "device_figures.json").read_text())
     path = tmp_path / "figures.json"
     path.write_text(json.dumps({**data, **extra}))
     return str(path)
@@ -158,11 +152,11 @@ def _figures_file(tmp_path: Path, **extra) -> str:
 
 def test_stages_that_cannot_fit_are_refused_with_the_fewest_devices_that_fit(tmp_path):
     model = _deep()
-    free = _plan(model, 4, XD, hardware=_figures_file(tmp_path))
+    free = plan_quietly(model, XD, gpus=4, hardware=_figures_file(tmp_path))
     cap = max(s.memory_bytes for s in free.stages)  # 4 stages fit it
     hw = _figures_file(tmp_path, memory_bytes=cap)
     with pytest.raises(InfeasibleMemoryError) as e:
-        _plan(model, 2, XD, hardware=hw)
+        plan_quietly(model, XD, gpus=2, hardware=hw)
     m = re.fullmatch(rf"the stages cannot fit the memory of hardware='{re.escape(hw)}' \((.*) per device\) on 2 "
                      rf"device\(s\): the fewest devices that fit it is (\d+) \(gpus=\d+\); on 2 device\(s\) the "
                      rf"smallest memory_limit that works is (.*) \(pass memory_limit= to plan for devices with more "
@@ -170,18 +164,18 @@ def test_stages_that_cannot_fit_are_refused_with_the_fewest_devices_that_fit(tmp
     assert m is not None, str(e.value)
     fewest = int(m.group(2))
     assert 2 < fewest <= 4 and m.group(1) == format_bytes(cap)
-    fits = _plan(model, fewest, XD, hardware=hw)
+    fits = plan_quietly(model, XD, gpus=fewest, hardware=hw)
     assert fits.memory_limit == cap and max(s.memory_bytes for s in fits.stages) <= cap
     with pytest.raises(InfeasibleMemoryError, match=r"the fewest devices that fit it is \d+ "):
-        _plan(model, fewest - 1, XD, hardware=hw)
+        plan_quietly(model, XD, gpus=fewest - 1, hardware=hw)
     # the cap it names works on 2 devices
-    two = _plan(model, 2, XD, hardware=hw, memory_limit=math.ceil(e.value.min_limit))
+    two = plan_quietly(model, XD, gpus=2, hardware=hw, memory_limit=math.ceil(e.value.min_limit))
     assert two.num_stages == 2
     with pytest.raises(InfeasibleMemoryError, match=r"^the stages cannot fit .* on 1 device\(s\): the fewest "):
-        _plan(model, 1, XD, hardware=hw)
+        plan_quietly(model, XD, gpus=1, hardware=hw)
     # without hardware= the solver's own message stands
     with pytest.raises(InfeasibleMemoryError, match=r"^no partition into 2 stages fits a memory limit of "):
-        _plan(model, 2, XD, memory_limit=cap)
+        plan_quietly(model, XD, gpus=2, memory_limit=cap)
 
 
 def test_a_layer_larger_than_the_device_is_refused_with_the_cap_only(tmp_path):
@@ -189,14 +183,14 @@ def test_a_layer_larger_than_the_device_is_refused_with_the_cap_only(tmp_path):
     with pytest.raises(InfeasibleMemoryError, match=r"^the stages cannot fit the memory of hardware=.* \(1000 B per "
                        r"device\) on 2 device\(s\): no number of devices fits it \(a single segment needs more\), so "
                        r"only a larger cap works; on 2 device\(s\) the smallest memory_limit that works is "):
-        _plan(_deep(), 2, XD, hardware=hw)
+        plan_quietly(_deep(), XD, gpus=2, hardware=hw)
 
 
 def test_unknown_hardware_lists_the_presets(tmp_path):
     message = (f"unknown hardware 'h900': not a preset and no such file; known presets: {KNOWN}, or the path of a "
                f"JSON figures file (ppll_compile.calibrate(out=...) writes one)")
     with pytest.raises(PlanError, match=f"^{re.escape(message)}$"):
-        _plan(_mlp(), 2, X, hardware="h900")
+        plan_quietly(_mlp(), X, gpus=2, hardware="h900")
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"device": "d", "torch": "t", "rates": {"matmul:float32": 1e12}, "overhead": 1e-6}))
     with pytest.raises(PlanError, match=rf"^hardware={re.escape(str(bad))}: no positive rate for "
@@ -213,16 +207,17 @@ def test_a_time_profile_is_refused_for_a_preset():
 
 
 def test_a_saved_plan_keeps_its_hardware(tmp_path, nothing_timed):
-    plan = _plan(_mlp(), 2, X, hardware="a100-40gb", optimizer="adam")
+    plan = plan_quietly(_mlp(), X, gpus=2, hardware="a100-40gb", optimizer="adam")
     path = tmp_path / "plan.yaml"
     path.write_text(plan.to_yaml())
     loaded = Plan.load(path)
     assert loaded == plan and loaded.hardware == "a100-40gb"
     assert read_saved_plan(path).settings["hardware"] == "a100-40gb"
-    again = _plan(_mlp(), None, X, plan=path)
+    again = plan_quietly(_mlp(), X, gpus=None, plan=path)
     assert (again.hardware, again.memory_limit, again.cuts) == ("a100-40gb", 40 * 10 ** 9, plan.cuts)
     assert [s.cost for s in again.stages] == [s.cost for s in plan.stages]
-    other = _plan(_mlp(), None, X, plan=path, hardware="h200")  # the call's hardware wins; the saved cap stays
+    other = plan_quietly(_mlp(), X, gpus=None, plan=path,
+                         hardware="h200")  # the call's hardware wins; the saved cap stays
     assert other.hardware == "h200" and other.calibration["source"].startswith("preset h200 (")
 
 
@@ -241,7 +236,7 @@ def test_a_calibrated_figures_file_plans_for_its_device(tmp_path, monkeypatch):
         str(out), measured.memory_bytes, 5e10, None, 4)
     monkeypatch.setattr(roofline, "measure_calls", lambda *a, **k: pytest.fail("timed on this machine"))
     monkeypatch.setattr(partition, "device_figures", lambda *a, **k: pytest.fail("calibrated on this machine"))
-    plan = _plan(_mlp(), 2, X, hardware=out)
+    plan = plan_quietly(_mlp(), X, gpus=2, hardware=out)
     assert (plan.hardware, plan.memory_limit, plan.link_bandwidth) == (str(out), measured.memory_bytes, 5e10)
     assert plan.calibration["source"] == str(out) and plan.calibration["rates"] == measured.rates
     monkeypatch.setenv(roofline.FIGURES_ENV, str(out))  # the link fields do not stop it pinning the figures

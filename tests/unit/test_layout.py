@@ -7,7 +7,7 @@ from pathlib import Path
 
 import networkx as nx
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"ppll_compile": "ppll_compile", "partitioners": "ppll_compile.partitioners",
             "policies": "ppll_compile.policies"}
 """Each top-level folder and the name it installs as (pyproject.toml's package-dir)."""

@@ -6,33 +6,18 @@ targets that fit nothing names the shapes and the way out, and that way out trai
 from __future__ import annotations
 
 import re
-import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import ppll_compile
 from ppll_compile.errors import StageError
 from tests.models import DictOut, Residual
+from tests.helpers import TOKENS_N, Tokens, compiled_with_warnings, plain_sgd, tokens_x
 
-N = 4
 WAY_OUT = ("pass the trainer the loss of your task: compiled.trainer(..., loss=fn) with fn(output, target) -> scalar "
            "tensor for the last stage, and aux_loss=fn(scores, target) for the auxiliary heads")
-
-
-class Tokens(nn.Module):
-    """N x 8 x 6 in, N x 8 x ``out`` per-token values out; ``features``: says so as timm does (``num_classes`` 0)."""
-
-    def __init__(self, out: int = 12, features: bool = False):
-        super().__init__()
-        self.l1, self.l2, self.l3 = nn.Linear(6, 16), nn.Linear(16, 16), nn.Linear(16, out)
-        if features:
-            self.num_classes = 0
-
-    def forward(self, x):
-        return self.l3(torch.relu(self.l2(torch.relu(self.l1(x)))))
 
 
 class Pooled(nn.Module):
@@ -69,59 +54,27 @@ class Scalar(nn.Module):
         return self.l2(torch.relu(self.l1(x))).pow(2).mean()
 
 
-def sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.05)  # no state: the plans cost optimizer='sgd'
-
-
-def compiled(model: nn.Module, x: torch.Tensor, **options) -> tuple[ppll_compile.CompiledPipeline, list[str]]:
-    """``model`` compiled into 2 stages on the CPU, and the warnings compiling it gave."""
-    torch.manual_seed(0)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        c = ppll_compile.compile(model, 2, example_inputs=(x,), devices=["cpu", "cpu"], **options)
-    return c, [str(w.message) for w in caught]
-
-
-def tokens_x() -> torch.Tensor:
-    return torch.randn(N, 8, 6, generator=torch.Generator().manual_seed(0))
-
-
-@pytest.fixture(autouse=True)
-def _one_thread(one_thread):
-    yield
-
-
-def test_features_not_scores_are_named_with_the_way_out():
-    torch.manual_seed(0)
-    c, caught = compiled(Tokens(features=True), tokens_x())
-    note = ("Tokens returns features, not scores: its num_classes is 0, and the default losses would read its output "
-            "of shape (4, 8, 12) as per-token scores over 12 classes, with class labels of shape [4, 8]; to train it "
-            "on class labels give it a classifier (for a timm model, num_classes=C where it has one, else e.g. a "
-            "pooling and nn.Linear(12, C) after it), or " + WAY_OUT)
-    assert caught == [note]
-    assert c.plan.notes[-1] == note
-    _, plain = compiled(Tokens(), tokens_x())  # the same output from a model that does not call it features
-    assert plain == []
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_num_classes_other_than_the_outputs_is_named():
-    _, caught = compiled(Tokens(), tokens_x(), num_classes=7)
+    _, caught = compiled_with_warnings(Tokens(), tokens_x(), num_classes=7)
     assert caught == ["num_classes=7, but Tokens returns (4, 8, 12), per-token scores over 12 classes, with class "
                       "labels of shape [4, 8]: the auxiliary heads predict 7 classes, the model's output 12; pass "
                       "num_classes=12, or give the model an output of 7 classes"]
-    _, same = compiled(Tokens(), tokens_x(), num_classes=12)
+    _, same = compiled_with_warnings(Tokens(), tokens_x(), num_classes=12)
     assert same == []
 
 
 def test_per_token_heads_that_read_other_tokens_than_the_output_are_named_and_aux_loss_trains_them():
     x = tokens_x()
-    c, caught = compiled(Pooled(), x, split_points=["l1"])
+    c, caught = compiled_with_warnings(Pooled(), x, split_points=["l1"])
     assert caught == ["the auxiliary heads give per-token scores for the tokens at their cut (stage 0's: 8), but "
                       "Pooled's output has 4 tokens: by default a head scores each of the 4 labels from the mean of "
                       "its tokens' scores (as on the encoder of a sequence-to-sequence model); for another rule pass "
                       "compiled.trainer(..., aux_loss=fn) with fn(scores, target) -> scalar tensor, or cut where the "
                       "output's tokens are"]
-    y = torch.randint(0, 5, (N, 4), generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 5, (TOKENS_N, 4), generator=torch.Generator().manual_seed(1))
 
     def mean_rule(scores, target):  # every label scored by the mean of the head's 8 tokens' scores
         return F.cross_entropy(scores.mean(1, keepdim=True).expand(-1, 4, -1).flatten(0, 1), target.flatten())
@@ -130,24 +83,24 @@ def test_per_token_heads_that_read_other_tokens_than_the_output_are_named_and_au
         return F.cross_entropy(scores.flatten(0, 1), target.repeat_interleave(2, dim=1).flatten())
 
     for rule, options in ((mean_rule, {}), (pairs, {"aux_loss": pairs})):
-        c, _ = compiled(Pooled(), x, split_points=["l1"])
+        c, _ = compiled_with_warnings(Pooled(), x, split_points=["l1"])
         with torch.no_grad():
             h = c.stages[0](x)
             expected = [float(rule(c.heads[0](h[0]), y)), float(F.cross_entropy(c.stages[1](*h).flatten(0, 1),
                                                                                y.flatten()))]
-        with c.trainer(optimizer=sgd, **options) as trainer:
+        with c.trainer(optimizer=plain_sgd, **options) as trainer:
             assert trainer.step(x, y) == [[pytest.approx(expected[0], rel=1e-6)],
                                           [pytest.approx(expected[1], rel=1e-6)]]
 
 
 def test_a_dense_map_fits_no_default_loss_the_first_step_says_so_and_loss_trains_it():
-    x = torch.randn(N, 3, 8, 8, generator=torch.Generator().manual_seed(0))
-    c, caught = compiled(Dense(), x, num_classes=5)
+    x = torch.randn(TOKENS_N, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    c, caught = compiled_with_warnings(Dense(), x, num_classes=5)
     assert caught == ["Dense returns a 4-D tensor of shape (4, 4, 8, 8): no default loss fits it (the defaults take "
                       "N x C scores with class labels of shape [N], N x L x C per-token scores with labels of shape "
                       "[N, L], or one score per example with targets of shape [N]); " + WAY_OUT]
-    y = torch.randint(0, 4, (N,), generator=torch.Generator().manual_seed(1))
-    with c.trainer(optimizer=sgd) as trainer, pytest.raises(StageError, match=re.escape(
+    y = torch.randint(0, 4, (TOKENS_N,), generator=torch.Generator().manual_seed(1))
+    with c.trainer(optimizer=plain_sgd) as trainer, pytest.raises(StageError, match=re.escape(
             "stage 1, the last (the model's output), gives scores of shape (4, 4, 8, 8), and a target of shape (4,) "
             "and dtype torch.int64 fits no task loss")):
         trainer.step(x, y)
@@ -155,15 +108,15 @@ def test_a_dense_map_fits_no_default_loss_the_first_step_says_so_and_loss_trains
     def pooled(output, target):
         return F.cross_entropy(output.mean((2, 3)), target)
 
-    c, _ = compiled(Dense(), x, num_classes=5)
+    c, _ = compiled_with_warnings(Dense(), x, num_classes=5)
     with torch.no_grad():
         expected = float(pooled(c.stages[1](*c.stages[0](x)), y))
-    with c.trainer(optimizer=sgd, loss=pooled) as trainer:
+    with c.trainer(optimizer=plain_sgd, loss=pooled) as trainer:
         assert trainer.step(x, y)[1] == [pytest.approx(expected, rel=1e-6)]
 
 
 def test_a_scalar_output_fits_no_default_loss():
-    _, caught = compiled(Scalar(), torch.randn(N, 6), num_classes=3)
+    _, caught = compiled_with_warnings(Scalar(), torch.randn(TOKENS_N, 6), num_classes=3)
     assert caught == ["Scalar returns a scalar of shape (): no default loss fits it (the defaults take N x C scores "
                       "with class labels of shape [N], N x L x C per-token scores with labels of shape [N, L], or "
                       "one score per example with targets of shape [N]); " + WAY_OUT]
@@ -182,57 +135,24 @@ class Named(nn.Module):
 
 
 def test_a_dict_without_logits_fits_no_default_loss():
-    x = torch.randn(N, 6)
-    c, caught = compiled(Named(), x, num_classes=3)
+    x = torch.randn(TOKENS_N, 6)
+    c, caught = compiled_with_warnings(Named(), x, num_classes=3)
     assert caught == ["Named returns a structured output in which the default loss finds no scores (it reads a "
                       "tensor, an output's 'logits', or the first tensor of a tuple or list): no default loss fits "
                       "it; " + WAY_OUT]
-    with c.trainer(optimizer=sgd) as trainer, pytest.raises(StageError, match=re.escape(
+    with c.trainer(optimizer=plain_sgd) as trainer, pytest.raises(StageError, match=re.escape(
             "stage 1, the last (the model's output), gives immutable_dict scores (not a tensor), and a target of "
             "shape (4,) and dtype torch.int64 fits no task loss")):
         trainer.step(x, torch.tensor([0, 1, 2, 0]))
 
 
 @pytest.mark.parametrize("model, x", [
-    (Residual(), torch.randn(N, 3, 8, 8)),  # N x C scores
-    (DictOut(), torch.randn(N, 4)),  # a dict whose logits are N x C scores
+    (Residual(), torch.randn(TOKENS_N, 3, 8, 8)),  # N x C scores
+    (DictOut(), torch.randn(TOKENS_N, 4)),  # a dict whose logits are N x C scores
     (nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1)),
-     torch.randn(N, 6)),  # one score per example (regression, binary labels)
+     torch.randn(TOKENS_N, 6)),  # one score per example (regression, binary labels)
 ], ids=["scores", "dict-logits", "one-score"])
 def test_outputs_the_defaults_fit_get_no_note(model, x):
     classes = {"Sequential": {"num_classes": 1}, "DictOut": {"num_classes": 2}}.get(type(model).__name__, {})
-    _, caught = compiled(model, x, **classes)
+    _, caught = compiled_with_warnings(model, x, **classes)
     assert caught == []
-
-
-@pytest.mark.slow
-def test_timm_gemma4_vision_encoder_is_named_as_features_and_its_way_out_trains():
-    timm = pytest.importorskip("timm")
-    torch.manual_seed(0)
-    model = timm.create_model("gemma4_vit_167m_enc", pretrained=False, img_size=96, depth=2)  # 36 patches, 4 tokens
-    x = torch.randn(2, 3, 96, 96, generator=torch.Generator().manual_seed(0))
-    c, caught = compiled(model, x)
-    assert caught == [
-        "Gemma4VitEncoder returns features, not scores: its num_classes is 0, and the default losses would read its "
-        "output of shape (2, 4, 768) as per-token scores over 768 classes, with class labels of shape [2, 4]; to "
-        "train it on class labels give it a classifier (for a timm model, num_classes=C where it has one, else e.g. "
-        "a pooling and nn.Linear(768, C) after it), or " + WAY_OUT,
-        "the auxiliary heads give per-token scores for the tokens at their cut (stage 0's: 36), but "
-        "Gemma4VitEncoder's output has 4 tokens: by default a head scores each of the 4 labels from the mean of its "
-        "tokens' scores (as on the encoder of a sequence-to-sequence model); for another rule pass "
-        "compiled.trainer(..., aux_loss=fn) with fn(scores, target) -> scalar tensor, or cut where the output's "
-        "tokens are"]
-    y = torch.tensor([3, 1])
-    with c.trainer(optimizer=sgd) as trainer, pytest.raises(StageError, match=re.escape(
-            "stage 0's auxiliary head gives scores of shape (2, 36, 768), and a target of shape (2,) and dtype "
-            "torch.int64 fits no task loss")):
-        trainer.step(x, y)
-
-    def pooled(scores, target):  # the tokens' mean, scored as one example's class scores
-        return F.cross_entropy(scores.mean(1), target)
-
-    with torch.no_grad():
-        h = c.stages[0](x)
-        expected = [float(pooled(c.heads[0](h[0]), y)), float(pooled(c.stages[1](*h), y))]
-    with c.trainer(optimizer=sgd, loss=pooled, aux_loss=pooled) as trainer:
-        assert trainer.step(x, y) == [[pytest.approx(expected[0], rel=1e-5)], [pytest.approx(expected[1], rel=1e-5)]]

@@ -6,9 +6,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -291,30 +288,6 @@ def test_registry_dispatches_and_checks_answers() -> None:
             register("test-last-segment")(last_segment)
     finally:
         del SOLVERS["test-last-segment"]
-
-
-@pytest.mark.slow
-def test_the_solvers_load_without_torch() -> None:
-    # the folder loaded on its own, under a name of its own: the solvers import neither torch nor ppll_compile
-    folder = Path(__file__).resolve().parents[1] / "partitioners"
-    code = ("import importlib.util, sys\n"
-            f"spec = importlib.util.spec_from_file_location('solvers', {str(folder / '__init__.py')!r},\n"
-            f"    submodule_search_locations=[{str(folder)!r}])\n"
-            "solvers = importlib.util.module_from_spec(spec); sys.modules['solvers'] = solvers\n"
-            "spec.loader.exec_module(solvers)\n"
-            "assert solvers.solve(solvers.Problem(compute=[1, 2, 3]), 2) == (2, 3)\n"
-            "assert 'torch' not in sys.modules and 'ppll_compile' not in sys.modules, sorted(sys.modules)\n")
-    subprocess.run([sys.executable, "-c", code], cwd="/", check=True, timeout=60)
-
-
-@pytest.mark.parametrize("name", ["partitioners", "policies"])
-def test_the_old_top_level_names_say_the_new_ones(name: str) -> None:
-    root = Path(__file__).resolve().parents[1]
-    run = subprocess.run([sys.executable, "-c", f"import {name}"], cwd=root, capture_output=True, text=True,
-                         timeout=60)
-    assert run.returncode == 1
-    assert (f"ImportError: '{name}' is installed as 'ppll_compile.{name}' (a top-level '{name}' would clash with "
-            f"other packages): import ppll_compile.{name}") in run.stderr
 
 
 def _on_nodes(problem: Problem, seed: int) -> Problem:

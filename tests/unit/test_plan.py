@@ -1,37 +1,25 @@
 """The Plan: totals, serialisation, validation, hand edits, and the planner's choices end to end."""
 
 import dataclasses
-import itertools
 import pickle
 import re
 import time
-import warnings
 
 import pytest
 import torch
-import torchvision
 import yaml
 from models import DictOut, Masked, Residual
 
 import ppll_compile
 from ppll_compile import CutError, PartitionError, Plan, PlanError
-
-X = torch.randn(4, 3, 16, 16)
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
+from tests.helpers import PLAN_X, plan_residual
 
 
-def _plan(model=None, gpus=3, **kw):
-    return ppll_compile.plan(model or Residual(), gpus, example_inputs=kw.pop("example_inputs", (X,)), **kw)
+pytestmark = pytest.mark.usefixtures("quietly")  # no CPU-fallback warnings of compile
 
 
 def test_totals_follow_from_stage_costs():
-    p = _plan(profile="flops")
+    p = plan_residual(profile="flops")
     costs = [s.cost for s in p.stages]
     assert p.bottleneck_cost == max(costs)
     assert p.ideal_cost == pytest.approx(sum(costs) / 3)
@@ -47,18 +35,8 @@ def test_totals_follow_from_stage_costs():
     assert [s.last_node for s in p.stages[:-1]] == list(p.cuts)
 
 
-def test_exact_plan_is_optimal_over_every_choice_of_cuts():
-    model = Residual()
-    best = _plan(model, 3)
-    manual = [_plan(model, 3, split_points=list(c)).bottleneck_cost
-              for c in itertools.combinations(best.legal_cuts, 2)]
-    assert best.bottleneck_cost == pytest.approx(min(manual), rel=1e-9)
-    for name in ("uniform", "greedy", "params"):
-        assert _plan(model, 3, partitioner=name).bottleneck_cost >= best.bottleneck_cost - 1e-15
-
-
 def test_memory_model_counts_optimizer_state():
-    sgd, adam = _plan(optimizer="sgd"), _plan(optimizer="adam", split_points=list(_plan().cuts))
+    sgd, adam = plan_residual(optimizer="sgd"), plan_residual(optimizer="adam", split_points=list(plan_residual().cuts))
     for s, a in zip(sgd.stages, adam.stages):
         assert s.optim_bytes == 0 and a.optim_bytes == 2 * a.grad_bytes
         assert s.grad_bytes == s.param_bytes == 4 * s.param_count
@@ -68,7 +46,7 @@ def test_memory_model_counts_optimizer_state():
 
 
 def test_json_and_yaml_round_trip(tmp_path):
-    p = _plan(model=Masked(), gpus=3, example_inputs=(torch.randn(2, 5, 8), torch.ones(2, 5)))
+    p = plan_residual(model=Masked(), gpus=3, example_inputs=(torch.randn(2, 5, 8), torch.ones(2, 5)))
     assert Plan.from_json(p.to_json()) == p
     assert Plan.from_yaml(p.to_yaml()) == p
     assert Plan.load(p.save(tmp_path / "p.json")) == p
@@ -76,7 +54,7 @@ def test_json_and_yaml_round_trip(tmp_path):
 
 
 def test_a_plan_cannot_be_changed_in_place_and_hashes_by_value():
-    p = _plan()
+    p = plan_residual()
     config = p.stages[0].head.config
     for change in (lambda: config.__setitem__("width", 1), lambda: config["loss"].__setitem__("classification", "x"),
                    lambda: setattr(p.stages[0], "cost", 0.0), lambda: config.pop("type")):
@@ -85,7 +63,7 @@ def test_a_plan_cannot_be_changed_in_place_and_hashes_by_value():
     assert p.stages[0].head.config["width"] == config["width"] and "type" in config
     copy = Plan.from_json(p.to_json())
     assert hash(copy) == hash(p) and copy == p
-    assert len({p, copy, _plan(gpus=2)}) == 2
+    assert len({p, copy, plan_residual(gpus=2)}) == 2
     assert pickle.loads(pickle.dumps(p)) == p
     edited = p.to_dict()
     edited["stages"][0]["head"]["config"]["width"] = 1  # to_dict gives plain data to edit and save
@@ -98,7 +76,7 @@ def test_planning_reports_the_seconds_of_each_phase():
     start = time.perf_counter()
     with record_phases() as outer:
         with record_phases() as inner:
-            _plan(partitioner="exact")
+            plan_residual(partitioner="exact")
     total = time.perf_counter() - start
     assert set(inner) == set(PHASES) and inner == outer
     assert all(inner[name] > 0 for name in PHASES), inner
@@ -121,7 +99,7 @@ def test_multi_tensor_boundaries_are_reported_and_run():
 
 
 def test_validate_names_the_problem():
-    p = _plan()
+    p = plan_residual()
     bad = dataclasses.replace(p, stages=(p.stages[1], p.stages[0], p.stages[2]))
     with pytest.raises(PlanError, match=re.escape("stage 0 has index 1; stages must be numbered 0..2")):
         bad.validate()
@@ -141,19 +119,7 @@ def test_validate_names_the_problem():
 def test_too_many_stages():
     with pytest.raises(CutError, match=re.escape(
             "plan at most 6 stages (gpus=6 or fewer): the model has 5 legal cut point(s); got gpus=8")):
-        _plan(gpus=8)
-
-
-def test_memory_cap_infeasible_names_the_smallest_cap():
-    p = _plan()
-    smallest = min(
-        max(s.memory_bytes for s in _plan(split_points=list(c)).stages)
-        for c in itertools.combinations(p.legal_cuts, 2))
-    with pytest.raises(PartitionError, match="the smallest limit that works is") as info:
-        _plan(memory_limit=smallest - 1)
-    assert "no partition into 3 stages fits a memory limit" in str(info.value)
-    capped = _plan(memory_limit=smallest)
-    assert max(s.memory_bytes for s in capped.stages) <= smallest
+        plan_residual(gpus=8)
 
 
 class _Chain(torch.nn.Module):
@@ -169,8 +135,8 @@ class _Chain(torch.nn.Module):
 
 def test_device_speeds_move_the_cut_to_the_fast_device():
     n, d, depth = 16, 64, 8
-    even = _plan(_Chain(depth, d), gpus=2, example_inputs=(torch.randn(n, d),), profile="flops")
-    skewed = _plan(_Chain(depth, d), gpus=2, example_inputs=(torch.randn(n, d),), device_speeds=[1.0, 0.25],
+    even = plan_residual(_Chain(depth, d), gpus=2, example_inputs=(torch.randn(n, d),), profile="flops")
+    skewed = plan_residual(_Chain(depth, d), gpus=2, example_inputs=(torch.randn(n, d),), device_speeds=[1.0, 0.25],
                    profile="flops")
     layer = 2 * n * d * d  # a layer's forward FLOPs, and those of each of its gradients
     head = even.stages[0].aux_flops  # every cut has the same boundary, so the same head
@@ -197,7 +163,7 @@ def test_device_speeds_move_the_cut_to_the_fast_device():
 
 def test_hand_edited_plan_moves_a_cut_and_changes_device_and_head(tmp_path):
     model = Residual()
-    p = _plan(model)
+    p = plan_residual(model)
     d = yaml.safe_load(p.to_yaml())
     legal = list(p.legal_cuts)
     new_cut = next(c for c in legal if c not in p.cuts and legal.index(c) < legal.index(p.cuts[1]))
@@ -218,7 +184,7 @@ def test_hand_edited_plan_moves_a_cut_and_changes_device_and_head(tmp_path):
     assert hidden.out_features == 7
     model.eval()
     with torch.no_grad():
-        torch.testing.assert_close(c(X), model(X))
+        torch.testing.assert_close(c(PLAN_X), model(PLAN_X))
 
     d["stages"][0]["last_node"] = "a1"  # inside the first residual block
     path.write_text(yaml.safe_dump(d))
@@ -228,23 +194,18 @@ def test_hand_edited_plan_moves_a_cut_and_changes_device_and_head(tmp_path):
 
 
 def test_split_points_by_module_or_node_name():
-    p = _plan(gpus=None, split_points=["stem"])
+    p = plan_residual(gpus=None, split_points=["stem"])
     assert p.cuts == ("stem",) and p.num_stages == 2
-    fine = _plan(gpus=None, split_points=["relu", "add"])  # node names: the full trace is kept
-    assert fine.cuts == ("relu", "add") and fine.legal_cuts == _plan().legal_cuts
+    fine = plan_residual(gpus=None, split_points=["relu", "add"])  # node names: the full trace is kept
+    assert fine.cuts == ("relu", "add") and fine.legal_cuts == plan_residual().legal_cuts
     with pytest.raises(CutError, match=re.escape("'a9' is neither a node nor a module of the traced model")):
-        _plan(gpus=None, split_points=["a9"])
+        plan_residual(gpus=None, split_points=["a9"])
 
 
 def test_unknown_partitioner_lists_known_ones():
     with pytest.raises(PartitionError, match=re.escape(
             "unknown partitioner 'fast'; known partitioners: exact, greedy, params, uniform")):
-        _plan(partitioner="fast")
-
-
-def test_input_inferred_for_torchvision_classifier():
-    p = ppll_compile.plan(torchvision.models.resnet18(), gpus=2)
-    assert p.inputs[0].shape == (32, 3, 224, 224) and p.num_classes == 1000
+        plan_residual(partitioner="fast")
 
 
 def test_input_and_classes_that_cannot_be_inferred():
@@ -260,7 +221,8 @@ def test_input_and_classes_that_cannot_be_inferred():
 
 
 def test_batch_size_scales_costs():
-    small, big = _plan(batch_size=4), _plan(batch_size=8, split_points=list(_plan(batch_size=4).cuts))
+    small, big = plan_residual(batch_size=4), plan_residual(batch_size=8,
+                                                            split_points=list(plan_residual(batch_size=4).cuts))
     assert big.batch_size == 8 and big.inputs[0].shape[0] == 8
     for s, b in zip(small.stages, big.stages):
         assert b.flops_fwd == 2 * s.flops_fwd
@@ -271,7 +233,7 @@ def test_cpu_fallback_is_noted_once():
     if torch.cuda.device_count() >= 3:
         pytest.skip("this machine has enough GPUs")
     with pytest.warns(UserWarning, match="all 3 stages run on the CPU") as record:
-        p = ppll_compile.plan(Residual(), 3, example_inputs=(X,))
+        p = ppll_compile.plan(Residual(), 3, example_inputs=(PLAN_X,))
     assert len([w for w in record if "CPU" in str(w.message)]) == 1
     assert p.devices == ("cpu",) * 3 and len([n for n in p.notes if "run on the CPU" in n]) == 1
 
@@ -279,7 +241,7 @@ def test_cpu_fallback_is_noted_once():
 def test_time_profile_measures_and_restores():
     model = Residual().eval()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    p = _plan(model, profile="time", devices=["cpu"] * 3)
+    p = plan_residual(model, profile="time", devices=["cpu"] * 3)
     assert not any(m.training for m in model.modules())
     assert p.profile == "time" and all(s.compute_cost > 0 for s in p.stages)
     assert any("as whole training steps of" in n for n in p.notes)
@@ -290,7 +252,7 @@ def test_time_profile_measures_and_restores():
 
 def test_compiled_pipeline_heads_and_shared_parameters():
     model = Residual()
-    c = ppll_compile.compile(model, 3, example_inputs=(X,), policy="dgl")
+    c = ppll_compile.compile(model, 3, example_inputs=(PLAN_X,), policy="dgl")
     assert c.heads[-1] is None and all(h is not None for h in c.heads[:-1])
     own = {id(q) for q in model.parameters()}
     for i, stage in enumerate(c.stages):
@@ -305,7 +267,7 @@ def test_compiled_pipeline_heads_and_shared_parameters():
 
 def test_reapplied_plan_keeps_its_settings(tmp_path):
     model = Residual()
-    p = _plan(model, optimizer="adam", memory_limit=10**9, batch_size=8, policy="mlp")
+    p = plan_residual(model, optimizer="adam", memory_limit=10**9, batch_size=8, policy="mlp")
     again = ppll_compile.plan(model, plan=p.save(tmp_path / "p.yaml"))
     assert (again.optimizer, again.memory_limit, again.batch_size, again.policy) == ("adam", 10**9, 8, "mlp")
     assert again.cuts == p.cuts

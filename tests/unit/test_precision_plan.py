@@ -4,9 +4,7 @@ element-wise chains, memory by the documented rule, the plan field, and the trai
 from __future__ import annotations
 
 import re
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +19,7 @@ from ppll_compile.cost.nodes import META_KEY, measure_graph
 from ppll_compile.cost.roofline import seconds
 from ppll_compile.options import PlanOptions
 from ppll_compile.plans.plan import Plan
-from tests.helpers import BATCH, assert_same_parameters, free_port, image_batches, run_torchrun, sgd
+from tests.helpers import BATCH, assert_same_parameters, compiled_residual_at, image_batches, sgd
 from tests.models import Residual
 
 pytestmark = pytest.mark.usefixtures("one_thread_quietly")
@@ -154,14 +152,8 @@ def test_ppll_plan_takes_precision(capsys):
     assert "precision bf16, element-wise chains fused" in capsys.readouterr().out
 
 
-def _compiled(precision: str, seed: int = 0, **options):
-    torch.manual_seed(seed)
-    return ppll_compile.compile(Residual(), 2, example_inputs=(torch.randn(BATCH, 3, 8, 8),), policy="dgl",
-                                split_points=["add"], precision=precision, **options)
-
-
 def test_the_trainer_autocasts_as_the_plan_says_and_refuses_another_dtype():
-    compiled = _compiled("bf16")
+    compiled = compiled_residual_at("bf16")
     seen: list[torch.dtype] = []
     for stage in compiled.stages:
         for m in stage.modules():
@@ -183,7 +175,7 @@ def test_the_trainer_autocasts_as_the_plan_says_and_refuses_another_dtype():
 
 
 def test_autocast_on_an_fp32_plan_warns_that_its_costs_are_float32():
-    compiled = _compiled("fp32")
+    compiled = compiled_residual_at("fp32")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         compiled.trainer(optimizer=sgd, autocast=torch.bfloat16).close()
@@ -193,7 +185,7 @@ def test_autocast_on_an_fp32_plan_warns_that_its_costs_are_float32():
 
 
 def test_a_pure_plan_refuses_float32_parameters():
-    compiled = _compiled("bf16-pure")
+    compiled = compiled_residual_at("bf16-pure")
     with pytest.raises(PPLLError, match=re.escape(
             "the plan's precision 'bf16-pure' trains bfloat16 parameters, but stage 0 holds float32 ones "
             "('stem.weight'); cast the model with model.to(torch.bfloat16) and feed bfloat16 inputs, or re-plan "
@@ -211,7 +203,7 @@ def test_a_low_precision_plan_trains_under_threads_as_sequential(precision):
     data = image_batches(4)
     runs = {}
     for runtime in ("sequential", "threads"):
-        compiled = _compiled(precision)
+        compiled = compiled_residual_at(precision)
         losses: list[list[float]] = [[], []]
         with compiled.trainer(optimizer=sgd, runtime=runtime) as trainer:
             for out in [trainer.step(x, y) for x, y in data] + [trainer.finish()]:
@@ -230,36 +222,6 @@ def test_the_simulator_sends_a_low_precision_boundary_in_half_the_time():
     assert send["bf16"] * 2 == send["fp32"]
     for p in ("fp32", "bf16"):
         assert sims[p].step_time == pytest.approx(send[p], rel=1e-3)
-
-
-def _trained_state(runtime: str) -> dict | None:
-    """A bf16 plan of Residual trained on 3 batches under ``runtime``; the whole model's state (``None`` on ranks
-    other than 0)."""
-    compiled = _compiled("bf16", devices=["cpu", "cpu"])
-    with compiled.trainer(optimizer=sgd, runtime=runtime) as trainer:
-        for x, y in image_batches(3):
-            trainer.step(x, y)
-        trainer.finish()
-        return trainer.model_state_dict()
-
-
-@pytest.mark.slow
-def test_a_bf16_plan_trains_under_torchrun_as_sequential(tmp_path):
-    out = tmp_path / "state.pt"
-    run_torchrun(["--nproc-per-node=2", f"--master-port={free_port()}"], Path(__file__), [str(out)], timeout=240)
-    ref = _trained_state("sequential")
-    got = torch.load(out, weights_only=True)
-    assert list(got) == list(ref)
-    for k, v in ref.items():
-        assert torch.equal(got[k], v), k
-
-
-if __name__ == "__main__":  # a torchrun worker of the test above
-    torch.set_num_threads(1)
-    warnings.simplefilter("ignore")
-    state = _trained_state("distributed")
-    if state is not None:
-        torch.save(state, sys.argv[1])
 
 
 # ---- losses and heads as autocast runs them -----------------------------------------------------------------------

@@ -3,43 +3,19 @@ registering one class."""
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator
 
 import pytest
 import torch
-from torch import nn
 
-import ppll_compile
 from ppll_compile import PPLLError
 from ppll_compile.runtime import QUEUES, RUNTIMES
 from ppll_compile.runtime.base import Losses, Runtime
 from ppll_compile.runtime.messages import Message
 from ppll_compile.runtime.registry import RUNTIME_CLASSES, register
-from tests.models import conv_student, conv_teacher
+from tests.helpers import plain_sgd, registry_pipebd, registry_ppll
 
 pytestmark = pytest.mark.usefixtures("one_thread_quietly")
-
-X = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(0))
-
-
-def _ppll(seed: int = 0) -> ppll_compile.CompiledPipeline:
-    torch.manual_seed(seed)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return ppll_compile.compile(conv_student(), 2, example_inputs=(X,), split_points=["5"])
-
-
-def _pipebd() -> ppll_compile.CompiledPipeline:
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return ppll_compile.compile(conv_student(), teacher=conv_teacher(), example_inputs=(X,), split_points=["5"],
-                                    replicas=(1, 1))
-
-
-def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.05)
 
 
 class CountingRuntime(Runtime):
@@ -99,35 +75,13 @@ def test_every_runtime_declares_what_it_can_do():
     assert all(c.build.__func__ is not Runtime.build.__func__ for c in RUNTIME_CLASSES.values())  # each says how
 
 
-@pytest.mark.parametrize("compiled,options,message", [
-    (_ppll, {"runtime": "gpu"}, "runtime='gpu' is not known; choose one of sequential, threads, distributed"),
-    (_ppll, {"runtime": "dna"}, "runtime='dna' is not known; choose one of sequential, threads, distributed"),
-    (_pipebd, {"runtime": "gpu"},
-     "runtime='gpu' is not known; choose one of sequential, threads, distributed, dna, dna-per-block"),
-    (_ppll, {"queue": "latest"},
-     'queue="latest" needs a pipelined runtime ("threads" or "distributed"); the sequential runtime never waits'),
-    (_pipebd, {"queue": "reuse", "runtime": "dna"},
-     'queue="reuse" needs a pipelined runtime ("threads" or "distributed"); the dna runtime never waits'),
-    (_pipebd, {"decoupled": False, "runtime": "dna-per-block"},
-     'decoupled=False (a barrier of all the stages before every optimizer step) applies to the pipelined runtimes '
-     '"threads" and "distributed" with queue="fifo"'),
-    (_ppll, {"runtime": "threads", "queue": "latest", "decoupled": False},
-     'decoupled=False (a barrier of all the stages before every optimizer step) applies to the pipelined runtimes '
-     '"threads" and "distributed" with queue="fifo"'),
-])
-def test_the_options_are_checked_against_the_capabilities(compiled, options, message):
-    with pytest.raises(ValueError) as info:
-        compiled().trainer(optimizer=_sgd, **options)
-    assert str(info.value) == message
-
-
 def test_a_registered_runtime_trains_as_the_reference(toys):
     data = [(torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(i)), torch.tensor([i % 10] * 4))
             for i in range(3)]
     runs = {}
     for name in ("sequential", "counting"):
-        compiled = _ppll()
-        with compiled.trainer(optimizer=_sgd, runtime=name) as trainer:
+        compiled = registry_ppll()
+        with compiled.trainer(optimizer=plain_sgd, runtime=name) as trainer:
             losses = [trainer.step(x, y) for x, y in data]
             assert trainer.runtime_name == name and trainer.batches == 3 and trainer.steps == {0: 3, 1: 3}
             history = trainer.fit(data[:1], progress=False)
@@ -139,9 +93,9 @@ def test_a_registered_runtime_trains_as_the_reference(toys):
 
 
 def test_a_registered_runtime_is_held_to_what_it_declares(toys):
-    def refused(options: dict, compiled=_ppll) -> str:
+    def refused(options: dict, compiled=registry_ppll) -> str:
         with pytest.raises((ValueError, PPLLError)) as info:
-            compiled().trainer(optimizer=_sgd, **options)
+            compiled().trainer(optimizer=plain_sgd, **options)
         return str(info.value)
 
     assert refused({"runtime": "counting", "queue": "latest"}) == (
@@ -155,9 +109,9 @@ def test_a_registered_runtime_is_held_to_what_it_declares(toys):
         '"threads", "distributed" and "picky" with queue="fifo"')
     assert refused({"runtime": "counting", "rebalance": True}) == (
         "rebalance=True applies to the runtimes 'sequential' and 'threads', not 'counting'")
-    assert refused({"runtime": "picky"}, _pipebd) == (
+    assert refused({"runtime": "picky"}, registry_pipebd) == (
         "runtime='picky' is not known; choose one of sequential, threads, distributed, dna, dna-per-block, counting")
-    picky = _ppll().trainer(optimizer=_sgd, runtime="picky", queue="latest")  # what it declares, it gets
+    picky = registry_ppll().trainer(optimizer=plain_sgd, runtime="picky", queue="latest")  # what it declares, it gets
     with picky:
         with pytest.raises(PPLLError) as info:
             picky.move_cut(0, "5")

@@ -17,59 +17,19 @@ from ppll_compile.partitioners.replicas import (
     solve_fixed_replicas,
     solve_replicated,
 )
-
-
-def _random_problem(seed: int) -> ReplicaProblem:
-    """A small random problem with ties (zeros, small integers, halves) and optional heads, comm, grads and caps."""
-    rng = random.Random(seed)
-    n, devices = rng.randint(1, 7), rng.randint(1, 5)
-
-    def column(choices: list[float], chance: float = 0.5) -> list[float] | None:
-        return [rng.choice(choices) for _ in range(n)] if rng.random() < chance else None
-
-    memory = column([0, 1, 2, 3], 0.6)
-    problem = ReplicaProblem(
-        compute=[rng.choice([0, 0.5, 1, 1, 2, 3, 4, 6, 1.25, 0.1]) for _ in range(n)],
-        head=column([0, 0, 0.5, 1, 2]),
-        comm=column([0, 0.25, 1, 0.3]),
-        grad_bytes=column([0, 1, 2, 4, 8, 0.7], 0.6),
-        head_grad_bytes=column([0, 1, 3]),
-        allreduce_bandwidth=rng.choice([0.5, 1.0, 4.0, 16.0, 3.0]),
-        memory=memory,
-        head_memory=column([0, 1, 2]) if memory else None,
-        memory_limit=rng.choice([None, 2, 3, 4, 6, 0]) if memory else None,
-        devices=devices,
-        max_replicas=rng.choice([None, None, 1, 2, 3]),
-        stages=rng.choice([None, None, *range(1, min(n, devices) + 1)]),
-    )
-    if seed % 5 == 1:  # what a stage saves by starting at a segment (no input gradient): up to that segment's cost
-        problem = dataclasses.replace(problem, start=[rng.choice([0, 0.5, 1]) * c for c in problem.compute])
-    return problem
-
-
-def _stage_memory(problem: ReplicaProblem, layout: Layout) -> list[float]:
-    """Bytes one replica of each stage needs, summed directly (the tests use integer bytes, so exactly)."""
-    memory = problem.memory or [0] * len(problem.compute)
-    head = problem.head_memory or [0] * len(problem.compute)
-    return [sum(memory[a:b]) + head[b - 1] for a, b in zip((0, *layout.ends), layout.ends)]
-
-
-def _check_valid(problem: ReplicaProblem, layout: Layout) -> None:
-    """Assert that ``layout`` obeys every constraint of ``problem`` and reports its costs exactly."""
-    n, cap = len(problem.compute), min(problem.max_replicas or problem.devices, problem.devices,
-                                       problem.batch or problem.devices)
-    assert layout.ends[-1] == n and list(layout.ends) == sorted(set(layout.ends)) and layout.ends[0] >= 1
-    assert len(layout.replicas) == len(layout.ends) and all(1 <= r <= cap for r in layout.replicas)
-    assert layout.devices <= problem.devices
-    assert problem.stages is None or len(layout.ends) == problem.stages
-    if problem.memory_limit is not None:
-        assert max(_stage_memory(problem, layout)) <= problem.memory_limit
-    assert list(layout.costs) == layout_costs(problem, layout.ends, layout.replicas)
+from tests.helpers import (
+    replicas_check_valid,
+    replicas_on_nodes,
+    replicas_random_problem,
+    replicas_same_as_brute_force,
+    replicas_stage_memory,
+)
 
 
 @pytest.mark.parametrize("group", range(4))
 def test_solver_matches_brute_force(group: int) -> None:
-    solved = [_same_as_brute_force(_random_problem(seed), seed) for seed in range(100 * group, 100 * group + 100)]
+    solved = [replicas_same_as_brute_force(replicas_random_problem(seed), seed) for seed in range(100 * group,
+                                                                                                  100 * group + 100)]
     assert 0 < sum(found is not None for found in solved) < 100  # both solved problems and refusals
 
 
@@ -83,7 +43,7 @@ def test_a_stage_start_saves_its_first_segments_input_gradient() -> None:
 def test_random_problems_cover_the_interesting_cases() -> None:
     solved, infeasible = [], 0
     for seed in range(400):
-        problem = _random_problem(seed)
+        problem = replicas_random_problem(seed)
         try:
             solved.append((problem, solve_replicated(problem)))
         except InfeasibleMemoryError:
@@ -187,9 +147,9 @@ def test_midsize_layout_fits_its_cap_and_breaks_ties_as_documented() -> None:
         devices=64,
     )
     layout = solve_replicated(problem)
-    _check_valid(problem, layout)
+    replicas_check_valid(problem, layout)
     free = solve_replicated(dataclasses.replace(problem, memory_limit=None))
-    assert max(_stage_memory(problem, free)) > problem.memory_limit  # the cap binds ...
+    assert max(replicas_stage_memory(problem, free)) > problem.memory_limit  # the cap binds ...
     assert free.bottleneck < layout.bottleneck  # ... and costs speed
     # no better cuts for the chosen replicas; one device fewer is slower; one stage fewer is slower or uses more
     assert solve_fixed_replicas(problem, layout.replicas).bottleneck == layout.bottleneck
@@ -198,7 +158,7 @@ def test_midsize_layout_fits_its_cap_and_breaks_ties_as_documented() -> None:
     assert (fewer.bottleneck, fewer.devices) > (layout.bottleneck, layout.devices)
     more = dataclasses.replace(problem, stages=16)
     fixed = solve_replicated(more)
-    _check_valid(more, fixed)
+    replicas_check_valid(more, fixed)
     assert (fixed.bottleneck, fixed.devices) >= (layout.bottleneck, layout.devices)
 
 
@@ -287,7 +247,7 @@ def test_layout_costs_validates_the_layout() -> None:
 
 @pytest.mark.parametrize("seed", range(120))
 def test_fixed_replicas_match_brute_force(seed: int) -> None:
-    problem = dataclasses.replace(_random_problem(seed), stages=None, max_replicas=None)
+    problem = dataclasses.replace(replicas_random_problem(seed), stages=None, max_replicas=None)
     n = len(problem.compute)
     rng = random.Random(seed)
     k = rng.randint(1, min(n, problem.devices))
@@ -299,7 +259,7 @@ def test_fixed_replicas_match_brute_force(seed: int) -> None:
     for cuts in itertools.combinations(range(1, n), k - 1):
         ends = (*cuts, n)
         layout = Layout(ends=ends, replicas=tuple(replicas), costs=tuple(layout_costs(problem, ends, replicas)))
-        worst = max(_stage_memory(problem, layout))
+        worst = max(replicas_stage_memory(problem, layout))
         min_memory = worst if min_memory is None else min(min_memory, worst)
         if problem.memory_limit is None or worst <= problem.memory_limit:
             best = layout if best is None or layout.bottleneck < best.bottleneck else best
@@ -325,7 +285,7 @@ def test_fixed_replicas_bad_counts() -> None:
 
 @pytest.mark.parametrize("seed", range(100))
 def test_measured_split_compute_matches_brute_force(seed: int) -> None:
-    problem = _random_problem(seed)
+    problem = replicas_random_problem(seed)
     rng = random.Random(seed)
     rows = [[c / r * rng.choice([1.0, 1.5, 2.0]) for c in problem.compute] for r in range(2, rng.randint(2, 5))]
     problem = dataclasses.replace(problem, split_compute=rows)
@@ -338,7 +298,8 @@ def test_measured_split_compute_matches_brute_force(seed: int) -> None:
     layout = solve_replicated(problem)
     assert (layout.bottleneck, layout.devices, len(layout.ends)) == (ref.bottleneck, ref.devices, len(ref.ends))
     assert max(layout.replicas) <= len(rows) + 1
-    _check_valid(dataclasses.replace(problem, max_replicas=min(len(rows) + 1, problem.max_replicas or 99)), layout)
+    replicas_check_valid(dataclasses.replace(problem, max_replicas=min(len(rows) + 1, problem.max_replicas or 99)),
+                         layout)
 
 
 def test_split_compute_that_does_not_shrink_keeps_one_replica() -> None:
@@ -348,68 +309,6 @@ def test_split_compute_that_does_not_shrink_keeps_one_replica() -> None:
     assert layout.replicas == (1, 1) and layout.costs == (4.0, 4.0)
     faster = dataclasses.replace(problem, split_compute=[[2.5, 2.0], [4.0, 4.0], [4.0, 4.0]])
     assert solve_replicated(faster).replicas == (2, 2) and solve_replicated(faster).costs == (2.5, 2.0)
-
-
-def _on_nodes(problem: ReplicaProblem, seed: int) -> ReplicaProblem:
-    """``problem`` on nodes of 1, 2 or 3 devices whose link across (sends and all-reduces) is 4 to 40 times slower
-    than the one inside."""
-    rng = random.Random(2000 + seed)
-    n = len(problem.compute)
-    comm = problem.comm or [rng.choice([0, 0.25, 1, 0.3]) for _ in range(n)]
-    slower = rng.choice([4.0, 40.0])
-    return dataclasses.replace(problem, comm=comm, cross_comm=[c * slower + rng.choice([0, 0.5]) for c in comm],
-                               gpus_per_node=rng.choice([1, 2, 3]),
-                               inter_node_bandwidth=problem.allreduce_bandwidth / slower)
-
-
-@pytest.mark.parametrize("group", range(4))
-def test_solver_matches_brute_force_on_nodes(group: int) -> None:
-    solved = [_same_as_brute_force(_on_nodes(_random_problem(seed), seed), seed)
-              for seed in range(100 * group, 100 * group + 100)]
-    assert 0 < sum(found is not None for found in solved) < 100  # both solved problems and refusals
-
-
-def _same_as_brute_force(problem: ReplicaProblem, seed: int) -> tuple[Layout, Layout] | None:
-    """The solver's layout and brute force's, equal in what they minimise and both valid; or ``None`` when both refuse
-    alike, with the same message and a cap that then fits."""
-    try:
-        expected = brute_force_replicated(problem)
-    except InfeasibleMemoryError as error:
-        with pytest.raises(InfeasibleMemoryError) as caught:
-            solve_replicated(problem)
-        assert caught.value.min_limit == error.min_limit, f"seed {seed}"
-        assert str(caught.value) == str(error), f"seed {seed}"
-        solve_replicated(dataclasses.replace(problem, memory_limit=error.min_limit))  # the cap it names fits
-        return None
-    layout = solve_replicated(problem)
-    assert _key(problem, layout) == _key(problem, expected), f"seed {seed}: {problem}"
-    _check_valid(problem, layout)
-    _check_valid(problem, expected)
-    return layout, expected
-
-
-def _key(problem: ReplicaProblem, layout: Layout) -> tuple[bool, float, int, int]:
-    """What the solvers minimise: a layout that is not a whole number of nodes, the bottleneck, devices, stages."""
-    g = problem.gpus_per_node
-    return bool(g) and layout.devices % g != 0, layout.bottleneck, layout.devices, len(layout.ends)
-
-
-@pytest.mark.parametrize("group", range(3))
-def test_solver_matches_brute_force_with_a_batch(group: int) -> None:
-    """With ``batch``, no stage runs on more replicas than the batch has examples; still exact, on nodes or not."""
-    capped = 0
-    for seed in range(100 * group, 100 * group + 100):
-        problem = _random_problem(seed)
-        problem = dataclasses.replace(_on_nodes(problem, seed) if seed % 2 else problem,
-                                      batch=random.Random(seed).choice([1, 2, 3]))
-        found = _same_as_brute_force(problem, seed)
-        if found is None:
-            continue
-        layout, expected = found
-        assert max(layout.replicas) <= problem.batch and max(expected.replicas) <= problem.batch
-        free = solve_replicated(dataclasses.replace(problem, batch=None))
-        capped += max(free.replicas) > problem.batch
-    assert capped >= 5  # the cap binds in many
 
 
 def test_whole_nodes_are_preferred_to_a_faster_layout() -> None:
@@ -423,28 +322,10 @@ def test_whole_nodes_are_preferred_to_a_faster_layout() -> None:
     assert solve_replicated(dataclasses.replace(problem, gpus_per_node=None)).replicas == (3,)
 
 
-def test_random_problems_on_nodes_cover_the_interesting_cases() -> None:
-    spanning = crossing = changed = 0
-    for seed in range(400):
-        problem = _on_nodes(_random_problem(seed), seed)
-        try:
-            layout = solve_replicated(problem)
-        except InfeasibleMemoryError:
-            continue
-        g, first = problem.gpus_per_node, 0
-        for r in layout.replicas:
-            spanning += r > 1 and first // g != (first + r - 1) // g
-            crossing += first + r < layout.devices and (first + r) % g == 0
-            first += r
-        plain = dataclasses.replace(problem, gpus_per_node=None)
-        changed += (layout.bottleneck, layout.devices) != (solve_replicated(plain).bottleneck,
-                                                           solve_replicated(plain).devices)
-    assert spanning >= 20 and crossing >= 50 and changed >= 50
-
-
 @pytest.mark.parametrize("seed", range(120))
 def test_fixed_replicas_on_nodes_match_brute_force(seed: int) -> None:
-    problem = _on_nodes(dataclasses.replace(_random_problem(seed), stages=None, max_replicas=None), seed)
+    problem = replicas_on_nodes(dataclasses.replace(replicas_random_problem(seed), stages=None, max_replicas=None),
+                                seed)
     n = len(problem.compute)
     rng = random.Random(seed)
     k = rng.randint(1, min(n, problem.devices))
@@ -456,7 +337,7 @@ def test_fixed_replicas_on_nodes_match_brute_force(seed: int) -> None:
     for cuts in itertools.combinations(range(1, n), k - 1):
         ends = (*cuts, n)
         layout = Layout(ends=ends, replicas=tuple(replicas), costs=tuple(layout_costs(problem, ends, replicas)))
-        if problem.memory_limit is None or max(_stage_memory(problem, layout)) <= problem.memory_limit:
+        if problem.memory_limit is None or max(replicas_stage_memory(problem, layout)) <= problem.memory_limit:
             best = layout if best is None or layout.bottleneck < best.bottleneck else best
     if best is None:
         with pytest.raises(InfeasibleMemoryError):

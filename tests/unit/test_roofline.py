@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import warnings
 from pathlib import Path
 
 import pytest
@@ -12,20 +11,14 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-import ppll_compile
 from ppll_compile.cost import roofline
 from ppll_compile.cost.oplog import Op, OpLog
 from ppll_compile.cost.roofline import DeviceFigures, seconds, step_ops
 from ppll_compile.draw.costs import cost_bars
 from ppll_compile.errors import PlanError
+from tests.helpers import plan_quietly
 
 B = 5
-
-
-def _plan(model: nn.Module, x: torch.Tensor, **options) -> ppll_compile.Plan:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the CPU fallback
-        return ppll_compile.plan(model, example_inputs=(x,), **options)
 
 
 def _figures(**rates: float) -> DeviceFigures:
@@ -123,30 +116,6 @@ def test_pinned_figures(tmp_path, monkeypatch) -> None:
         roofline.device_figures(torch.device("cpu"))
 
 
-def test_calibration_measures_every_family() -> None:
-    fig = roofline.measure_device(torch.device("cpu"), 1)
-    assert fig.device == roofline.device_name(torch.device("cpu"), 1) and fig.device.endswith("x1 thread")
-    assert sorted(k.split(":")[0] for k in fig.rates) == sorted(roofline.FAMILIES)
-    assert all(v > 0 for v in fig.rates.values()) and 0 < fig.overhead < 1e-3
-
-
-def test_calibrated_rates_are_counted_work_over_the_measured_time() -> None:
-    # a clock that advances 2**-10 s per reading: every timed run lasts exactly one tick, so a rate times the tick
-    # is the work counted for the family's representative operator, FLOPs for a compute family, bytes otherwise
-    tick = 2.0 ** -10
-    readings = iter(range(10**9))
-    fig = roofline.measure_device(torch.device("cpu"), 1, clock=lambda: next(readings) * tick)
-    counted = {f: fig.rates[f"{f}:float32"] * tick for f in ("matmul", "conv", "conv_bwd", "memory", "step")}
-    assert counted == {
-        "matmul": 2 * 512 ** 3,  # 512x512 @ 512x512
-        "conv": 2 * (16 * 128 * 16 * 16) * (128 * 3 * 3),  # every output element: 128 x 3 x 3 multiply-adds
-        "conv_bwd": 2 * 2 * (16 * 128 * 16 * 16) * (128 * 3 * 3),  # the input's and the weight's gradients
-        "memory": 3 * 32 * 64 * 32 * 32 * 4,  # h + h: reads two 8 MiB tensors, writes one
-        "step": 5 * 8 * 2 ** 20 * 4,  # momentum SGD: 5 passes over 32 MiB of parameters
-    }
-    assert fig.overhead == tick / 200
-
-
 def test_old_cached_figures_still_load(tmp_path, monkeypatch) -> None:
     # figures cached before the load was recorded: read as they are, not measured again
     monkeypatch.delenv(roofline.FIGURES_ENV, raising=False)
@@ -184,21 +153,21 @@ def _linear_head(spec, num_classes):
 
 
 def test_a_stage_computes_no_gradient_for_its_detached_input() -> None:
-    plan = _plan(_mlp(), torch.randn(B, 8), split_points=["1"], policy=_linear_head, profile="flops")
+    plan = plan_quietly(_mlp(), torch.randn(B, 8), split_points=["1"], policy=_linear_head, profile="flops")
     first, second = plan.stages
     assert first.flops_bwd == 2 * B * 8 * 16  # the weight gradient (the model's input needs none)
     assert second.flops_bwd == 2 * B * 16 * 4  # the weight gradient only: its input arrives detached
 
 
 def test_the_head_is_charged_its_input_gradient() -> None:
-    plan = _plan(_mlp(), torch.randn(B, 8), split_points=["1"], policy=_linear_head, profile="flops")
+    plan = plan_quietly(_mlp(), torch.randn(B, 8), split_points=["1"], policy=_linear_head, profile="flops")
     head = plan.stages[0].head
     assert head.flops_fwd == 2 * B * 16 * 4
     assert head.flops_bwd == 2 * (2 * B * 16 * 4)  # the weight gradient and the gradient into the stage's output
 
 
 def test_a_boundary_saved_by_the_stage_and_its_head_counts_once() -> None:
-    plan = _plan(_mlp(), torch.randn(B, 8), split_points=["1"], policy=_linear_head, profile="flops")
+    plan = plan_quietly(_mlp(), torch.randn(B, 8), split_points=["1"], policy=_linear_head, profile="flops")
     first = plan.stages[0]
     boundary = B * 16 * 4  # the ReLU saves its output, and the head's Linear saves the same tensor
     assert first.head.input_saved_bytes == boundary
@@ -207,8 +176,8 @@ def test_a_boundary_saved_by_the_stage_and_its_head_counts_once() -> None:
 
 
 def test_roofline_stage_costs_include_the_optimizer_step() -> None:
-    fig = DeviceFigures(**json.loads((Path(__file__).parent / "device_figures.json").read_text()))
-    plan = _plan(_mlp(), torch.randn(B, 8), split_points=["1"], policy=_linear_head, optimizer="momentum")
+    fig = DeviceFigures(**json.loads((Path(__file__).parents[1] / "device_figures.json").read_text()))
+    plan = plan_quietly(_mlp(), torch.randn(B, 8), split_points=["1"], policy=_linear_head, optimizer="momentum")
     assert plan.profile == "roofline" and plan.calibration["device"] == fig.device
     first, second = plan.stages
     rate, overhead = fig.rates["step:float32"], fig.overhead  # 40 GB/s, 1 us per tensor
@@ -220,7 +189,7 @@ def test_roofline_stage_costs_include_the_optimizer_step() -> None:
     assert second.step_cost == pytest.approx(momentum_step(16 * 4 * 4, 4 * 4))
     assert all(s.step_cost < s.compute_cost for s in plan.stages)
     assert cost_bars(plan).segments["optimizer step"] == pytest.approx((first.step_cost * 1e3, second.step_cost * 1e3))
-    sgd = _plan(_mlp(), torch.randn(B, 8), split_points=["1"], policy=_linear_head, optimizer="sgd")
+    sgd = plan_quietly(_mlp(), torch.randn(B, 8), split_points=["1"], policy=_linear_head, optimizer="sgd")
     assert sgd.stages[1].compute_cost - sgd.stages[1].step_cost == pytest.approx(
         second.compute_cost - second.step_cost)
 
@@ -239,7 +208,7 @@ class _Attention(nn.Module):
 def test_views_of_one_storage_are_saved_once() -> None:
     torch.manual_seed(0)
     model, x = _Attention(), torch.randn(3, 5, 16)
-    plan = _plan(model, x, gpus=1)
+    plan = plan_quietly(model, x, gpus=1)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
 

@@ -1,12 +1,7 @@
 """The public surface: the root, the errors and the extension points declare ``__all__``; internal modules none."""
 
-import ast
-import importlib
-from pathlib import Path
+from tests.helpers import surface_declared
 
-import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
 
 PUBLIC = {
     "ppll_compile": "what users call: plan, compile, calibrate, simulate, the plan types, the trainer, the errors",
@@ -29,31 +24,8 @@ PUBLIC = {
 }
 
 
-def _declared() -> dict[str, list[str]]:
-    found = {}
-    # each top-level folder and the name it installs as (pyproject.toml's package-dir)
-    for folder, package in {"ppll_compile": "ppll_compile", "partitioners": "ppll_compile.partitioners",
-                            "policies": "ppll_compile.policies"}.items():
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            tree = ast.parse(path.read_text())
-            for node in tree.body:
-                if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets):
-                    parts = path.relative_to(ROOT / folder).with_suffix("").parts
-                    name = ".".join((package, *parts)).removesuffix(".__init__")
-                    found[name] = [ast.literal_eval(e) for e in node.value.elts]
-    return found
-
-
 def test_only_the_public_modules_declare_a_surface():
-    assert set(_declared()) == set(PUBLIC)
-
-
-@pytest.mark.parametrize("module", sorted(PUBLIC))
-def test_every_declared_name_exists_and_is_listed_once(module):
-    names = _declared()[module]
-    loaded = importlib.import_module(module)
-    assert [n for n in names if not hasattr(loaded, n)] == []
-    assert len(names) == len(set(names))
+    assert set(surface_declared()) == set(PUBLIC)
 
 
 def test_the_root_exports_every_exception():

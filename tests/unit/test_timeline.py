@@ -10,6 +10,7 @@ import ppll_compile
 from ppll_compile import PPLLError
 from ppll_compile.plans.timeline import Event, Recorder, Timeline
 from tests.models import Residual, conv_student, conv_teacher
+from tests.helpers import plain_sgd
 
 BATCH = 8
 pytestmark = pytest.mark.usefixtures("one_thread_quietly")
@@ -20,14 +21,10 @@ def _data(n: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(BATCH, 3, 8, 8, generator=g), torch.randint(0, 5, (BATCH,), generator=g)) for _ in range(n)]
 
 
-def _sgd(params):
-    return torch.optim.SGD(params, lr=0.05)
-
-
 def _traced(runtime: str, stages: int = 3, n: int = 5, **options) -> Timeline:
     torch.manual_seed(0)
     compiled = ppll_compile.compile(Residual(), stages, example_inputs=(torch.randn(BATCH, 3, 8, 8),), policy="dgl")
-    with compiled.trainer(optimizer=_sgd, runtime=runtime, trace=True, **options) as trainer:
+    with compiled.trainer(optimizer=plain_sgd, runtime=runtime, trace=True, **options) as trainer:
         for x, y in _data(n):
             trainer.step(x, y)
         trainer.finish()
@@ -70,12 +67,12 @@ def test_every_stage_traces_each_batch_once_in_order(runtime):
 
 def test_timeline_needs_trace_true():
     compiled = ppll_compile.compile(Residual(), 2, example_inputs=(torch.randn(BATCH, 3, 8, 8),))
-    trainer = compiled.trainer(optimizer=_sgd)
+    trainer = compiled.trainer(optimizer=plain_sgd)
     with pytest.raises(PPLLError, match=r"^this trainer records no timeline; build it with "
                                         r"compiled.trainer\(\.\.\., trace=True\)$"):
         trainer.timeline()
     with pytest.raises(TypeError, match=r"^trace must be True or False, got 'yes'$"):
-        compiled.trainer(optimizer=_sgd, trace="yes")
+        compiled.trainer(optimizer=plain_sgd, trace="yes")
 
 
 def test_untraced_trainer_records_nothing(monkeypatch):
@@ -89,7 +86,7 @@ def test_untraced_trainer_records_nothing(monkeypatch):
     monkeypatch.setattr(Recorder, "add", counted)
     compiled = ppll_compile.compile(Residual(), 2, example_inputs=(torch.randn(BATCH, 3, 8, 8),))
     for trace in (False, True):
-        with compiled.trainer(optimizer=_sgd, runtime="threads", trace=trace) as trainer:
+        with compiled.trainer(optimizer=plain_sgd, runtime="threads", trace=trace) as trainer:
             for x, y in _data(2):
                 trainer.step(x, y)
             trainer.finish()
@@ -108,7 +105,7 @@ def test_pipebd_and_dna_trace_each_block_update():
                                     split_points=["5"])
     blocks = [len(s.blocks) for s in compiled.plan.stages]
     for runtime, per_stage in (("threads", [1, 1]), ("dna", blocks)):
-        with compiled.trainer(optimizer=_sgd, runtime=runtime, trace=True) as trainer:
+        with compiled.trainer(optimizer=plain_sgd, runtime=runtime, trace=True) as trainer:
             for _ in range(3):
                 trainer.step(torch.randn(BATCH, 3, 16, 16))
             trainer.finish()
