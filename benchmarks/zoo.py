@@ -12,7 +12,7 @@ parameter equal bit for bit; the last batch smaller). Then a Pipe-BD pair from e
 step under ``sequential`` and ``threads`` with equal student parameters. A check that raises is a ``FAIL`` row
 with the error's first line; the section itself does not fail.
 
-The catalogue (:data:`ZOO`, :data:`PAIRS`) and the helpers here are also what ``tests/test_zoo.py`` runs. The section
+The catalogue (:data:`ZOO`, :data:`PAIRS`) and the helpers here are also what ``tests/integration/test_zoo.py`` runs. The section
 ends with the sweep of ``benchmarks/zoo_sweep.py`` (one model per timm family and Hugging Face type).
 """
 

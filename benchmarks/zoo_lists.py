@@ -218,4 +218,4 @@ TESTED: tuple[str, ...] = (
     "hf:albert", "hf:distilbert", "hf:deberta-v2", "hf:t5", "hf:reformer", "hf:layoutlmv2", "hf:gemma4_text",
     "hf:mistral", "hf:opt", "hf:mixtral", "hf:olmoe", "hf:roberta", "hf:electra", "hf:gpt_neo", "hf:falcon", "hf:xlnet",
 )
-"""The representative subset that ``tests/test_zoo_families.py`` runs (the whole sweep is too long for the suite)."""
+"""The representative subset that ``tests/integration/test_zoo_families.py`` runs (the whole sweep is too long for the suite)."""

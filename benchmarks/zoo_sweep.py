@@ -12,7 +12,7 @@ equal bit for bit).
 
 What the compiler refuses is listed, with the reason, in :data:`REFUSED` (name -> text its error contains); what
 cannot be built from a small config at all is in :data:`NOT_BUILT`; both, with the families' models and the
-overrides, live in ``benchmarks/zoo_lists.py``. ``tests/test_zoo_families.py`` holds both
+overrides, live in ``benchmarks/zoo_lists.py``. ``tests/integration/test_zoo_families.py`` holds both
 lists to the code: a listed model must fail with its reason, every other one must pass.
 
 ``python -m benchmarks.zoo_sweep [--only NAME,...] [--shard I/N] [--out FILE]`` runs the sweep and prints the

@@ -42,16 +42,16 @@ SKIPPED = {
     "python -m benchmarks": "the benchmarks run for 7 to 45 minutes and write the results the README quotes",
     "--nnodes=2": "needs two machines",
     "--max-restarts": "a torchrun job that kills one of its processes takes a minute (the plain reproduction fails on "
-    "purpose); tests/test_restart.py runs the restarting job for a killed first, middle and last rank",
+    "purpose); tests/integration/test_restart.py runs the restarting job for a killed first, middle and last rank",
     "examples/pipebd_mobilenet.py --runtime distributed": "4 processes take about 20 s on 2 cores; "
-    "tests/test_distributed.py holds the distributed Pipe-BD runtime equal to sequential distillation",
+    "tests/integration/test_distributed.py holds the distributed Pipe-BD runtime equal to sequential distillation",
 }
 """A bash command containing the key is not run, for the reason given."""
 SMALLER = {
     "examples/train_cifar_style.py": ["--epochs", "1", "--steps-per-epoch", "4"],
 }
 """A bash command containing the key runs with these flags appended: the same code, a shorter run
-(tests/test_examples.py holds what the full runs learn)."""
+(tests/integration/test_examples.py holds what the full runs learn)."""
 
 
 @dataclass(frozen=True)
