@@ -223,7 +223,7 @@ def test_ranks_are_placed_on_the_stages_in_order_with_their_replicas():
     assert place(plan, 4).ranks == ((0, 1), (2,), (3, 4)) and place(plan, 3).stage_of(1) == 0
 
 
-@pytest.mark.timeout(20)
+@pytest.mark.timeout(20, method="thread")
 def test_under_torchruns_variables_only_a_call_for_as_many_devices_as_processes_shares_the_plan(monkeypatch):
     """shared_ranks under RANK=1 of WORLD_SIZE=2 (a store no one serves): (1, 2) for gpus=2 or one split point,
     ``None`` (plan alone, never meet at the store) for gpus=3, replicas=(1, 2) or a world of one."""
