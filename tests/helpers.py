@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import _thread
+import ast
 import contextlib
 import copy
 import dataclasses
 import importlib.util
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 import warnings
@@ -22,36 +25,31 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
+import yaml
+from ppll_compile.partitioners import InfeasibleMemoryError
+from ppll_compile.partitioners.replicas import (
+    Layout,
+    ReplicaProblem,
+    brute_force_replicated,
+    layout_costs,
+    solve_replicated,
+)
 from torch import nn
 
 import ppll_compile
+from ppll_compile import HeadSpec
+from ppll_compile.analysis.analyse import Analysis, analyse
 from ppll_compile.capture.meta import PLANNED_ON_META
 from ppll_compile.capture.trace import trace
 from ppll_compile.cli.command import main
+from ppll_compile.cost import roofline
 from ppll_compile.cost.nodes import META_KEY, measure_graph
-from ppll_compile.heads.policy import validate_policy
+from ppll_compile.heads.build import head_spec
+from ppll_compile.heads.policy import Policy, load_policy, validate_policy
+from ppll_compile.options import PlanOptions
 from ppll_compile.pipebd.policy import distill_loss, load_distill_policy
 from ppll_compile.plans.plan import Plan
-import yaml
-from ppll_compile.cost import roofline
-import textwrap
-from ppll_compile.plans.timeline import Timeline
-from ppll_compile.plans.timeline import Event
-from ppll_compile.heads.policy import load_policy
-from ppll_compile.heads.build import head_spec
-from ppll_compile.analysis.analyse import analyse
-from ppll_compile.heads.policy import Policy
-from ppll_compile.options import PlanOptions
-from ppll_compile import HeadSpec
-from ppll_compile.analysis.analyse import Analysis
-from ppll_compile.partitioners.replicas import solve_replicated
-import random
-from ppll_compile.partitioners.replicas import layout_costs
-from ppll_compile.partitioners.replicas import brute_force_replicated
-from ppll_compile.partitioners.replicas import ReplicaProblem
-from ppll_compile.partitioners.replicas import Layout
-from ppll_compile.partitioners import InfeasibleMemoryError
-import ast
+from ppll_compile.plans.timeline import Event, Timeline
 from tests.models import CNN, Residual, conv_student, conv_teacher
 
 if TYPE_CHECKING:
@@ -1089,3 +1087,65 @@ def surface_declared() -> dict[str, list[str]]:
                     name = ".".join((package, *parts)).removesuffix(".__init__")
                     found[name] = [ast.literal_eval(e) for e in node.value.elts]
     return found
+
+
+CLI_PIPEBD_FILE = """
+import torch
+from torch import nn
+
+def build_model():
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+
+build_teacher = build_model
+
+def example_inputs():
+    return (torch.randn(2, 8),)
+"""
+
+CLI_MODEL_FILE = """
+import torch
+from torch import nn
+
+def build_model():
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+
+def example_inputs():
+    return (torch.randn(2, {width}),)
+"""
+
+
+def cli_bad_files(d: Path) -> dict[str, Path]:
+    """In folder ``d``: a good model file, a good 3-stage plan, and generated bad files and plans, by name."""
+    rng = random.Random(4)
+    out = {"dir": d / "folder"}
+    out["dir"].mkdir()
+    for name, text in (("model.py", CLI_MODEL_FILE.format(width=8)), ("misfit.py", CLI_MODEL_FILE.format(width=5)),
+                       ("pipebd.py", CLI_PIPEBD_FILE)):
+        out[name] = d / name
+        out[name].write_text(textwrap.dedent(text))
+    for name in ("random.yaml", "random.json", "random.py"):
+        out[name] = d / name
+        out[name].write_bytes(bytes([0xff, 0xfe]) + rng.randbytes(300))  # never valid UTF-8
+    out["latin1.yaml"] = d / "latin1.yaml"
+    out["latin1.yaml"].write_bytes("name: café\nheads: {vector: {type: mlp}}\n".encode("latin-1"))
+    out["plan.yaml"] = d / "plan.yaml"
+    assert main([str(out["model.py"]), "--gpus", "3", "--devices", "cpu,cpu,cpu", "--split-points", "_0,_1",
+                 "--yaml", str(out["plan.yaml"])]) == 0
+    good = yaml.safe_load(out["plan.yaml"].read_text())
+    assert [s["last_node"] for s in good["stages"][:-1]] == ["_0", "_1"]
+
+    def edited(name: str, edit) -> None:
+        saved = yaml.safe_load(out["plan.yaml"].read_text())
+        edit(saved)
+        out[name] = d / name
+        out[name].write_text(yaml.safe_dump(saved))
+
+    def reverse(p):
+        p["stages"][0]["last_node"], p["stages"][1]["last_node"] = "_1", "_0"
+
+    edited("reversed.yaml", reverse)
+    edited("duplicated.yaml", lambda p: p["stages"].insert(1, dict(p["stages"][0])))
+    edited("banana.yaml", lambda p: p["stages"][1].update(device="banana"))
+    edited("tpu.yaml", lambda p: p["stages"][2].update(device="tpu:7"))
+    edited("batch.yaml", lambda p: p.update(batch_size="many"))
+    return out

@@ -1,76 +1,18 @@
 """Bad arguments and bad files: ppll-plan exits 2 with one message (1 for an internal error) and never a traceback;
 compile() names every bad argument."""
-import random
 import re
-import textwrap
 from pathlib import Path
 
 import pytest
-import yaml
+
 from ppll_compile.cli.command import main
-
-PIPEBD = """
-import torch
-from torch import nn
-
-def build_model():
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
-
-build_teacher = build_model
-
-def example_inputs():
-    return (torch.randn(2, 8),)
-"""
-
-MODEL = """
-import torch
-from torch import nn
-
-def build_model():
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
-
-def example_inputs():
-    return (torch.randn(2, {width}),)
-"""
+from tests.helpers import cli_bad_files
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, Path]:
     """A good model file, a good 3-stage plan, and generated bad files and plans."""
-    d = tmp_path_factory.mktemp("files")
-    rng = random.Random(4)
-    out = {"dir": d / "folder"}
-    out["dir"].mkdir()
-    for name, text in (("model.py", MODEL.format(width=8)), ("misfit.py", MODEL.format(width=5)),
-                       ("pipebd.py", PIPEBD)):
-        out[name] = d / name
-        out[name].write_text(textwrap.dedent(text))
-    for name in ("random.yaml", "random.json", "random.py"):
-        out[name] = d / name
-        out[name].write_bytes(bytes([0xff, 0xfe]) + rng.randbytes(300))  # never valid UTF-8
-    out["latin1.yaml"] = d / "latin1.yaml"
-    out["latin1.yaml"].write_bytes("name: café\nheads: {vector: {type: mlp}}\n".encode("latin-1"))
-    out["plan.yaml"] = d / "plan.yaml"
-    assert main([str(out["model.py"]), "--gpus", "3", "--devices", "cpu,cpu,cpu", "--split-points", "_0,_1",
-                 "--yaml", str(out["plan.yaml"])]) == 0
-    good = yaml.safe_load(out["plan.yaml"].read_text())
-    assert [s["last_node"] for s in good["stages"][:-1]] == ["_0", "_1"]
-
-    def edited(name: str, edit) -> None:
-        saved = yaml.safe_load(out["plan.yaml"].read_text())
-        edit(saved)
-        out[name] = d / name
-        out[name].write_text(yaml.safe_dump(saved))
-
-    def reverse(p):
-        p["stages"][0]["last_node"], p["stages"][1]["last_node"] = "_1", "_0"
-
-    edited("reversed.yaml", reverse)
-    edited("duplicated.yaml", lambda p: p["stages"].insert(1, dict(p["stages"][0])))
-    edited("banana.yaml", lambda p: p["stages"][1].update(device="banana"))
-    edited("tpu.yaml", lambda p: p["stages"][2].update(device="tpu:7"))
-    edited("batch.yaml", lambda p: p.update(batch_size="many"))
-    return out
+    return cli_bad_files(tmp_path_factory.mktemp("files"))
 
 
 def _cases() -> list[tuple[str, list[str], tuple[str, ...]]]:
