@@ -1149,3 +1149,21 @@ def cli_bad_files(d: Path) -> dict[str, Path]:
     edited("tpu.yaml", lambda p: p["stages"][2].update(device="tpu:7"))
     edited("batch.yaml", lambda p: p.update(batch_size="many"))
     return out
+
+
+PACKAGES = {"ppll_compile": "ppll_compile", "partitioners": "ppll_compile.partitioners",
+            "policies": "ppll_compile.policies"}
+"""Each top-level folder of the repository and the package it installs as (pyproject.toml's package-dir)."""
+
+
+def package_modules() -> dict[str, Path]:
+    """Every module of the installed package by its dotted name (a package by its ``__init__``), with its file."""
+    root = Path(__file__).resolve().parents[1]
+    out = {}
+    for folder, package in PACKAGES.items():
+        for path in sorted((root / folder).rglob("*.py")):
+            if folder == "ppll_compile" and path.relative_to(root / folder).parts[0] in PACKAGES:
+                continue
+            name = ".".join((package, *path.relative_to(root / folder).with_suffix("").parts))
+            out[name.removesuffix(".__init__")] = path
+    return out

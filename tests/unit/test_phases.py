@@ -13,10 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = {"ppll_compile": "ppll_compile", "partitioners": "ppll_compile.partitioners",
-            "policies": "ppll_compile.policies"}
-"""Each top-level folder and the name it installs as (pyproject.toml's package-dir)."""
+from tests.helpers import package_modules
 
 ORDER = ["partitioners", "errors", "phases", "allocator", "policies", "plans", "capture", "cost", "heads", "options",
          "analysis", "place", "lower", "simulation", "runtime", "pipeline", "pipebd", "api", "__init__", "draw", "cli"]
@@ -38,18 +35,7 @@ NOT_PHASES = {"ppll_compile", "ppll_compile.policies"}
 """Packages that are no phase: the root (the facade's names) and the shipped policy files."""
 
 
-def _modules() -> dict[str, Path]:
-    out = {}
-    for folder, package in PACKAGES.items():
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            if folder == "ppll_compile" and path.relative_to(ROOT / folder).parts[0] in PACKAGES:
-                continue
-            name = ".".join((package, *path.relative_to(ROOT / folder).with_suffix("").parts))
-            out[name.removesuffix(".__init__")] = path
-    return out
-
-
-MODULES = _modules()
+MODULES = package_modules()
 
 
 def _imports(name: str, path: Path) -> list[tuple[str, int]]:
