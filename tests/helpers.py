@@ -1167,3 +1167,33 @@ def package_modules() -> dict[str, Path]:
             name = ".".join((package, *path.relative_to(root / folder).with_suffix("").parts))
             out[name.removesuffix(".__init__")] = path
     return out
+
+
+GATED_MODEL_FILE = """
+import torch
+from torch import nn
+
+class Gate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            return self.lin(x)
+        return -self.lin(x)
+
+def build_model():
+    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), Gate(), nn.ReLU(), nn.Linear(8, 4))
+
+def example_inputs():
+    return (torch.randn(2, 8),)
+"""
+"""A model file whose module '2' branches on its input's values: torch.fx cannot trace into it."""
+
+
+def gated_model_file(folder: Path) -> str:
+    """:data:`GATED_MODEL_FILE` written in ``folder``: its path."""
+    path = folder / "gated.py"
+    path.write_text(textwrap.dedent(GATED_MODEL_FILE).lstrip())
+    return str(path)

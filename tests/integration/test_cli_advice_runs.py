@@ -1,38 +1,14 @@
 """ppll-plan words the library's advice as its own flags, and its --help states the defaults the code has."""
-import textwrap
 
 import pytest
+
 from ppll_compile.cli.command import main
-from tests.helpers import cli_user_error
-
-GATED = """
-import torch
-from torch import nn
-
-class Gate(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-
-    def forward(self, x):
-        if x.sum() > 0:
-            return self.lin(x)
-        return -self.lin(x)
-
-def build_model():
-    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), Gate(), nn.ReLU(), nn.Linear(8, 4))
-
-def example_inputs():
-    return (torch.randn(2, 8),)
-"""
-"""A model whose module '2' branches on its input's values: torch.fx cannot trace into it."""
+from tests.helpers import cli_user_error, gated_model_file
 
 
 @pytest.fixture
 def gated(tmp_path) -> str:
-    path = tmp_path / "gated.py"
-    path.write_text(textwrap.dedent(GATED).lstrip())
-    return str(path)
+    return gated_model_file(tmp_path)
 
 
 # ---- errors reached through the command line, worded as flags ----------------------------------
