@@ -113,6 +113,14 @@ class PlanOptions:
     """How element-wise chains are priced: ``eager`` (one operator at a time, as PyTorch runs a model that is not
     compiled) or ``fused`` (one kernel per chain, as ``torch.compile`` runs it; see :mod:`~ppll_compile.cost.reprice`);
     ``None``: ``fused`` for a low precision, ``eager`` for ``fp32``."""
+    frozen: tuple[str, ...] = ()
+    """Parameters (names as ``model.named_parameters()`` gives them, or a module's name for all of its own) accepted
+    as never trained: a plan refuses a stage holding a trainable parameter that no loss of that stage reaches
+    unless it is named here."""
+    checkpoint_activations: bool = False
+    """Recompute every stage's activations in its backward instead of keeping them from its forward (activation
+    checkpointing between the legal cuts inside a stage): less activation memory, one more forward per step; the
+    plan's memory and time count it."""
 
     def __post_init__(self) -> None:
         for name in ("gpus", "batch_size", "memory_limit", "num_classes", "gpus_per_node"):
@@ -173,6 +181,11 @@ class PlanOptions:
             raise ValueError(f"profile='time' times the stages on this machine in float32, but "
                              f"precision={self.precision!r} plans for another precision; use profile='roofline' (the "
                              f"default) to price them in it, or drop precision=")
+        if not all(isinstance(n, str) and n for n in self.frozen):
+            raise ValueError(f"frozen must list parameter or module names (strings), got {list(self.frozen)!r}; e.g. "
+                             f"frozen=['encoder.pos_embed']")
+        if not isinstance(self.checkpoint_activations, bool):
+            raise ValueError(f"checkpoint_activations must be True or False, got {self.checkpoint_activations!r}")
         if self.replicas_chosen and self.partitioner != "exact":
             raise ValueError(f"replicas={r!r} lets the exact partitioner place replicas; drop "
                              f"partitioner={self.partitioner!r}")
@@ -235,7 +248,7 @@ class PlanOptions:
             kwargs["hardware"] = str(kwargs["hardware"])
         if isinstance(kwargs.get("replicas"), list):
             kwargs["replicas"] = tuple(kwargs["replicas"])
-        for name in ("devices", "device_speeds", "leaf_modules", "split_points"):
+        for name in ("devices", "device_speeds", "leaf_modules", "split_points", "frozen"):
             v = kwargs.get(name)
             if v is None:
                 continue
