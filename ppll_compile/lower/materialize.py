@@ -109,7 +109,12 @@ def materialize_stage(model: nn.Module, stage: Stage, index: int, device: torch.
     _repoint(model, fresh)
     with seeded_init(how.seed, index, "stage", device):
         if how.hook is not None:  # the hook fills every tensor of the stage, tied copies included
-            how.hook(stage, index, device)
+            try:
+                how.hook(stage, index, device)
+            except Exception as e:  # the user's code: named by stage, its error kept as the cause
+                raise PPLLError(f"the materialize= hook{_called(how.hook)} raised for stage {index} "
+                                f"({type(e).__name__}: {e}); fix the hook (it is called as fn(stage_module, "
+                                f"stage_index, device) for every stage this process runs)") from e
         else:
             given = _fetch(model, stage, index, names, fresh, how.state_dict) if how.state_dict is not None else {}
             copies = set() if how.state_dict is not None else _tied_names(tied)
@@ -254,7 +259,7 @@ def _fetch(model: nn.Module, stage: Stage, index: int, names: dict[int, list[str
     in_stage = _model_names(stage.module)
     wanted = {id(old): names.get(id(old)) or in_stage.get(id(new), []) for old, new in fresh.values()}
     keys = sorted(k for ks in wanted.values() for k in ks)
-    values = source(index, keys) if callable(source) else {k: source[k] for k in keys if k in source}
+    values = _loaded(source, index, keys) if callable(source) else {k: source[k] for k in keys if k in source}
     persistent = _persistent(model)
     given: dict[int, tuple[Tensor, Tensor]] = {}
     missing = []
@@ -265,6 +270,7 @@ def _fetch(model: nn.Module, stage: Stage, index: int, names: dict[int, list[str
                 missing.extend(wanted[id(old)][:1])
             continue
         value = values[key]
+        _check_value(value, key, index, new)
         if tuple(value.shape) != tuple(new.shape):
             raise PPLLError(f"state_dict gives {key!r} of shape {tuple(value.shape)} for stage {index}, whose tensor "
                             f"has shape {tuple(new.shape)}; load the checkpoint of this model's configuration")
@@ -275,6 +281,47 @@ def _fetch(model: nn.Module, stage: Stage, index: int, names: dict[int, list[str
                         f"return every name asked for (load(stage_index, names) gets them), or use materialize= "
                         f"to fill them otherwise")
     return given
+
+
+def _called(fn: object) -> str:
+    """`` name`` of the user's function ``fn`` for a message (nothing for a lambda)."""
+    name = getattr(fn, "__name__", "")
+    return f" {name}" if name.isidentifier() else ""
+
+
+def _found(value: object) -> str:
+    """What ``value`` is, by its type (never its content): ``None``, ``a float``, ``an int``."""
+    if value is None:
+        return "None"
+    name = type(value).__name__
+    return f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"
+
+
+def _loaded(load: Callable[[int, list[str]], Mapping[str, Tensor]], index: int, keys: list[str]) -> Mapping:
+    """``load(index, keys)``, the user's ``state_dict=`` loader, whose error or odd result is named by stage."""
+    try:
+        values = load(index, keys)
+    except Exception as e:  # the user's code: named by stage, its error kept as the cause
+        raise PPLLError(f"the state_dict= loader{_called(load)} raised for stage {index} ({type(e).__name__}: {e}); "
+                        f"fix the loader (it is called as load(stage_index, names) with the stage's state_dict "
+                        f"keys)") from e
+    if not isinstance(values, Mapping):
+        raise PPLLError(f"the state_dict= loader{_called(load)} returned {_found(values)} for stage {index}, not a "
+                        f"mapping name -> tensor; return a dict holding the names it is asked for "
+                        f"(load(stage_index, names) -> {{name: tensor}})")
+    return values
+
+
+def _check_value(value: object, key: str, index: int, new: Tensor) -> None:
+    """Refuse a ``state_dict=`` value for ``key`` of stage ``index`` that is no tensor, or one without values."""
+    if not isinstance(value, Tensor):
+        raise PPLLError(f"state_dict= gives {_found(value)} for {key!r} of stage {index}, not a tensor; give a tensor "
+                        f"of shape {tuple(new.shape)} (e.g. from torch.load(path, map_location='cpu') or "
+                        f"safetensors.torch.load_file(path))")
+    if value.is_meta:
+        raise PPLLError(f"state_dict= gives a tensor on the meta device for {key!r} of stage {index}, which holds no "
+                        f"values; give real values (load the checkpoint with torch.load(path, map_location='cpu') or "
+                        f"safetensors.torch.load_file(path), not on the meta device)")
 
 
 def _persistent(model: nn.Module) -> set[str]:

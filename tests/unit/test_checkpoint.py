@@ -90,7 +90,8 @@ def test_a_pointer_to_nothing_is_named(tmp_path):
                                               r"manifest.json \(removed by hand\?\); load an older checkpoint"):
         w.pipeline(seed=7).trainer(optimizer=sgd).load(tmp_path)
     (tmp_path / "latest").write_text("../../etc\n")
-    with pytest.raises(CheckpointError, match=r"holds '../../etc', not a checkpoint name like ckpt-000001"):
+    with pytest.raises(CheckpointError, match=r"latest' does not hold the name of a checkpoint like ckpt-000001 \(it holds "
+                                              r"10 bytes of other text\)\. The newest complete checkpoint directory there is "):
         trainer.save(tmp_path)
 
 

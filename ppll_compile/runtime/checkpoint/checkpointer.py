@@ -16,7 +16,7 @@ from ...lower.stages import Lowered
 from ...plans.plan import Plan
 from ..base import Runtime
 from ..runner import Runner
-from . import files, store
+from . import files, state_check, store
 
 
 class Checkpointer:
@@ -136,7 +136,7 @@ class Checkpointer:
         against its stage."""
         runners = self._runtime.runners
         found, trainer, states = store.read(path, self.identity(plan, lowered), [r.index for r in runners])
-        problems = [p for r in runners for p in store.check_state(states[r.index], r.state_dict())]
+        problems = [p for r in runners for p in state_check.check_state(states[r.index], r.state_dict())]
         if problems:
             raise CheckpointError(f"checkpoint {str(found)!r} does not fit this trainer: "
                                   + "; ".join(problems[:8]) + (" ..." if len(problems) > 8 else "")

@@ -5,16 +5,24 @@ a failed save's operating-system error told in words.
 Every file a save creates is opened with ``O_CREAT | O_EXCL | O_NOFOLLOW``: a name that already exists, a
 symbolic link included, is never opened, so nobody who can write into the checkpoint root can make a save write
 through a planted link. Temporary names carry a random part (:func:`temp_name`), so they cannot be guessed.
+
+Every file a load reads goes through :func:`read_regular`: a FIFO, a device, a socket or a directory is refused
+without being opened for reading, so is a file that resolves out of the checkpoint root (a planted link to
+``/dev/zero`` or to another user's file), and a file larger than its reader expects is refused before a byte of it
+is read.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import re
 import secrets
 import shutil
 import stat
+import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 try:
@@ -28,8 +36,65 @@ TEMP_MARK = ".tmp-"
 """What the name of every temporary entry of a save holds: ``.NAME.tmp-RANDOM``."""
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_TEMP = re.compile(r"^\.(?P<name>.+)\.tmp-[0-9a-f]{16}$")
+STALE_SECONDS = 24 * 3600
+"""On a file system without locks, how long a temporary file must be untouched to count as a killed write's."""
 _NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # opening a FIFO for reading returns at once instead of waiting
+
+
+class RefusedFile(Exception):
+    """A file :func:`read_regular` will not read: ``why`` says what it is, in words (never what it holds)."""
+
+    def __init__(self, path: Path, why: str) -> None:
+        super().__init__(f"{str(path)!r} {why}")
+        self.path, self.why = path, why
+
+
+def kind(mode: int) -> str:
+    """What a file of ``st_mode`` ``mode`` is, in words (``a FIFO (named pipe)``, ``a directory``, ...)."""
+    for test, words in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                        (stat.S_ISSOCK, "a socket"), (stat.S_ISREG, "a regular file")):
+        if test(mode):
+            return words
+    return "a special file"
+
+
+def read_regular(path: Path, root: Path, most: int) -> bytes:
+    """The bytes of the regular file ``path``, which lies in the directory ``root`` (after every link is followed)
+    and holds at most ``most`` bytes. Anything else raises :class:`RefusedFile` before a byte is read: a FIFO,
+    device, socket or directory is never opened for reading (checked with ``stat`` first, then opened with
+    ``O_NONBLOCK`` and checked again, so a file swapped in between cannot block), a file resolving out of ``root``
+    (a link) is never opened, and the size is checked before reading. ``FileNotFoundError`` when it is missing."""
+    real, base = Path(os.path.realpath(path)), Path(os.path.realpath(root))
+    if real != base and not real.is_relative_to(base):
+        os.lstat(path)  # a name that is not there at all: FileNotFoundError
+        raise RefusedFile(path, f"resolves to {str(real)!r}, outside the checkpoint root {str(root)!r} (a symbolic "
+                                f"link)")
+    _check_regular(path, os.stat(path), most)
+    fd = os.open(path, os.O_RDONLY | _NONBLOCK | _CLOEXEC)
+    try:
+        size = _check_regular(path, os.fstat(fd), most)
+        chunks, left = [], size + 1  # one byte more: a file grown since is refused, not cut short
+        while left > 0 and (chunk := os.read(fd, min(left, 1 << 24))):
+            chunks.append(chunk)
+            left -= len(chunk)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > most:
+        raise RefusedFile(path, f"grew past {most} bytes while it was read")
+    return data
+
+
+def _check_regular(path: Path, info: os.stat_result, most: int) -> int:
+    if not stat.S_ISREG(info.st_mode):
+        raise RefusedFile(path, f"is {kind(info.st_mode)}, not a regular file")
+    if info.st_size > most:
+        raise RefusedFile(path, f"has {info.st_size} bytes, more than the {most} expected")
+    return info.st_size
 
 
 def temp_name(name: str) -> str:
@@ -51,6 +116,69 @@ def open_new(path: Path) -> int:
     """A descriptor, open for writing, of the file ``path`` created now: it must not exist (a link there is not
     followed: ``FileExistsError`` or ``ELOOP``); mode 0o644 (less the umask)."""
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o644)
+
+
+def open_held(path: Path) -> tuple[Path, int]:
+    """A fresh temporary file beside ``path`` (:func:`temp_name`, created by :func:`open_new`), locked (``flock``)
+    for as long as the descriptor is open: its name and a descriptor open for writing. A process killed while it
+    writes leaves the file unlocked, so :func:`clean_dead_temps` tells it from a write still going on."""
+    while True:
+        temp = path.with_name(temp_name(path.name))
+        fd = open_new(temp)
+        try:
+            if fcntl is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in _NO_LOCKS:  # a fresh random name nobody else opened: should not happen
+                os.close(fd)
+                raise OSError(e.errno, e.strerror, str(temp)) from None
+        try:
+            if os.stat(temp, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                return temp, fd
+        except FileNotFoundError:
+            pass  # a cleaner took it for a killed write's between the create and the lock: take another name
+        os.close(fd)
+
+
+def clean_dead_temps(directory: Path, names: Callable[[str], bool]) -> list[Path]:
+    """Remove from ``directory`` the temporary files that killed writes left: entries named ``.NAME.tmp-`` and 16
+    hex digits (:func:`temp_name`) with ``names(NAME)`` true, that are regular files (anything else is left, never
+    opened) and that no writer holds (:func:`open_held`: a file whose lock this process can take has no live
+    writer). On a file system without locks, only those untouched for :data:`STALE_SECONDS` go. What was removed."""
+    removed = []
+    try:
+        entries = [e for e in directory.iterdir() if (m := _TEMP.match(e.name)) and names(m.group("name"))]
+    except OSError:
+        return removed
+    for entry in entries:
+        try:
+            if not stat.S_ISREG(os.lstat(entry).st_mode):
+                continue
+            fd = os.open(entry, os.O_RDONLY | _NOFOLLOW | _NONBLOCK | _CLOEXEC)
+        except OSError:
+            continue
+        try:
+            info = os.fstat(fd)
+            if stat.S_ISREG(info.st_mode) and _unheld(fd, info) \
+                    and os.stat(entry, follow_symlinks=False).st_ino == info.st_ino:
+                os.unlink(entry)  # while this process holds its lock: no writer can have taken it since
+                removed.append(entry)
+        except OSError:
+            pass  # gone already, or the directory does not allow it
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _unheld(fd: int, info: os.stat_result) -> bool:
+    """Whether no writer holds the file open as ``fd`` (its lock taken here), or, without locks, it is stale."""
+    if fcntl is None:
+        return time.time() - info.st_mtime > STALE_SECONDS
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        return e.errno in _NO_LOCKS and time.time() - info.st_mtime > STALE_SECONDS
+    return True
 
 
 def write_new(path: Path, data: bytes) -> None:
@@ -141,18 +269,28 @@ class RootLock:
 
 
 def _open_lock(path: Path) -> int:
-    """A descriptor of the regular file ``path`` (created when missing; a link is not followed)."""
+    """A descriptor of the regular file ``path`` (created when missing; a link is not followed; a FIFO, device or
+    socket there is refused without being opened for reading)."""
+    flags = os.O_RDONLY | _NOFOLLOW | _NONBLOCK | _CLOEXEC
     try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
+        _refuse_special(path, os.lstat(path).st_mode)
+        fd = os.open(path, flags)
     except FileNotFoundError:
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o644)
+            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:  # another writer created it just now
-            fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+            fd = os.open(path, flags)
+    try:
+        _refuse_special(path, os.fstat(fd).st_mode)
+    except OSError:
         os.close(fd)
-        raise OSError(errno.EEXIST, "not a regular file", str(path))
+        raise
     return fd
+
+
+def _refuse_special(path: Path, mode: int) -> None:
+    if not stat.S_ISREG(mode) and not stat.S_ISLNK(mode):  # a link: the open refuses it (ELOOP)
+        raise OSError(errno.EEXIST, f"{kind(mode)} stands there, not a regular file", str(path))
 
 
 _CAUSES = {

@@ -8,7 +8,8 @@ model at once; the format is simple enough to stream (https://github.com/hugging
 the data, plus ``__metadata__``), padded with spaces to a multiple of 8 bytes, then the data, with no gaps. The
 tensors are laid out largest element first (as the package does), so every tensor starts at a multiple of its
 element size. Every file is created exclusively under a temporary name beside its target and renamed into place
-once complete and flushed (see :mod:`.checkpoint_files`).
+once complete and flushed (see :mod:`.files`); a write removes the temporary files that killed writes of its
+target left (:class:`TempFile`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 from torch import Tensor
 
 from ...errors import PPLLError
-from .files import fsync_dir, open_new, remove_quietly, temp_name
+from .files import clean_dead_temps, fsync_dir, open_held, remove_quietly
 from .gather import TensorInfo
 
 INDEX = "model.safetensors.index.json"
@@ -51,12 +52,15 @@ def _dtype_name(info: TensorInfo) -> str:
 
 
 class TempFile:
-    """A file written under a fresh temporary name beside ``path`` and renamed over it by :meth:`commit`."""
+    """A file written under a fresh temporary name beside ``path`` and renamed over it by :meth:`commit`. It holds
+    the file's lock (:func:`.files.open_held`) until then, and first removes what killed writes of ``path`` left
+    (:func:`.files.clean_dead_temps`): temporary files of ``path`` that no live writer holds."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.temp = path.with_name(temp_name(path.name))
-        self.fd: int | None = open_new(self.temp)
+        clean_dead_temps(path.parent, lambda name: name == path.name)
+        self.temp, fd = open_held(path)
+        self.fd: int | None = fd
 
     def pwrite(self, data: Any, offset: int) -> None:
         """Write ``data`` (a buffer) at byte ``offset``."""
@@ -66,15 +70,15 @@ class TempFile:
             view, offset = view[n:], offset + n
 
     def commit(self) -> None:
-        """Flush to disk, rename over the target and make the rename durable."""
+        """Flush to disk, rename over the target (the lock still held) and make the rename durable."""
         assert self.fd is not None
         try:
             os.fsync(self.fd)
         except OSError as e:
             raise OSError(e.errno, e.strerror, str(self.path)) from e
+        os.replace(self.temp, self.path)
         os.close(self.fd)
         self.fd = None
-        os.replace(self.temp, self.path)
         fsync_dir(self.path.parent)
 
     def discard(self) -> None:
@@ -210,6 +214,7 @@ class ShardedSafetensors:
     def begin(self, layout: list[list[TensorInfo]], others: OrderedDict[str, Any]) -> None:
         _refuse_others(others)
         self.path.mkdir(parents=True, exist_ok=True)
+        clean_dead_temps(self.path, lambda name: bool(_SHARD.fullmatch(name)) or name == INDEX)
         kept = [(s, infos) for s, infos in enumerate(layout) if infos]
         for n, (s, infos) in enumerate(kept):
             name = f"model-{n + 1:05d}-of-{len(kept):05d}.safetensors"

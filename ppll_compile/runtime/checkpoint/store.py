@@ -17,6 +17,11 @@ nothing, so a read-only directory loads; when a save removes the checkpoint a lo
 load reads ``latest`` again and loads the new one.
 
 A directory holding ``manifest.json`` itself (one checkpoint, e.g. ``path/ckpt-000006``) loads as it is.
+
+Whoever can write into the root cannot make a load block, read without end or quote a file: ``latest``, manifests and
+stage files are read by :func:`.files.read_regular` (special files and links out of the root refused unopened, sizes
+checked first), ``latest``'s text is never quoted, a broken ``latest`` names the newest complete checkpoint found by
+its name (:func:`newest_complete`), and counts below zero in a stage file are refused by file and field.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from torch.optim import Optimizer
 from ...errors import CheckpointError
 from ...plans.plan import Plan
 from . import files
+from .state_check import negative_counter
 
 MANIFEST = "manifest.json"
 POINTER = "latest"
@@ -50,6 +56,10 @@ MOST_BATCHES = 2**62
 """The largest batch count a manifest may hold."""
 MOST_BYTES = 2**48
 """The largest stage file a manifest may list (256 TiB)."""
+MOST_POINTER = 4096
+"""The largest ``latest`` file read (it holds one checkpoint name)."""
+MOST_MANIFEST = 2**28
+"""The largest manifest read (256 MiB; one holds a few numbers per parameter tensor)."""
 
 
 def identity(plan: Plan, parameters: Sequence[Sequence[Tensor]], optimizers: Iterable[Optimizer]) -> dict[str, Any]:
@@ -76,20 +86,42 @@ def _root(path: str | os.PathLike) -> Path:
 
 
 def _pointed(root: Path) -> str | None:
-    """The checkpoint name ``root/latest`` holds (``None`` without one)."""
+    """The checkpoint name ``root/latest`` holds (``None`` without one). What it holds is never quoted: a pointer
+    that is not a small regular file in ``root`` is refused unread (:func:`.files.read_regular`)."""
     file = root / POINTER
     try:
-        name = file.read_text(errors="replace").strip()
-    except (FileNotFoundError, IsADirectoryError):
+        data = files.read_regular(file, root, MOST_POINTER)
+    except FileNotFoundError:
         return None
+    except files.RefusedFile as e:
+        found = newest_complete(root)
+        where = f"The newest complete checkpoint directory there is {str(found)!r}: load it by that path, and" \
+            if found is not None else "No complete checkpoint directory is there:"
+        raise CheckpointError(f"{e}; it should be the small file that names the newest complete checkpoint. "
+                              f"{where} remove {str(file)!r} to save into or load {str(root)!r} again") from None
     except OSError as e:
         raise CheckpointError(f"{str(file)!r} cannot be read ({e.strerror}); load a checkpoint directory "
                               f"in {str(root)!r} directly") from None
+    name = data.decode(errors="replace").strip()
     if not _NAME.match(name):
-        raise CheckpointError(f"{str(file)!r} holds {name[:40]!r}, not a checkpoint name like ckpt-000001; "
-                              f"write the name of a complete checkpoint directory into it, or load that "
-                              f"directory itself")
+        found = newest_complete(root)
+        way = f"The newest complete checkpoint directory there is {str(found)!r}: write its name into it, or load " \
+            f"that directory itself" if found is not None else "No complete checkpoint directory is there: write " \
+            "the name of one into it, or load a checkpoint directory itself"
+        raise CheckpointError(f"{str(file)!r} does not hold the name of a checkpoint like ckpt-000001 (it holds "
+                              f"{len(data)} bytes of other text). {way}")
     return name
+
+
+def newest_complete(root: Path) -> Path | None:
+    """The complete checkpoint directory of ``root`` with the highest number (a ``ckpt-N`` directory, not a link,
+    holding a manifest), found by name without ``latest``; ``None`` when there is none."""
+    try:
+        named = [e for e in root.iterdir() if _NAME.match(e.name) and e.is_dir() and not e.is_symlink()]
+    except OSError:
+        return None
+    complete = [e for e in named if (e / MANIFEST).is_file() and not (e / MANIFEST).is_symlink()]
+    return max(complete, key=lambda e: _seq(e.name), default=None)
 
 
 def _seq(name: str) -> int:
@@ -113,12 +145,12 @@ def latest(path: str | os.PathLike) -> Path | None:
     name = _pointed(root) if root.is_dir() else None
     if name is not None:
         target = root / name
-        if not (target / MANIFEST).is_file():
+        if not os.path.lexists(target / MANIFEST):  # one that is there but no regular file: refused when read
             raise CheckpointError(f"{str(root / POINTER)!r} names {name}, but {str(target)!r} holds no "
                                   f"{MANIFEST} (removed by hand?); load an older checkpoint directory "
                                   f"in {str(root)!r} directly")
         return target
-    return root if (root / MANIFEST).is_file() else None
+    return root if os.path.lexists(root / MANIFEST) else None
 
 
 # ---- saving ------------------------------------------------------------------------------------
@@ -192,21 +224,23 @@ def commit(path: str | os.PathLike, temp: str, ident: dict[str, Any], entries: l
     return root / name
 
 
-def _newest(root: Path) -> Path | None:
-    """:func:`latest`, read again while another save moves the pointer on; ``None`` where nothing loads."""
+def _newest(root: Path) -> tuple[Path | None, bool]:
+    """:func:`latest`, read again while another save moves the pointer on; else the newest complete checkpoint
+    directory found by name (:func:`newest_complete`) when ``latest`` cannot be read; ``None`` where nothing loads.
+    Whether it was found by name."""
     for _ in range(RETRIES):
         pointed = None
         try:
             pointed = _pointed(root)
-            return latest(root)
+            return latest(root), False
         except (CheckpointError, OSError):
             try:
                 moved = _pointed(root) != pointed
             except (CheckpointError, OSError):
-                return None
+                return newest_complete(root), True
             if not moved:
-                return None
-    return None
+                return None, False
+    return None, False
 
 
 def save_failure(path: Any, rank: int, error: BaseException) -> CheckpointError:
@@ -218,11 +252,12 @@ def save_failure(path: Any, rank: int, error: BaseException) -> CheckpointError:
     else:
         root, text = Path("."), repr(path)
     words, way = files.cause(error, root)
-    found = None if isinstance(error, ValueError) else _newest(root)  # an odd path: nothing was saved there
+    found, by_name = (None, False) if isinstance(error, ValueError) else _newest(root)  # an odd path: none there
     if found is None:
         last = "Last complete checkpoint: none yet"
     else:
-        named = " (the one 'latest' names)" if found != root else ""
+        named = " (found by its name, as 'latest' cannot be used)" if by_name \
+            else " (the one 'latest' names)" if found != root else ""
         last = f"Last complete checkpoint: {str(found)!r}{named}; it still loads"
     return CheckpointError(f"rank {rank} could not save a checkpoint into {text}: {words}. {last}. {way[0].upper()}"
                            f"{way[1:]}.")
@@ -268,7 +303,7 @@ def _check_manifest(manifest: Any) -> str | None:
         return "'files' is not a list"
     for f in manifest["files"]:
         if not (isinstance(f, dict) and {"stage", "file", "bytes", "sha256"} <= set(f)):
-            return f"a 'files' entry lacks stage, file, bytes or sha256: {f!r}"[:300]
+            return f"'files' entry {manifest['files'].index(f)} lacks stage, file, bytes or sha256"
         name = f["file"]
         if not isinstance(name, str) or "/" in name or "\\" in name or name in ("", ".", ".."):
             return f"file {name!r} is not a plain name"[:300]
@@ -288,13 +323,18 @@ def _check_manifest(manifest: Any) -> str | None:
     return None
 
 
-def _manifest(root: Path) -> dict[str, Any]:
-    """The manifest of the checkpoint directory ``root``, after checking that every entry is there and every
-    count and size is in range."""
-    file = root / MANIFEST
+def _manifest(found: Path, root: Path) -> dict[str, Any]:
+    """The manifest of the checkpoint directory ``found`` (in the checkpoint root ``root``), after checking that
+    every entry is there and every count and size is in range."""
+    file = found / MANIFEST
     try:
-        manifest = json.loads(file.read_bytes())
+        manifest = json.loads(files.read_regular(file, root, MOST_MANIFEST))
         problem = _check_manifest(manifest)
+    except files.RefusedFile as e:
+        raise CheckpointError(f"{e}; it should be the checkpoint's {MANIFEST}: the checkpoint is corrupt or was "
+                              f"tampered with; load an earlier one") from None
+    except UnicodeDecodeError:
+        problem = "not UTF-8 text"
     except (ValueError, RecursionError) as e:
         problem = str(e)
     except OSError as e:
@@ -338,7 +378,7 @@ def _read_once(root: Path, ident: dict[str, Any],
     if found is None:
         raise CheckpointError(f"no complete checkpoint in {str(root)!r} (neither {POINTER} nor {MANIFEST}): not a "
                               f"checkpoint, or no save there finished; load an earlier checkpoint")
-    manifest = _manifest(found)
+    manifest = _manifest(found, root)
     diffs = _identity_differences(manifest["identity"], ident)
     if diffs:
         ways = []
@@ -358,9 +398,12 @@ def _read_once(root: Path, ident: dict[str, Any],
             raise CheckpointError(f"{MANIFEST} in {str(found)!r} lists no file for stage {i}")
         file = found / entry["file"]
         try:
-            data = file.read_bytes()
-        except (FileNotFoundError, IsADirectoryError):
+            data = files.read_regular(file, root, entry["bytes"])
+        except FileNotFoundError:
             data = None
+        except files.RefusedFile as e:
+            raise CheckpointError(f"{e}; {MANIFEST} lists a regular file of {entry['bytes']} bytes: the checkpoint "
+                                  f"is corrupt or was tampered with; load an earlier checkpoint") from None
         if data is None or len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
             what = "is missing" if data is None else f"has {len(data)} bytes and another sha256"
             raise CheckpointError(f"{str(file)!r} {what}; {MANIFEST} expects {entry['bytes']} bytes, sha256 "
@@ -369,96 +412,11 @@ def _read_once(root: Path, ident: dict[str, Any],
         try:
             states[i] = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - the digest matched, yet torch cannot read it
-            raise CheckpointError(f"{str(file)!r} cannot be read by torch.load ({type(e).__name__}: {e}); load an "
-                                  f"earlier checkpoint") from None
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            raise CheckpointError(f"{str(file)!r} cannot be read by torch.load ({type(e).__name__}: {first}); load "
+                                  f"an earlier checkpoint") from None
+        negative = negative_counter(states[i])
+        if negative is not None:
+            raise CheckpointError(f"{str(file)!r}: {negative}, not a whole number from 0 (a count of batches, steps "
+                                  f"or epochs); the file was edited or is corrupt: load an earlier checkpoint")
     return found, manifest["trainer"], states
-
-
-# ---- checking a stage's state against the stage ------------------------------------------------
-def _describe(t: Tensor) -> str:
-    return f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
-
-
-def _tensors(saved: Any, ours: Any, where: str, out: list[str]) -> None:
-    """Append to ``out`` how the tensors of ``saved`` differ from ``ours`` (names, shapes, dtypes)."""
-    if isinstance(ours, dict):
-        if not isinstance(saved, dict):
-            out.append(f"{where} is {type(saved).__name__} in the checkpoint, a mapping here")
-            return
-        missing, extra = [k for k in ours if k not in saved], [k for k in saved if k not in ours]
-        if missing:
-            out.append(f"{where} lacks {', '.join(map(repr, missing[:5]))}{' ...' if len(missing) > 5 else ''} "
-                       f"in the checkpoint")
-        if extra:
-            out.append(f"{where} has {', '.join(map(repr, extra[:5]))}{' ...' if len(extra) > 5 else ''} in the "
-                       f"checkpoint, which this stage does not")
-        for k in ours:
-            if k in saved:
-                _tensors(saved[k], ours[k], f"{where}[{k!r}]", out)
-    elif isinstance(ours, (list, tuple)):
-        if not isinstance(saved, (list, tuple)) or len(saved) != len(ours):
-            count = len(saved) if isinstance(saved, (list, tuple)) else type(saved).__name__
-            out.append(f"{where} has {count} entries in the checkpoint and {len(ours)} here")
-            return
-        for j, (s, o) in enumerate(zip(saved, ours)):
-            _tensors(s, o, f"{where}[{j}]", out)
-    elif isinstance(ours, Tensor):
-        if not isinstance(saved, Tensor):
-            out.append(f"{where} is {type(saved).__name__} in the checkpoint, a tensor here")
-        elif saved.shape != ours.shape or saved.dtype != ours.dtype:
-            out.append(f"{where} is {_describe(saved)} in the checkpoint and {_describe(ours)} here")
-    elif ours is None and saved is not None:
-        out.append(f"{where} is saved in the checkpoint, and this stage has none")
-
-
-def _optimizer(saved: Any, ours: dict[str, Any], where: str, out: list[str]) -> None:
-    """Append to ``out`` how a saved optimizer state cannot be loaded into one with state ``ours``."""
-    groups = saved.get("param_groups") if isinstance(saved, dict) else None
-    if not isinstance(groups, list) or not isinstance(saved.get("state"), dict):
-        out.append(f"{where} is not an optimizer state (no 'state' and 'param_groups')")
-        return
-    sizes = [len(g.get("params", ())) if isinstance(g, dict) else -1 for g in groups]
-    mine = [len(g["params"]) for g in ours["param_groups"]]
-    if sizes != mine:
-        out.append(f"{where} has parameter groups of sizes {sizes} in the checkpoint and {mine} here")
-        return
-    for pid, state in ours["state"].items():  # this optimizer has stepped: its state tensors must match
-        if pid in saved["state"]:
-            _tensors(saved["state"][pid], state, f"{where} state of parameter {pid}", out)
-
-
-def check_state(saved: dict[str, Any], ours: dict[str, Any]) -> list[str]:
-    """What keeps the saved state of a stage from loading into the stage whose state is ``ours`` (both as
-    :meth:`Runner.state_dict` gives them): every tensor's name, shape and dtype, the optimizers' parameter
-    groups, the schedulers and counters. Empty when it loads."""
-    out: list[str] = []
-    stage = ours["stage"]
-    counters = ("steps", "reused", "dropped", "updates")
-    modules = [k for k in ours if k not in ("stage", "optimizers", "schedulers", "scaler", *counters)]
-    for key in modules:
-        if key not in saved:
-            out.append(f"stage {stage}: the checkpoint has no {key!r} state")
-        else:
-            _tensors(saved[key], ours[key], f"stage {stage} {key}", out)
-    opts = saved.get("optimizers")
-    if not isinstance(opts, list) or len(opts) != len(ours["optimizers"]):
-        out.append(f"stage {stage}: the checkpoint has {len(opts) if isinstance(opts, list) else 'no'} optimizer "
-                   f"states and this stage {len(ours['optimizers'])}")
-    else:
-        for j, (s, o) in enumerate(zip(opts, ours["optimizers"])):
-            _optimizer(s, o, f"stage {stage} optimizer {j}", out)
-    scheds = saved.get("schedulers")
-    if not isinstance(scheds, list) or len(scheds) != len(ours["schedulers"]):
-        have = "a learning-rate scheduler" if ours["schedulers"] else "no scheduler"
-        had = "scheduler states" if scheds else "no scheduler state"
-        out.append(f"stage {stage}: the checkpoint has {had} and this trainer has {have}; build the trainer with "
-                   f"the scheduler= it was trained with")
-    for key in counters:
-        if key in ("dropped", "updates") and key not in saved:  # written before the counter existed
-            continue
-        if not isinstance(saved.get(key), int):
-            out.append(f"stage {stage}: the checkpoint's {key!r} counter is {saved.get(key)!r}, not an integer")
-    scaler = saved.get("scaler")  # absent before float16 scalers were saved (or without one): a fresh scale
-    if scaler is not None and not (isinstance(scaler, dict) and isinstance(scaler.get("scale"), float)):
-        out.append(f"stage {stage}: the checkpoint's gradient scaler state is {scaler!r}, not a GradScaler's")
-    return out
