@@ -32,6 +32,21 @@ FILE_EXTRAS = ("intra_node_bandwidth", "inter_node_bandwidth", "gpus_per_node", 
 (bytes/s, one direction), devices per node, and where the figures come from."""
 
 
+def load_average() -> float | None:
+    """The machine's 1-minute load average (``None`` where the system has none): the one reading of the load that
+    calibration records and compares."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def load_per_core() -> float | None:
+    """The machine's load now, per core (:func:`load_average` over the cores); ``None`` where unknown."""
+    load = load_average()
+    return None if load is None else load / max(os.cpu_count() or 1, 1)
+
+
 def busy_threshold() -> float:
     """The load per core at or above which a calibration warns: :data:`BUSY_ENV`, else :data:`BUSY_LOAD`."""
     text = os.environ.get(BUSY_ENV, "").strip()
@@ -116,12 +131,18 @@ class DeviceFigures:
         if self.source == "measured":
             return text + f"; measured now{at} and cached: {REDO}"
         if self.source == "cache" and self.busy():
-            return text + f"; measured{at}: {REDO}"
+            return text + f"; measured{at} and the machine is still busy: {AGAIN}, or {REDO}"
+        if self.busy():  # a pinned file's
+            return text + f"; measured{at}: pin figures measured on a quiet machine ({PIN})"
         return text
 
 
 REDO = "`ppll-plan --recalibrate` or `ppll_compile.calibrate(refresh=True)` measures them again"
 """How a plan's notes and a busy calibration's warning say to measure the figures again."""
+AGAIN = "the first plan or calibration at a load below the busy threshold measures them again by itself"
+"""What happens to cached figures measured on a busy machine (see :func:`~.roofline.device_figures`)."""
+PIN = "`ppll-plan --recalibrate --figures FILE` writes them"
+"""How a pinned file of figures measured on a busy machine is replaced."""
 
 
 def read_figures(path: str) -> tuple[DeviceFigures, dict[str, Any]]:

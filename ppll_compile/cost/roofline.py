@@ -24,8 +24,10 @@ by less than their run-to-run spread).
 
 Everything measured is cached under the user's cache directory, keyed by the device's name, its thread count
 (CPU) and the torch version, with the machine's load while measuring; a calibration on a busy machine (see
-:data:`~.figures.BUSY_LOAD`) warns. :func:`ppll_compile.calibrate` (``ppll-plan --calibrate``, ``--recalibrate``)
-measures as a step of its own; a plan on a device without cached figures measures them first.
+:data:`~.figures.BUSY_LOAD`) warns, and figures cached busy are measured again by the first plan or calibration
+that finds the machine quiet (used with a warning until then). :func:`ppll_compile.calibrate` (``ppll-plan
+--calibrate``, ``--recalibrate``) measures as a step of its own; a plan on a device without cached figures measures
+them first.
 ``PPLL_DEVICE_FIGURES=path.json`` pins the figures instead (reproducible plans on any machine): a JSON object with
 the fields of :class:`DeviceFigures` (and, ignored there, the link fields :data:`~.figures.FILE_EXTRAS` that
 ``hardware=FILE`` reads). A hardware preset's figures (:mod:`~ppll_compile.cost.hardware`) are priced the same way,
@@ -52,8 +54,9 @@ from torch import Tensor
 from torch.nn import functional as F
 from torch.utils import _pytree as pytree
 
-from ..errors import PlanError
-from .figures import BUSY_ENV, REDO, DeviceFigures, busy_threshold, read_figures
+from ..errors import PlanError, user_stacklevel
+from .figures import (AGAIN, BUSY_ENV, REDO, DeviceFigures, busy_threshold, load_average, load_per_core,
+                      read_figures)
 from .oplog import COMPUTE, FAMILIES, Op, OpLog, nbytes
 from .optimizers import optimizer_spec
 
@@ -230,21 +233,13 @@ def _isolated(device: torch.device, threads: int) -> Iterator[tuple[Callable[[],
             torch.set_num_threads(threads_before)
 
 
-def _load_average() -> float | None:
-    """The 1-minute load average (``None`` where the system has none)."""
-    try:
-        return os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return None
-
-
 def measure_device(device: torch.device, threads: int = 1, *, clock: Clock = time.perf_counter) -> DeviceFigures:
     """Measure ``device``'s figures (about a second): per family, the rate of a representative operator (FLOPs or
     bytes as :class:`OpLog` counts them, over the fastest of a few runs timed by ``clock``), float32, and on a GPU
     half precision too for the compute families; a one-element add's time as the per-operator overhead; and the
     machine's load before and after. Leaves the process as it was (see the module's text)."""
     rates: dict[str, float] = {}
-    before = _load_average()
+    before = load_average()
     with _isolated(device, threads) as (sync, g):
         for dtype in [torch.float32] + ([torch.bfloat16, torch.float16] if device.type == "cuda" else []):
             name = str(dtype).removeprefix("torch.")
@@ -254,7 +249,7 @@ def measure_device(device: torch.device, threads: int = 1, *, clock: Clock = tim
         one = torch.ones(1, device=device)
         reps = 200
         overhead = _best(lambda: [one.add(one) for _ in range(reps)], sync, clock=clock) / reps
-    after = _load_average()
+    after = load_average()
     load = {"before": before, "after": after, "cores": os.cpu_count() or 1} \
         if before is not None and after is not None else {}
     return DeviceFigures(device=device_name(device, threads), torch=torch.__version__, rates=rates, overhead=overhead,
@@ -342,13 +337,29 @@ def _read_cache(path: Path) -> dict[str, Any]:
     return cache if isinstance(cache, dict) else {}
 
 
+def _busy_cache(figures: DeviceFigures) -> DeviceFigures | None:
+    """Cached ``figures`` measured on a busy machine: ``None`` (measure them again, their per-shape times too) when
+    the machine is quiet now, else the figures, with a warning that they are used."""
+    now, threshold = load_per_core(), busy_threshold()
+    if now is not None and now < threshold:
+        return None
+    at = f" (load {now:.2f} per core now)" if now is not None else ""
+    warnings.warn(f"the cached figures of {figures.device} were measured while the machine was busy (load "
+                  f"{figures.load_per_core():.2f} per core, at or above {threshold}; {BUSY_ENV} sets the threshold) "
+                  f"and it is still busy{at}: they are used, and they may be slow; {AGAIN}, or {REDO}",
+                  stacklevel=user_stacklevel())
+    return figures
+
+
 def device_figures(device: torch.device, threads: int = 1, *, calls: Iterable[tuple[Any, ...]] = (),
                    refresh: bool = False, pinned: bool = True) -> DeviceFigures:
     """The figures of ``device`` (a CPU at ``threads`` threads) with the seconds of ``calls`` (compute-family
     :attr:`Op.call` values): pinned by :data:`FIGURES_ENV` (unless ``pinned=False``), else cached, else measured
     now (:func:`measure_device`; a warning when the machine was busy meanwhile); calls not cached yet are measured
     now (:func:`measure_calls`), and the cache is updated. ``refresh`` measures everything again and replaces the
-    cached figures, per-shape times included."""
+    cached figures, per-shape times included. Cached figures measured on a busy machine are measured again (their
+    per-shape times too) when the machine is quiet now (its load per core below
+    :func:`~.figures.busy_threshold`), and used with a warning while it is still busy."""
     pin = os.environ.get(FIGURES_ENV) if pinned else None
     if pin:
         return _pinned(pin)
@@ -361,6 +372,8 @@ def device_figures(device: torch.device, threads: int = 1, *, calls: Iterable[tu
             figures = DeviceFigures(**{**cache[key], "source": "cache"})
         except TypeError:
             pass  # written by another version: measure again
+    if figures is not None and figures.busy():
+        figures = _busy_cache(figures)
     changed = figures is None
     if figures is None:
         threshold = busy_threshold()  # a bad setting fails before the measurement
@@ -369,7 +382,7 @@ def device_figures(device: torch.device, threads: int = 1, *, calls: Iterable[tu
             warnings.warn(f"the machine was busy while the figures of {figures.device} were measured (load average "
                           f"{figures.load_per_core():.2f} per core over {figures.load['cores']:.0f} cores, at or "
                           f"above {threshold}; {BUSY_ENV} sets the threshold): they may be slow, and they are "
-                          f"cached; when it is quieter, {REDO}", stacklevel=2)
+                          f"cached; {AGAIN}, or {REDO}", stacklevel=user_stacklevel())
     missing = {repr(c): c for c in calls if c and repr(c) not in figures.calls}
     if missing:
         figures = dataclasses.replace(figures, calls={**figures.calls,

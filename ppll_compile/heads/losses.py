@@ -1,5 +1,5 @@
-"""The losses of a pipeline's stages: the task's rule (classification, per-token, regression) on a head's scores or
-the model's output."""
+"""The losses of a pipeline's stages: the task's rule (classification, per-token, multi-label, regression) on a
+head's scores or the model's output."""
 
 from __future__ import annotations
 
@@ -42,8 +42,9 @@ def cross_entropy(logits: Tensor, target: Tensor) -> Tensor:
 
 def task_of(scores: Any, target: Any) -> str | None:
     """The task ``target`` sets for ``scores`` (see :func:`task_loss`): ``"classes"`` (N labels for N x C scores),
-    ``"tokens"`` (N x L labels for N x L x C scores), ``"multilabel"`` (bool or integer targets holding as many
-    values per example as the scores), ``"regression"`` (float targets likewise), or ``None`` (no head loss fits)."""
+    ``"tokens"`` (N x L labels for N x L x C scores), ``"multilabel"`` (targets holding as many values per example
+    as the scores, each 0 or 1: bool, integer, or float as ``BCEWithLogitsLoss`` takes them), ``"regression"``
+    (float targets likewise, with any other value), or ``None`` (no head loss fits)."""
     if not (isinstance(scores, Tensor) and isinstance(target, Tensor) and scores.is_floating_point()
             and scores.dim() >= 1 and target.dim() >= 1) or target.is_complex():
         return None
@@ -52,8 +53,20 @@ def task_of(scores: Any, target: Any) -> str | None:
             and target.shape == scores.shape[:-1]:
         return "classes" if target.dim() == 1 else "tokens"
     if scores.shape[0] == target.shape[0] and scores.numel() == target.numel():
-        return "regression" if floating else "multilabel"
+        return "regression" if floating and not zero_one(target) else "multilabel"
     return None
+
+
+def zero_one(target: Tensor) -> bool:
+    """Whether every value of the float ``target`` is 0 or 1 (labels, as ``BCEWithLogitsLoss`` takes them); ``False``
+    where the values cannot be read (a tensor on the meta device)."""
+    if target.device.type == "meta":
+        return False
+    t = target.detach()
+    try:
+        return bool(((t == 0) | (t == 1)).all())
+    except RuntimeError:  # a fake tensor: its values are unknown
+        return False
 
 
 def to_target_length(scores: Any, target: Any) -> Any:
@@ -78,11 +91,15 @@ def task_loss(scores: Any, target: Any, loss: Loss | None = None, *, where: str 
     - integer class labels of the scores' shape without its last dimension (N labels for N x C scores, N x L for
       N x L x C per token, C > 1): cross-entropy, labels :data:`IGNORE_INDEX` counting for nothing;
     - a target holding as many values per example as the scores (the scores are reshaped to the target's shape,
-      e.g. N x 1 scores for N targets): bool or integer targets are multi-label (binary cross-entropy with logits
-      on the target as float), float targets regression: ``loss(scores, target)`` (the user's ``loss=``) when
-      given, else the mean squared error;
+      e.g. N x 1 scores for N targets): labels that are all 0 or 1, as bool, integer or float (what
+      ``BCEWithLogitsLoss`` takes), are multi-label: binary cross-entropy with logits on the target as float;
+      other float targets are regression: the mean squared error. ``loss`` (the user's ``loss=``) takes every float
+      target, 0/1 ones included: it is how a regression whose targets may all be 0 or 1 in a batch stays one;
     - anything else raises a :class:`~ppll_compile.PPLLError` naming ``where`` (the stage) and ``way_out``
       (default: the trainer's ``aux_loss=``).
+
+    The task is read from each batch's target: float targets that hold other values in some batches and only 0
+    and 1 in others are scored by MSE in the first and BCE in the second unless ``loss`` is given.
     """
     task = task_of(scores, target)
     if task in ("classes", "tokens"):
@@ -90,9 +107,11 @@ def task_loss(scores: Any, target: Any, loss: Loss | None = None, *, where: str 
     if task is None:
         raise PPLLError(_no_task_loss(scores, target, where, way_out))
     scores = scores.reshape(target.shape)
+    if loss is not None and target.is_floating_point():
+        return loss(scores, target)
     if task == "multilabel":
         return F.binary_cross_entropy_with_logits(scores, target.to(scores.dtype))
-    return loss(scores, target) if loss is not None else F.mse_loss(scores, target.to(scores.dtype))
+    return F.mse_loss(scores, target.to(scores.dtype))
 
 
 def _no_task_loss(scores: Any, target: Any, where: str, way_out: str | None) -> str:
@@ -103,14 +122,14 @@ def _no_task_loss(scores: Any, target: Any, where: str, way_out: str | None) -> 
     way_out = way_out or ("give the heads a loss: compiled.trainer(..., aux_loss=fn) with fn(scores, target) -> "
                           "scalar tensor (or aux_loss=[fn or None per auxiliary head])")
     return (f"{where} gives {what}, and {got} fits no task loss (integer class labels of the scores' shape without "
-            f"its last dimension: cross-entropy; as many values per example as the scores: float targets "
-            f"regression (loss= or MSE), bool or integer targets multi-label BCE); {way_out}")
+            f"its last dimension: cross-entropy; as many values per example as the scores: 0/1 labels (bool, "
+            f"integer or float) multi-label BCE, other float targets regression (loss= or MSE)); {way_out}")
 
 
 def model_loss(output: Any, target: Tensor, *, where: str = "the last stage (the model's output)") -> Tensor:
     """The default loss of the last stage: :func:`task_loss` of the model's scores (:func:`logits_of`): cross-entropy
-    for class labels (per example or per token), MSE for float targets of the output's shape, BCE for multi-label
-    targets. ``where`` names the stage in the error for a target that fits none."""
+    for class labels (per example or per token), BCE for 0/1 labels of the output's shape (bool, integer or float),
+    MSE for other float targets. ``where`` names the stage in the error for a target that fits none."""
     return task_loss(logits_of(output), target, where=where,
                      way_out="pass the last stage's loss: compiled.trainer(..., loss=fn) with fn(output, target) -> "
                              "scalar tensor")

@@ -37,9 +37,10 @@ class AuxHead(nn.Module):
     def loss(self, h: Tensor, target: Tensor, input: Tensor | None = None, *, loss: Loss | None = None,
              regression: Loss | None = None, where: str = "the head") -> Tensor:
         """The weighted local loss of boundary tensor ``h`` for ``target``: ``loss(scores, target)`` when given
-        (``aux_loss=``), else the task's loss (:func:`task_loss`, with ``regression`` for float targets), times
-        ``classification_weight``. A head type may override it as ``loss(h, target, input=None)``: the runtime then
-        calls that (with ``loss=`` added only when the trainer has an ``aux_loss``)."""
+        (``aux_loss=``), else the task's loss (:func:`task_loss`, ``regression`` taking every float target, 0/1
+        labels included), times ``classification_weight``. A head type may override it as
+        ``loss(h, target, input=None)``: the runtime then calls that (with ``loss=`` added only when the trainer has
+        an ``aux_loss``)."""
         return self.scored_loss(h, target, input, loss=loss, regression=regression, where=where)[1]
 
     def scored_loss(self, h: Tensor, target: Tensor, input: Tensor | None = None, *, loss: Loss | None = None,

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from ..analysis.analyse import Analysis
 from ..analysis.cut_heads import FindBlocks
 from ..analysis.usable import drop_blockless_cuts, drop_unusable_cuts
-from ..errors import CutError
+from ..errors import CutError, user_stacklevel
 from ..heads.policy import Policy
 from ..options import PlanOptions, SavedPlan
 from ..plans.plan import Plan
@@ -70,7 +70,7 @@ def untie(a: Analysis, plan: Plan, why: str | None) -> Plan:
                                notes=(*plan.notes, *(note for _, note in untied)))
     if why is not None:
         note = _auto_untie_note(plan.untied, why)
-        warnings.warn(note, UserWarning, stacklevel=4)  # at the caller of plan() or compile()
+        warnings.warn(note, UserWarning, stacklevel=user_stacklevel())
         plan = dataclasses.replace(plan, notes=(*plan.notes, note))
     return plan
 

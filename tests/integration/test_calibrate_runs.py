@@ -47,8 +47,9 @@ def test_a_busy_machine_is_named_in_a_warning(empty_cache, monkeypatch, capsys):
     monkeypatch.setattr(os, "getloadavg", lambda: calibrate_load(0.5))  # at the threshold
     with pytest.warns(UserWarning, match=r"^the machine was busy while the figures of .* were measured \(load "
                                          r"average 0\.50 per core over \d+ cores, at or above 0\.5; PPLL_BUSY_LOAD "
-                                         r"sets the threshold\): they may be slow, and they are cached; when it is "
-                                         r"quieter, `ppll-plan --recalibrate` or "
+                                         r"sets the threshold\): they may be slow, and they are cached; the first "
+                                         r"plan or calibration at a load below the busy threshold measures them "
+                                         r"again by itself, or `ppll-plan --recalibrate` or "
                                          r"`ppll_compile.calibrate\(refresh=True\)` measures them again$"):
         figures = ppll_compile.calibrate(threads=1)
     assert figures.busy() and "measured now at load 0.50 per core (busy: they may be slow)" in figures.describe()

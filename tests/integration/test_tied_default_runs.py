@@ -9,6 +9,8 @@ weights: no download.
 from __future__ import annotations
 
 import importlib.util
+import os
+import warnings
 
 import pytest
 import torch
@@ -54,6 +56,17 @@ def test_gpt2_compiles_with_the_defaults_and_equals_the_model(stages):
     compiled.eval()
     with torch.no_grad():
         torch.testing.assert_close(compiled(input_ids=IDS).logits, model(input_ids=IDS).logits, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+@needs_transformers
+def test_gpt2_untie_warning_points_at_the_users_line():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ppll_compile.compile(_gpt2(), 2, example_inputs=(IDS,), devices=["cpu", "cpu"])
+    untie = [w for w in caught if "untied (tied='auto')" in str(w.message)]
+    assert [(w.filename, w.lineno) for w in untie] == [(os.path.abspath(__file__), untie[0].lineno)]
+    assert "ppll_compile.compile(_gpt2()" in open(__file__).read().splitlines()[untie[0].lineno - 1]
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """Tests of the auxiliary-head policies and heads: shipped policies, schema errors, head shapes, losses and costs."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import yaml
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+import ppll_compile
 from ppll_compile import policies
 from ppll_compile.errors import PolicyError
 from ppll_compile.heads import AuxHead, InfoProHead
@@ -217,7 +219,7 @@ def test_unknown_kind_and_malformed_sections(tmp_path):
     assert msg == (f"{path}: missing key 'heads' (a mapping from tensor kind - feature_map, channels_last, "
                    f"sequence, vector - to a head config)")
     msg, path = error(tmp_path, "- just\n- a list\n")
-    assert msg == f"{path}: a policy must be a mapping, got ['just', 'a list']"
+    assert msg == f"{path}: a policy must be a mapping with the key 'heads', got a list of 2 items"
     msg, path = error(tmp_path, {"heads": {"vector": "mlp"}})
     assert msg == f"{path}: heads.vector must be a mapping, got 'mlp'"
 
@@ -230,6 +232,40 @@ def test_missing_kind_names_policy_kind_shape_and_the_way_out():
         f"policy 'infopro' has no head for sequence tensors (N x L x D), needed for boundary 'encoder_layer_3' "
         f"of shape (8, 17, 96); it has heads for: feature_map, channels_last, vector. Use policy='auto', or add a "
         f"'sequence:' entry under 'heads:' in {policies.path('infopro')}")
+
+
+def test_a_number_too_long_for_python_names_its_key(tmp_path):
+    long = "9" * 10_000  # over Python's int-string conversion limit (4300 digits)
+    msg, path = error(tmp_path, f"heads:\n  vector:\n    type: mlp\n    hidden: {long}\n")
+    assert msg == (f"{path}: heads.vector.hidden must be an integer from 1 to 1048576 (a width x width layer this "
+                   f"wide holds 4 TiB of parameters), got an integer of 10,000 digits")
+    msg, path = error(tmp_path, f"name: {long}\nheads:\n  vector:\n    type: mlp\n")
+    assert msg == f"{path}: name must be a string, got an integer of 10,000 digits"
+    # a hexadecimal one converts, but is too long to print
+    msg, path = error(tmp_path, f"heads:\n  vector:\n    type: mlp\n    depth: 0x{long}\n")
+    assert msg.endswith("heads.vector.depth must be an integer from 0 to 1024 (deeper than ResNet-1001's trunk), got "
+                        "an integer of 12,042 digits")
+
+
+SECRET = "token-0123456789abcdefghijklmnopqrstuvwxyz"
+
+
+@pytest.mark.parametrize(("content", "found"), [
+    (f"{SECRET}\n", "a policy must be a mapping with the key 'heads', got text of 42 characters"),
+    (f"{SECRET}: {SECRET}\nother: 1\n", "missing key 'heads' (a mapping from tensor kind - feature_map, "
+                                          "channels_last, sequence, vector - to a head config)"),
+    (f"- {SECRET}\n- x\n", "a policy must be a mapping with the key 'heads', got a list of 2 items"),
+    (f"key: *{SECRET}\n", "not valid YAML at line 1, column 6: found undefined alias a name in the file; fix the "
+                           "file's syntax"),
+    (f"{SECRET}: [\n", "not valid YAML at line 2, column 1: expected the node content, but found '<stream end>'; "
+                        "fix the file's syntax"),
+])
+def test_errors_on_any_file_quote_none_of_it(tmp_path, content, found):
+    path = tmp_path / "secret.txt"
+    path.write_text(content)
+    with pytest.raises(PolicyError) as e:
+        load_policy(str(path))
+    assert str(e.value) == f"{path}: {found}"
 
 
 def test_bad_yaml_names_the_file(tmp_path):
@@ -318,3 +354,19 @@ def test_dgl_head_costs_more_after_an_early_wide_map_than_after_a_late_narrow_on
 
     early, late = flops((8, 64, 32, 32)), flops((8, 256, 4, 4))
     assert early > 2 * late > 0
+
+
+def test_a_plan_files_policy_path_to_any_file_is_refused_quoting_none_of_it(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    x = torch.randn(2, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the CPU fallback
+        plan = ppll_compile.plan(model, 2, example_inputs=(x,), devices=["cpu", "cpu"], profile="flops")
+    secret = tmp_path / "id_key"
+    secret.write_text(f"{SECRET}\n")
+    saved = tmp_path / "plan.json"
+    plan.save(str(saved))
+    saved.write_text(saved.read_text().replace('"policy": "auto"', f'"policy": "{secret}"'))
+    with pytest.raises(PolicyError) as e:
+        ppll_compile.compile(model, example_inputs=(x,), plan=str(saved), devices=["cpu", "cpu"])
+    assert str(e.value) == f"{secret}: a policy must be a mapping with the key 'heads', got text of 42 characters"

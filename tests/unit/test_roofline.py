@@ -138,7 +138,9 @@ def test_the_notes_of_figures_measured_now_say_how_to_measure_again() -> None:
                               "`ppll_compile.calibrate(refresh=True)` measures them again")
     busy = dataclasses.replace(fig, source="cache", load={"before": 3.0, "after": 1.0, "cores": 4})
     assert busy.busy() and busy.describe().endswith("memory); measured at load 0.75 per core (busy: they may be "
-                                                    "slow): `ppll-plan --recalibrate` or "
+                                                    "slow) and the machine is still busy: the first plan or "
+                                                    "calibration at a load below the busy threshold measures them "
+                                                    "again by itself, or `ppll-plan --recalibrate` or "
                                                     "`ppll_compile.calibrate(refresh=True)` measures them again")
     assert busy.record()["load"] == {"before": 3.0, "after": 1.0, "cores": 4}
 

@@ -140,8 +140,8 @@ def test_threads_equal_sequential_on_the_regression():
 # ---- a target that fits no loss -----------------------------------------------------------------------------------
 
 RULES = ("fits no task loss (integer class labels of the scores' shape without its last dimension: cross-entropy; "
-         "as many values per example as the scores: float targets regression (loss= or MSE), bool or integer "
-         "targets multi-label BCE); ")
+         "as many values per example as the scores: 0/1 labels (bool, integer or float) multi-label BCE, other "
+         "float targets regression (loss= or MSE)); ")
 
 
 def test_a_target_that_fits_no_head_loss_names_the_stage_and_aux_loss():

@@ -8,6 +8,9 @@ weights: no download.
 
 from __future__ import annotations
 
+import inspect
+import os
+import warnings
 
 import pytest
 import torch
@@ -130,3 +133,23 @@ def test_a_model_without_a_cut_says_it_runs_as_one_stage():
     with pytest.raises(CutError) as e:
         ppll_compile.plan(nn.Sequential(nn.Linear(8, 4)), 2, example_inputs=(X,), devices=["cpu"] * 2, policy="dgl")
     assert str(e.value) == "the model has no legal cut point, so it runs as one stage only; got gpus=2"
+
+
+# ---- the warning points at the user's line ------------------------------------------------------------------------
+
+def _untie_warnings(call) -> list[tuple[str, int]]:
+    """``call()``'s tied='auto' warnings as (file, line)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        call()
+    return [(w.filename, w.lineno) for w in caught if "untied (tied='auto')" in str(w.message)]
+
+
+def test_the_untie_warning_points_at_the_users_call_of_plan_and_compile():
+    here = os.path.abspath(__file__)
+    line = inspect.currentframe().f_lineno
+    planned = _untie_warnings(lambda: ppll_compile.plan(SharedEarly(), example_inputs=(X,), policy="dgl",
+                                                        split_points=["b"], devices=["cpu"] * 2))
+    compiled = _untie_warnings(lambda: ppll_compile.compile(SharedEarly(), example_inputs=(X,), policy="dgl",
+                                                            split_points=["b"], devices=["cpu"] * 2))
+    assert planned == [(here, line + 1)] and compiled == [(here, line + 3)]
