@@ -29,11 +29,14 @@ from .materialize import Materialization, materialize_stage, seeded_init
 from .stages import SOURCE_NAME, Inputs, Lowered, Stage
 
 
-def split_stages(gm: fx.GraphModule, cuts: Sequence[Cut], *, untie: bool = False) -> list[Stage]:
+def split_stages(gm: fx.GraphModule, cuts: Sequence[Cut], *, untie: bool = False,
+                 checkpoints: Sequence[Sequence[str]] | None = None) -> list[Stage]:
     """Split ``gm`` after each of ``cuts`` (legal cuts, in graph order) into :class:`Stage` modules.
 
     A parameter that a later stage uses too (a module called at two depths, tied weights) stays with the
     first stage that uses it; with ``untie`` the later stage trains its own copy, else that is an error.
+    ``checkpoints``: per stage, the nodes after which its block is cut into segments that backward recomputes
+    (activation checkpointing, ``Plan.checkpoint_activations``); ``None``: no checkpointing.
     """
     nodes = list(gm.graph.nodes)
     for n in nodes:
@@ -62,7 +65,8 @@ def split_stages(gm: fx.GraphModule, cuts: Sequence[Cut], *, untie: bool = False
         stages.append(Stage(sub, index=i, inputs=ins, outputs=() if last else cuts[i].boundary,
                             result=output.args[0] if last else None,
                             result_spec=gm.meta.get(OUTPUT_SPEC) if last else None,
-                            buffers=_model_buffers(sub, gm.meta.get(BUFFER_OWNERS, {}))))
+                            buffers=_model_buffers(sub, gm.meta.get(BUFFER_OWNERS, {})),
+                            checkpoints=None if checkpoints is None else checkpoints[i]))
     return stages
 
 
@@ -147,12 +151,16 @@ def lower_ppll(model: nn.Module, plan: Plan, a: Analysis, policy: Policy, *, unt
     on its device and filled (see :mod:`ppll_compile.lower.materialize`), before the heads copy any block; the other
     stages, and their heads, stay on meta.
 
+    ``plan.checkpoint_activations``: every stage recomputes its activations in backward, segment by segment between
+    the cuts of its ``checkpoints`` (see :func:`~ppll_compile.lower.stages.run_checkpointed`).
+
     ``seed``: every head draws its random initial values from the default generator seeded by (``seed``, its stage)
     (:func:`~ppll_compile.lower.materialize.seeded_init`), whichever other heads this process builds; ``None``: from the
     caller's generator, in stage order.
     """
     by_name = {c.node: c for c in a.cuts}
-    stages = split_stages(a.gm, [by_name[c] for c in plan.cuts], untie=untie)
+    stages = split_stages(a.gm, [by_name[c] for c in plan.cuts], untie=untie,
+                          checkpoints=[s.checkpoints for s in plan.stages] if plan.checkpoint_activations else None)
     input_shape = a.inputs[0].shape if a.inputs else None
     here = range(len(stages)) if materialize is None or materialize.stages is None else materialize.stages
     for st, sp in zip(stages, plan.stages):

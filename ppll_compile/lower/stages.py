@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import bisect
 import inspect
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -11,6 +13,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import checkpoint
 
 from ..capture.meta import check_materialized, check_real_batch
 from ..plans.plan import StagePlan
@@ -38,6 +41,124 @@ def move(value: Any, device: torch.device | str) -> Any:
     return value
 
 
+RNG_LOCK = threading.RLock()
+"""Held while a checkpointed segment's recompute replays the random numbers its forward drew (torch's default
+generators are process-wide): the lock that every seeded training forward holds too
+(:data:`ppll_compile.runtime.rng.RNG_LOCK`)."""
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One checkpointed segment of a block: the code of its nodes, what it reads from before it, what it gives on."""
+
+    run: Callable[..., tuple[Any, ...]]
+    """``run(block_module, *inputs)``: the segment's nodes, reading the block's own attributes when called."""
+    inputs: tuple[fx.Node, ...]
+    """Nodes of the block's graph (placeholders or earlier segments') whose values it reads."""
+    outputs: tuple[fx.Node, ...]
+    """Its nodes whose values a later segment or the block's output reads."""
+
+
+@dataclass(frozen=True)
+class Segments:
+    """A block's graph cut into segments for activation checkpointing, run by :func:`run_checkpointed`."""
+
+    parts: tuple[_Part, ...]
+    """The segments in graph order."""
+    placeholders: tuple[fx.Node, ...]
+    """The block's inputs."""
+    result: Any
+    """The block's output structure (of its graph's nodes)."""
+
+
+def segments_of(gm: fx.GraphModule, ends: Sequence[str]) -> Segments:
+    """``gm``'s graph cut after each node named ``ends`` (names in the traced model, as :data:`SOURCE_NAME` keeps
+    them): per segment, Python code over its nodes that reads the block's parameters, buffers and submodules when
+    it runs (so moving or materialising the block never leaves a segment holding old tensors)."""
+    nodes = list(gm.graph.nodes)
+    by_source = {n.meta.get(SOURCE_NAME, n.name): i for i, n in enumerate(nodes)}
+    missing = [e for e in ends if e not in by_source]
+    if missing:
+        raise ValueError(f"checkpoints {missing} are not nodes of this stage: a plan's stages[j].checkpoints name "
+                         f"legal cuts inside stage j (re-create the plan, or correct them)")
+    positions = sorted(by_source[e] for e in ends)
+    body = [(i, n) for i, n in enumerate(nodes) if n.op not in ("placeholder", "get_attr", "output")]
+    groups: list[list[fx.Node]] = [[] for _ in range(len(positions) + 1)]
+    for i, n in body:
+        groups[bisect.bisect_left(positions, i)].append(n)
+    output = nodes[-1]
+    parts = tuple(_part(g, groups[k + 1:], output) for k, g in enumerate(groups) if g)
+    return Segments(parts=parts, placeholders=tuple(n for n in nodes if n.op == "placeholder"),
+                    result=output.args[0])
+
+
+def _part(group: list[fx.Node], later: list[list[fx.Node]], output: fx.Node) -> _Part:
+    """The segment of ``group``'s nodes, as Python code over the block's attributes (``self`` is the block)."""
+    inside, after = set(group), {n for g in later for n in g} | {output}
+    inputs = list(dict.fromkeys(u for n in group for u in n.all_input_nodes if u not in inside and u.op != "get_attr"))
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {u: graph.placeholder(u.name) for u in inputs}
+    for n in group:
+        for u in n.all_input_nodes:
+            if u not in env:  # a parameter or buffer read by attribute: read from the block when the segment runs
+                env[u] = graph.get_attr(u.target)
+        env[n] = graph.node_copy(n, lambda x: env[x])
+    outputs = tuple(n for n in group if any(user in after for user in n.users))
+    graph.output(tuple(env[o] for o in outputs))
+    code = graph.python_code(root_module="self")
+    scope = dict(code.globals)
+    exec(compile(code.src, f"<checkpointed segment of {len(group)} nodes>", "exec"), scope)  # noqa: S102
+    return _Part(run=scope["forward"], inputs=tuple(inputs), outputs=outputs)
+
+
+def run_checkpointed(gm: fx.GraphModule, segments: Segments, args: Sequence[Any]) -> Any:
+    """``gm(*args)``, each segment under ``torch.utils.checkpoint`` (not re-entrant): it keeps its inputs instead of
+    its activations and recomputes them in backward, drawing the random numbers (dropout) its forward drew."""
+    env: dict[fx.Node, Any] = dict(zip(segments.placeholders, args))
+    for part in segments.parts:
+        out = checkpoint(_replaying(part.run, gm), *(env[u] for u in part.inputs), use_reentrant=False,
+                         preserve_rng_state=False)
+        env.update(zip(part.outputs, out))
+    return fx.node.map_arg(segments.result, lambda n: env[n])
+
+
+def _replaying(run: Callable[..., Any], gm: fx.GraphModule) -> Callable[..., Any]:
+    """``run(gm, *inputs)`` that, called again (the recompute in backward), draws what the first call drew: the
+    default generators (the CPU's and the inputs' CUDA device's) are set to their states before that call, under
+    :data:`RNG_LOCK`, and restored after; a first call that drew nothing replays plainly."""
+    before: list[torch.Tensor] | None = None
+    drew = False
+
+    def call(*inputs: Any) -> Any:
+        nonlocal before, drew
+        gens = _generators(inputs)
+        if before is None:
+            before = [g.get_state() for g in gens]
+            out = run(gm, *inputs)
+            drew = any(not torch.equal(g.get_state(), b) for g, b in zip(gens, before))
+            return out
+        if not drew:
+            return run(gm, *inputs)
+        with RNG_LOCK:
+            now = [g.get_state() for g in gens]
+            try:
+                for g, state in zip(gens, before):
+                    g.set_state(state)
+                return run(gm, *inputs)
+            finally:
+                for g, state in zip(gens, now):
+                    g.set_state(state)
+    return call
+
+
+def _generators(values: Sequence[Any]) -> list[torch.Generator]:
+    """torch's default CPU generator, and that of the CUDA device of the first CUDA tensor among ``values``."""
+    cuda = next((v.device for v in values if isinstance(v, Tensor) and v.is_cuda), None)
+    if cuda is None:
+        return [torch.default_generator]
+    return [torch.default_generator, torch.cuda.default_generators[cuda.index or torch.cuda.current_device()]]
+
+
 class Stage(nn.Module):
     """One pipeline stage: a submodule made by split_module, plus the names of the values it takes and sends.
 
@@ -48,8 +169,10 @@ class Stage(nn.Module):
 
     def __init__(self, module: fx.GraphModule, *, index: int, inputs: Sequence[str], outputs: Sequence[str],
                  result: Any = None, result_spec: pytree.TreeSpec | None = None,
-                 buffers: Sequence[tuple[str, nn.Module, str]] = ()):
+                 buffers: Sequence[tuple[str, nn.Module, str]] = (), checkpoints: Sequence[str] | None = None):
         super().__init__()
+        # activation checkpointing: the block's segments, split after the nodes ``checkpoints`` names (None: off)
+        self._segments = None if checkpoints is None else segments_of(module, checkpoints)
         # (attribute path in ``module``, the model's module holding that buffer, its name there): moving the
         # stage replaces buffer tensors, and the model must keep seeing the ones the stage updates
         self._model_buffers = list(buffers)
@@ -77,12 +200,20 @@ class Stage(nn.Module):
     def is_last(self) -> bool:
         return self._result is not None
 
+    @property
+    def checkpointed(self) -> int:
+        """How many segments backward recomputes one by one (activation checkpointing); 0: none, the block keeps
+        its activations from its forward."""
+        return 0 if self._segments is None else len(self._segments.parts)
+
     def forward(self, *values: Any) -> Any:
         if len(values) != len(self.inputs):
             raise TypeError(f"stage {self.index} takes {len(self.inputs)} value(s) {list(self.inputs)}, "
                             f"got {len(values)}")
         env = dict(zip(self.inputs, values))
-        out = self.module(*(env[n] for n in self._sub_inputs))
+        args = [env[n] for n in self._sub_inputs]
+        out = self.module(*args) if self._segments is None or not torch.is_grad_enabled() else \
+            run_checkpointed(self.module, self._segments, args)
         env.update(zip(self._sub_outputs, (out,) if self._single else out))
         if self._result is not None:
             result = fx.node.map_aggregate(self._result, lambda v: env[v.name] if isinstance(v, _Ref) else v)

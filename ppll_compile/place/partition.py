@@ -36,6 +36,7 @@ from ..phases import phase
 from ..plans.plan import Plan
 from ..plans.specs import HeadSpec, StageTime
 from ..plans.units import format_bytes
+from .assemble import checkpointed
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,6 +74,11 @@ class Costs:
     batch: int | None = None
     """Examples per training step (the plan's ``batch_size``): no stage runs on more replicas
     (:func:`~ppll_compile.partitioners.batch.most_replicas`); ``None``: no such cap."""
+    recompute: list[float] | None = None
+    """``checkpoint_activations``: seconds of the unit's forward that backward runs again (part of ``compute``)."""
+    checkpoint_starts: list[int] | None = None
+    """``checkpoint_activations``: the units where the model's checkpointed segments begin
+    (:func:`~.assemble.checkpoint_starts`); a stage checkpoints those inside it, and one from its first unit."""
 
     def replica_problem(self, opts: PlanOptions, devices: int, cap: int | None) -> ReplicaProblem:
         """The exact replica partitioner's problem over ``devices``, each stage on at most ``cap`` of them, its sends
@@ -165,13 +171,14 @@ def segment_costs(a: Analysis, heads: Mapping[int, HeadSpec], head_costs: Mappin
         head_time = {i: seconds(c.ops, figures) + steps[i] for i, c in head_costs.items()}
         head_step = [steps.get(i, 0.0) for i in range(n)]
         notes = (figures.describe(),)
-    return Costs(
+    costs = Costs(
         compute=seg_time, head=[head_time.get(i, 0.0) for i in range(n)], start=start, step=step, head_step=head_step,
         comm=[sum(t.bytes for t in a.boundary(c)) / opts.links().intra for c in a.cuts] + [0.0],
         memory=[s.memory for s in seg], grad_bytes=[s.grad_bytes for s in seg],
         head_memory=[heads[i].memory_bytes if i in heads else 0 for i in range(n)],
         head_grad_bytes=[heads[i].param_count * 4 if i in heads else 0 for i in range(n)],  # float32 heads
-        params=[s.param_count for s in seg], batch=planned_batch(a)), figures, notes
+        params=[s.param_count for s in seg], batch=planned_batch(a))
+    return (checkpointed(costs, a, seg, opts, figures) if opts.checkpoint_activations else costs), figures, notes
 
 
 def planned_batch(a: Analysis) -> int | None:

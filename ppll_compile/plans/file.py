@@ -75,6 +75,8 @@ class PlanFile:
                 d.pop("intra_node_bandwidth", None)
             for stage in d["stages"]:
                 stage.pop("crosses_nodes", None)
+        if not d.get("checkpoint_activations"):  # no checkpointing: the file reads as it did before it existed
+            d.pop("checkpoint_activations", None)
         d["totals"] = self.totals()
         return d
 

@@ -108,6 +108,11 @@ class Plan(PlanTable, PlanFile):
     untied: tuple[str, ...] = ()
     """Parameters the stages train their own copies of (``tied='untie'``, or ``tied='auto'`` where no plan kept them in
     one stage): per tensor, its names joined by `` = ``."""
+    checkpoint_activations: bool = False
+    """Whether every stage recomputes its activations in backward instead of keeping them from its forward
+    (``checkpoint_activations=True``), segment by segment between the legal cuts inside it
+    (:attr:`StagePlan.checkpoints`); its memory and time count it (:attr:`StagePlan.kept_bytes`,
+    :attr:`StagePlan.recompute_cost`). ``ppll`` plans only; a plan file without the field does not."""
     notes: tuple[str, ...] = field(default=())
     """Human-readable remarks gathered while planning (e.g. CPU fallback, multi-tensor boundaries)."""
 
@@ -200,6 +205,8 @@ class Plan(PlanTable, PlanFile):
             raise PlanError(f"plan fusion {self.fusion!r} is not known; fusions: {', '.join(FUSIONS)}")
         if self.tracer not in TRACERS_USED:
             raise PlanError(f"plan tracer {self.tracer!r} is not known; tracers: {', '.join(TRACERS_USED)}")
+        if not isinstance(self.checkpoint_activations, bool):
+            raise PlanError(f"checkpoint_activations must be true or false, got {self.checkpoint_activations!r}")
         distill = self.mode == "pipebd"
         if distill != bool(self.blocks):
             raise PlanError("a pipebd plan lists its distillation blocks; a ppll plan has none")
@@ -231,6 +238,7 @@ class Plan(PlanTable, PlanFile):
                     raise PlanError(f"stage {i}: {name} is negative")
             if not (math.isfinite(s.cost) and s.cost >= 0):
                 raise PlanError(f"stage {i}: cost must be a finite non-negative number, got {s.cost}")
+            self._validate_checkpoints(s)
         seen: set[str] = set()
         for s in self.stages:
             dup = seen.intersection(s.nodes)
@@ -255,3 +263,32 @@ class Plan(PlanTable, PlanFile):
             over = [s.index for s in self.stages if s.memory_bytes > self.memory_limit]
             if over:
                 raise PlanError(f"stage(s) {over} exceed the memory limit of {format_bytes(self.memory_limit)}")
+
+    def _validate_checkpoints(self, s: StagePlan) -> None:
+        """A stage's checkpointing fields: only under :attr:`checkpoint_activations` (``ppll``), its segments ending
+        at legal cuts inside the stage, in graph order."""
+        if not self.checkpoint_activations:
+            if s.checkpoints or s.kept_bytes or s.recompute_cost:
+                raise PlanError(f"stage {s.index}: checkpoints, kept_bytes and recompute_cost describe activation "
+                                f"checkpointing, which the plan does not use (checkpoint_activations: false); set "
+                                f"checkpoint_activations: true, or delete them")
+            return
+        if self.mode != "ppll":
+            raise PlanError(f"checkpoint_activations applies to ppll plans (a stage module recomputing its forward); "
+                            f"this plan's mode is {self.mode!r}: set checkpoint_activations: false")
+        if not (isinstance(s.kept_bytes, int) and s.kept_bytes >= 0):
+            raise PlanError(f"stage {s.index}: kept_bytes must be a non-negative integer, got {s.kept_bytes!r}")
+        if not (isinstance(s.recompute_cost, (int, float)) and math.isfinite(s.recompute_cost)
+                and s.recompute_cost >= 0):
+            raise PlanError(f"stage {s.index}: recompute_cost must be a finite non-negative number of seconds, got "
+                            f"{s.recompute_cost!r}")
+        legal = set(self.legal_cuts)
+        inside = [n for n in s.nodes[:-1] if n in legal]
+        wrong = [c for c in s.checkpoints if c not in inside]
+        if wrong:
+            raise PlanError(f"stage {s.index}: checkpoints {wrong} are not legal cuts inside the stage; its segments "
+                            f"may end at {inside or 'none (the whole block is one segment: checkpoints: [])'}")
+        if list(s.checkpoints) != [c for c in inside if c in s.checkpoints]:
+            raise PlanError(f"stage {s.index}: checkpoints {list(s.checkpoints)} are not in graph order (or repeat "
+                            f"one); list them as the stage's nodes order them")
+

@@ -202,6 +202,16 @@ class StagePlan:
     """Seconds per batch of its head (``ppll``: the auxiliary head, or the last stage's loss on the model's output)
     forward, backward and optimizer step, part of :attr:`compute_cost` (over its replicas); 0 for ``pipebd`` and
     in plans made before it was recorded."""
+    checkpoints: tuple[str, ...] = ()
+    """Under :attr:`Plan.checkpoint_activations`: the legal cuts inside the stage, in graph order, where its block is
+    split into the segments that backward recomputes one by one (empty: the whole block is one segment)."""
+    kept_bytes: int = 0
+    """Under :attr:`Plan.checkpoint_activations`: the bytes the stage keeps from its forward to its backward, the
+    inputs of its checkpointed segments (each value once); :attr:`activation_bytes` adds its largest segment's
+    activations, held while backward recomputes it. 0 without checkpointing."""
+    recompute_cost: float = 0.0
+    """Under :attr:`Plan.checkpoint_activations`: seconds per batch of the forward that backward runs again, part of
+    :attr:`compute_cost` (over its replicas); 0 without checkpointing."""
 
     @property
     def is_last(self) -> bool:
@@ -213,6 +223,9 @@ class StagePlan:
         d["blocks"] = list(self.blocks)
         d["boundary"] = [t.to_dict() for t in self.boundary]
         d["head"] = self.head.to_dict()
+        if not (self.checkpoints or self.kept_bytes or self.recompute_cost):  # no checkpointing: as before it existed
+            for name in ("checkpoints", "kept_bytes", "recompute_cost"):
+                d.pop(name)
         return d
 
     @classmethod
@@ -220,6 +233,7 @@ class StagePlan:
         kw = {f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d or required(f)}
         kw["nodes"] = tuple(d["nodes"])
         kw["blocks"] = tuple(int(b) for b in d.get("blocks", ()))
+        kw["checkpoints"] = tuple(str(c) for c in d.get("checkpoints", ()))
         kw["boundary"] = tuple(TensorSpec.from_dict(t) for t in d["boundary"])
         kw["head"] = HeadSpec.from_dict(d["head"])
         return cls(**kw)

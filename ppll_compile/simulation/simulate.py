@@ -10,7 +10,8 @@ The model, per batch ``b = 0 .. steps-1`` and stage ``j`` (all times in seconds 
   rest is split by FLOP shares into ``early`` (the forward until the stage's output exists: PPLL the block's
   forward ``flops_fwd``, Pipe-BD the teacher blocks' ``aux_flops``), ``late`` (the rest of the forward: PPLL
   the head and loss, Pipe-BD the student blocks and loss) and the backward; a stage that counts no FLOPs is
-  all ``early``. At the simulated bandwidth ``B`` the all-reduce takes ``2 (r-1)/r * sync_bytes / B`` and the
+  all ``early``; a checkpointed stage's ``recompute_cost`` is taken out first and added to its backward, where it
+  runs. At the simulated bandwidth ``B`` the all-reduce takes ``2 (r-1)/r * sync_bytes / B`` and the
   send ``boundary bytes / B / r`` (0 for the last stage), so at the plan's bandwidth a stage's work per batch
   is its ``cost``. The parts run in the runtimes' order: forward, backward, all-reduce, (barrier), step.
 - *Receive.* Batch ``b`` is at stage 0 at once (the caller is infinitely fast); it arrives at stage ``j+1``
@@ -340,7 +341,8 @@ def _work(plan: Plan, stage: StagePlan, bandwidth: float | None) -> Work:
     (module docstring); ``bandwidth`` ``None``: over the links the stage crosses (inside or across nodes)."""
     compute = max(0.0, stage.compute_cost - plan.allreduce_cost(stage))
     step = min(compute, max(0.0, stage.step_cost))
-    rest = compute - step
+    recompute = min(compute - step, max(0.0, stage.recompute_cost))  # checkpointing: a forward again, in backward
+    rest = compute - step - recompute
     if plan.mode == "ppll":
         first, fwd = stage.flops_fwd, stage.flops_fwd + stage.head.flops_fwd
         total = fwd + stage.flops_bwd + stage.head.flops_bwd
@@ -351,7 +353,7 @@ def _work(plan: Plan, stage: StagePlan, bandwidth: float | None) -> Work:
     forward = rest * fwd / total if total > 0 else rest
     send = 0.0 if stage.is_last else \
         sum(t.bytes for t in stage.boundary) / (bandwidth or plan.send_bandwidth(stage)) / stage.replicas
-    return Work(early=early, late=forward - early, backward=rest - forward, step=step,
+    return Work(early=early, late=forward - early, backward=rest - forward + recompute, step=step,
                  allreduce=plan.allreduce_cost(stage, bandwidth), send=send, replicas=stage.replicas)
 
 
