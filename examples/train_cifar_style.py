@@ -86,32 +86,28 @@ def load_data(args: argparse.Namespace) -> tuple[Dataset, Dataset]:
     return train, test
 
 
-def resume(trainer: ppll_compile.Trainer, folder: Path, batches_per_epoch: int) -> int:
-    """The epoch to start at: the one after the newest complete checkpoint in ``folder`` (0 when there is none).
+class PrintEpochs(ppll_compile.Callback):
+    """One line per epoch, on the main process (under torchrun: the last stage's): every stage's loss, samples/s."""
 
-    A checkpoint that cannot be loaded stops the run (it is never overwritten): the message says why.
-    """
-    try:
-        found = latest(folder)
-        if found is not None:
-            trainer.load(folder)
-    except CheckpointError as e:
-        raise SystemExit(f"--checkpoint {folder}: {e}\nIt is left as it is: pass another --checkpoint folder, or "
-                         f"remove this one to train from scratch") from None
-    first = trainer.batches // batches_per_epoch
-    if trainer.is_main:
-        print(f"resumed from {found} (batch {trainer.batches}): training from epoch {first + 1}" if found else
-              f"no checkpoint in {folder} yet: training from epoch 1, saving there after every epoch", flush=True)
-    return first
+    def __init__(self, epochs: int) -> None:
+        self.epochs = epochs
+
+    def on_epoch_end(self, trainer: ppll_compile.Trainer, record: dict) -> None:
+        if trainer.is_main:
+            losses = "  ".join(f"s{i} {loss:.3f}" for i, loss in enumerate(record["loss"]) if loss is not None)
+            print(f"epoch {record['epoch']}/{self.epochs}: loss per stage {losses}  "
+                  f"({record['samples_per_s']:.0f} samples/s)", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.manual_seed(args.seed)  # every process must build the same model and aux heads
     train_set, test_set = load_data(args)
-    # under torchrun only the first stage's process iterates the loaders; the others only ask their length
-    train = DataLoader(train_set, batch_size=args.batch_size, shuffle=True,
-                       generator=torch.Generator().manual_seed(args.seed))
+    # under torchrun only the first stage's process iterates the loaders; the others only ask their length. With
+    # --checkpoint, fit seeds every epoch's order itself (no generator= here), so a resumed run draws the same order
+    # as one that never stopped
+    order = None if args.checkpoint is not None else torch.Generator().manual_seed(args.seed)
+    train = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, generator=order)
     test = DataLoader(test_set, batch_size=args.batch_size)
 
     # compile: trace the model, cut it into args.gpus stages and give every stage but the last an aux head
@@ -128,15 +124,14 @@ def main(argv: list[str] | None = None) -> None:
     with trainer:  # closes worker threads or the process group, also on errors
         if trainer.is_main:  # under torchrun: the process of the last stage
             print(compiled.plan.table(), flush=True)
-        first = resume(trainer, args.checkpoint, len(train)) if args.checkpoint is not None else 0
-        for epoch in range(first, args.epochs):
-            record = trainer.fit(train, epochs=1, progress=f"epoch {epoch + 1}/{args.epochs}")[0]
-            if args.checkpoint is not None:
-                trainer.save(args.checkpoint)
-            if trainer.is_main:
-                losses = "  ".join(f"s{i} {loss:.3f}" for i, loss in enumerate(record["loss"]) if loss is not None)
-                print(f"epoch {epoch + 1}/{args.epochs}: loss per stage {losses}  "
-                      f"({record['samples_per_s']:.0f} samples/s)", flush=True)
+        if args.checkpoint is not None and latest(args.checkpoint) is None and trainer.is_main:
+            print(f"no checkpoint in {args.checkpoint} yet: training from epoch 1, saving there after every epoch",
+                  flush=True)
+        try:  # epochs counts from the start of training: a run started again goes on where the checkpoint stands
+            trainer.fit(train, epochs=args.epochs, checkpoint=args.checkpoint, callbacks=[PrintEpochs(args.epochs)])
+        except CheckpointError as e:  # a checkpoint that cannot be loaded stops the run (it is never overwritten)
+            raise SystemExit(f"--checkpoint {args.checkpoint}: {e}\nIt is left as it is: pass another --checkpoint "
+                             f"folder, or remove this one to train from scratch") from None
         result = trainer.evaluate(test)
         if trainer.is_main:
             heads = "  ".join(f"s{i} {a:.3f}" for i, a in enumerate(result["stage_accuracy"]) if a is not None)

@@ -19,7 +19,7 @@ from .pipeline import CompiledPipeline, DistillPipeline
 from .plans.plan import BlockPlan, Plan, StagePlan, TensorSpec
 from .plans.specs import HeadSpec
 from .plans.timeline import Event, Timeline
-from .runtime import Trainer
+from .runtime import Callback, CSVLogger, EarlyStopping, TensorBoardLogger, Trainer
 from .simulation.simulate import Simulation, StageSimulation, simulate
 
 __all__ = [
@@ -36,6 +36,10 @@ __all__ = [
     "DistillPipeline",
     "Stage",
     "Trainer",
+    "Callback",
+    "CSVLogger",
+    "TensorBoardLogger",
+    "EarlyStopping",
     "simulate",
     "Simulation",
     "StageSimulation",

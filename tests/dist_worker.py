@@ -328,7 +328,7 @@ def _momentum(out: Path) -> None:
         data = seeded_batches(3, [4] * 6, (3, 8, 8), 5)
         trainer.fit(data, epochs=1, progress=False)
         trainer.evaluate(data[:2])
-        trainer.fit(data, epochs=1, progress=False)
+        trainer.fit(data, epochs=2, progress=False)
     record = {"snapshots": snapshots} if rank == 1 else {"trunk": compiled.lowered.heads[0].ema_tensors()}
     torch.save(record, out / f"momentum-{rank}.pt")
 

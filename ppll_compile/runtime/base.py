@@ -21,8 +21,27 @@ from .runners import make_runners
 
 __all__ = ["Runtime", "RuntimeSetup", "Losses", "Counts"]
 
-Losses = list[list[float]]
-"""Per stage, the losses of the batches it finished since the last call, in order."""
+
+
+class Losses(list):  # type: ignore[type-arg]
+    """Per stage, the losses of the batches it finished since the last call, in order: a list of lists of floats
+    (as before), with :attr:`sizes`, per stage the batch size of each of those losses (rows of the whole batch;
+    ``None`` where the runtime does not know it)."""
+
+    def __init__(self, losses: Iterable[list[float]] = (), sizes: Iterable[list[int | None]] | None = None) -> None:
+        super().__init__(list(ls) for ls in losses)
+        self.sizes: list[list[int | None]] = [list(s) for s in sizes] if sizes is not None \
+            else [[None] * len(ls) for ls in self]
+        """Per stage, the batch size of each loss (as long as that stage's list of losses)."""
+
+    @classmethod
+    def of(cls, losses: Any, size: int | None = None, stage: int | None = None) -> Losses:
+        """``losses`` as :class:`Losses`: itself when it is one; else every size unknown (``None``), except that
+        the losses of ``stage`` (when given) are of batches of ``size`` rows."""
+        if isinstance(losses, Losses):
+            return losses
+        return cls(losses, [[size if i == stage else None] * len(ls) for i, ls in enumerate(losses)])
+
 Counts = list[tuple[tuple[float, ...] | None, int]]
 """Per stage, (its evaluation tally, examples seen); a PPLL stage tallies its local loss, right predictions and the
 user's metrics (see :mod:`.scores`), a Pipe-BD stage each block's summed loss; ``None`` when not countable."""

@@ -42,6 +42,8 @@ class TrainConfig:
     """Fail the pipeline when a stage's loss is not finite."""
     seed: int | None = 0
     """Seed of every stage's training randomness (see :mod:`.rng`); ``None``: torch's global stream, unseeded."""
+    compile_stages: bool = False
+    """Run every stage's forward under ``torch.compile`` (see :mod:`ppll_compile.runtime.compiled`)."""
 
 
 def _described(optimizer: torch.optim.Optimizer) -> str:

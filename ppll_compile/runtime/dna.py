@@ -114,11 +114,11 @@ class DNARuntime(Runtime):
         for r in self.runners:
             r.steps += 1
             r.updates = r.steps  # counted per batch as under the pipelined runtimes (accumulate=1 for pipebd)
-        return [[v] for v in losses]
+        return Losses([[v] for v in losses], [[msg.whole or msg.size]] * len(losses))
 
     def finish(self) -> Losses:
         """Nothing is pending."""
-        return [[] for _ in self.runners]
+        return Losses([[] for _ in self.runners])
 
     def evaluate(self, messages: Iterable[Message], metrics: Sequence[Any] = ()) -> Counts:
         """Every block's summed eval loss over this process's slices, summed over the processes."""

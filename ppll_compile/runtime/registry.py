@@ -77,10 +77,14 @@ def _quoted(names: Sequence[str], joint: str) -> str:
 
 def check_options(plan: Plan, *, runtime: str, queue: str, optimizer: Any, queue_depth: Any, loss: Any,
                   decoupled: bool, trace: Any, seed: Any, accumulate: Any = 1, rebalance: Any = False,
-                  threads_per_stage: Any = None, clip_grad_norm: Any = None, timeout: Any = 300.0) -> type[Runtime]:
+                  threads_per_stage: Any = None, clip_grad_norm: Any = None, timeout: Any = 300.0,
+                  compile_stages: Any = False) -> type[Runtime]:
     """The trainer's options, each alone and together with the plan's kind and what the runtime declares; the
     runtime's class."""
     cls = runtime_class(runtime, plan)
+    if not isinstance(compile_stages, bool):
+        raise PPLLError(f"compile_stages must be True (every stage's forward under torch.compile) or False (eager, "
+                        f"the default), got {compile_stages!r}; pass compile_stages=True or leave it out")
     _check_choice("queue", queue, QUEUES)
     if not callable(optimizer):
         raise TypeError(f"optimizer must be a factory fn(params) -> torch.optim.Optimizer, e.g. "
@@ -212,6 +216,11 @@ def autocast_per_stage(value: Any, plan: Plan) -> tuple[torch.dtype | None, ...]
     else:
         raise ValueError(f"autocast must be a dtype (e.g. torch.bfloat16), None, or one dtype-or-None per stage "
                          f"({n} stages); got {value!r}")
+    integral = [d for d in dtypes if d is not None and not d.is_floating_point]
+    if integral:
+        raise PPLLError(f"autocast={_dtype_text(value)} is not a floating-point dtype: torch.autocast runs a stage's "
+                        f"forward in a lower float precision, and {integral[0]!r} holds no fractions; pass "
+                        f"autocast=torch.bfloat16 or torch.float16 (or None: float32)")
     low = sorted({str(d).removeprefix("torch.") for d in dtypes if d is not None and d != torch.float32})
     if low:
         name = {"bfloat16": "bf16", "float16": "fp16"}.get(low[0], low[0])

@@ -29,7 +29,8 @@ class SequentialRuntime(Runtime):
         assert msg is not None
         if self.error is not None:
             raise self.error
-        losses: Losses = []
+        losses: list[list[float]] = []
+        size = msg.size
         for r in self.runners:
             try:
                 msg_out, loss = r.train_step(msg)
@@ -38,7 +39,7 @@ class SequentialRuntime(Runtime):
                 raise self.error from e
             losses.append([float(loss)])
             msg = msg_out  # type: ignore[assignment]
-        return losses
+        return Losses(losses, [[size]] * len(losses))
 
     def replace_runners(self, runners: list[Runner]) -> None:
         """Train ``runners`` from the next batch on (as many as before): a moved cut."""
@@ -61,4 +62,4 @@ class SequentialRuntime(Runtime):
             except Exception as e:
                 self.error = StageError(r.index, None, f"{type(e).__name__}: {e}", traceback.format_exc())
                 raise self.error from e
-        return [[] for _ in self.runners]
+        return Losses([[] for _ in self.runners])

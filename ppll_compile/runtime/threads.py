@@ -173,13 +173,12 @@ class ThreadsRuntime(Runtime):
     def _collect(self) -> Losses:
         with self._lock:
             taken, self._losses = self._losses, [[] for _ in self.runners]
-        out: Losses = []
         for items in taken:
-            for _, event in items:
+            for _, event, _ in items:
                 if event is not None:
                     event.synchronize()
-            out.append([float(loss) for loss, _ in items])
-        return out
+        return Losses([[float(loss) for loss, _, _ in items] for items in taken],
+                      [[size for _, _, size in items] for items in taken])
 
     def close(self) -> None:
         """Cancel every stage, stop the workers and wait for them up to half a second. A worker inside a stage's own
@@ -282,7 +281,7 @@ class ThreadsRuntime(Runtime):
                         event = torch.cuda.Event()
                         event.record(torch.cuda.current_stream(r.device))
                     with self._lock:
-                        self._losses[i].append((loss, event))
+                        self._losses[i].append((loss, event, msg.size))
                     for out in waiting:
                         with span(r.recorder, "send", out.index):
                             self._put(out_box, out)  # type: ignore[arg-type]

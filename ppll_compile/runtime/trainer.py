@@ -89,6 +89,9 @@ class Trainer(DataLoops, ModelState):
     mean; :meth:`save` inside a group is refused; :attr:`steps` counts batches, :attr:`updates` optimizer steps.
     Moving cuts and ``pipebd`` plans refuse ``accumulate > 1``.
 
+    ``compile_stages=True`` runs every stage's forward under torch.compile; see :mod:`ppll_compile.runtime.compiled`.
+    The loops (:meth:`fit`: ``epochs`` total, ``max_steps``, ``callbacks``, ``evaluate``; :attr:`lr`): :mod:`.loops`.
+
     The optimizers the factory builds are compared with the plan's ``optimizer``: one that keeps another number of
     state tensors per parameter (SGD 0, with momentum 1, Adam 2) warns once, with every stage's optimizer-state memory
     against the plan's and the way out.
@@ -104,18 +107,18 @@ class Trainer(DataLoops, ModelState):
                  timeout: float = 300.0, decoupled: bool = True, trace: bool = False, seed: int | None = 0,
                  schedule_reused: bool = False, rebalance: bool = False, rebalance_steps: int = REBALANCE_STEPS,
                  rebalance_threshold: float = REBALANCE_THRESHOLD, rebalance_policy: Any = None,
-                 replanner: Replanning | None = None, accumulate: int = 1) -> None:
+                 replanner: Replanning | None = None, accumulate: int = 1, compile_stages: bool = False) -> None:
         kind = check_options(plan, runtime=runtime, queue=queue, optimizer=optimizer, queue_depth=queue_depth,
                              loss=loss, decoupled=decoupled, trace=trace, seed=seed, accumulate=accumulate,
                              rebalance=rebalance, threads_per_stage=threads_per_stage, clip_grad_norm=clip_grad_norm,
-                             timeout=timeout)
+                             timeout=timeout, compile_stages=compile_stages)
         settings = check_rebalance(rebalance, rebalance_steps, rebalance_threshold, rebalance_policy,
                                    runtime=runtime, kind=kind, plan=plan, replanner=replanner)
         self.plan = plan
         self.lowered = lowered
         """The modules this trainer trains, shared with the compiled pipeline."""
         self.runtime_name = runtime
-        config = TrainConfig(optimizer=optimizer, scheduler=scheduler, loss=loss,
+        config = TrainConfig(optimizer=optimizer, scheduler=scheduler, loss=loss, compile_stages=compile_stages,
                              aux_loss=aux_loss_per_head(aux_loss, plan), clip_grad_norm=clip_grad_norm,
                              autocast=autocast_per_stage(autocast, plan), nan_check=nan_check, seed=seed,
                              schedule_reused=bool(schedule_reused), accumulate=accumulate)
@@ -139,6 +142,7 @@ class Trainer(DataLoops, ModelState):
         """Whether :meth:`close` was called (or a ``with`` block ended)."""
         self.batches = 0
         """Batches fed in so far (by this process, under ``distributed`` the first stage's)."""
+        self.epoch, self._into_epoch, self.should_stop = 0, 0, False  # see DataLoops
         self.tracing = trace
         """Whether the stages record their spans (``trace=True``)."""
         if trace:
@@ -255,17 +259,18 @@ class Trainer(DataLoops, ModelState):
 
         ``inputs`` is the model's input (a tensor, a tuple of positional inputs or a dict of keyword inputs).
         Under ``distributed`` only the first stage's rank reads them; the other ranks may pass ``None``.
+        The result is a :class:`~.base.Losses` (a list per stage), its ``.sizes`` the batch size of every loss.
         """
         self._adopt(self._rebalancer.between_batches(self.plan, self.lowered, self.batches))
         msg = self._message(inputs, target, TRAIN) if self.reads_data else None
         self._start_training()
-        return self._runtime.step(msg)
+        return Losses.of(self._runtime.step(msg), msg.size if msg is not None else None, self.stages[0])
 
     def finish(self) -> Losses:
         """Wait until every batch fed in has gone through every stage; the losses not returned yet. With
         ``accumulate > 1`` this is the end of the data: every stage steps on its partial accumulation group."""
         self._open = 0
-        return self._runtime.finish()
+        return Losses.of(self._runtime.finish())
 
     def timeline(self) -> Timeline:
         """The spans every stage recorded so far (``trace=True``), from 0 at the earliest; ``.save(path)`` writes
