@@ -78,8 +78,8 @@ class CompiledPipeline:
 
         ``optimizer`` (a factory ``fn(params) -> Optimizer``) is required; ``runtime`` is ``sequential``
         (default), ``threads`` or ``distributed``; ``loss=fn(output, target)`` is the last stage's loss (default: the
-        task's: cross-entropy for class labels, MSE for float targets, BCE for multi-label ones; also the auxiliary
-        heads' loss for float targets), ``aux_loss=fn(scores, target)`` (or one ``fn``/``None`` per auxiliary head)
+        task's: cross-entropy for class labels, BCE for 0/1 labels (bool, integer or float), MSE for other float targets;
+        also the auxiliary heads' loss for every float target), ``aux_loss=fn(scores, target)`` (or one ``fn``/``None`` per auxiliary head)
         every head's local loss (see :class:`~ppll_compile.runtime.Trainer`). ``autocast=torch.bfloat16`` or
         ``torch.float16`` (with a gradient scaler per stage) runs the stages in mixed precision; ``accumulate=n`` steps
         every stage's optimizer once per ``n`` batches on their summed gradients. The trainer may move this pipeline's

@@ -26,7 +26,8 @@ class TrainConfig:
     """Step the schedulers after steps on reused inputs too (``queue="reuse"``)."""
     loss: Callable[[Any, Tensor], Tensor] | None = None
     """Loss of the last stage, ``fn(model_output, target)``; default :func:`~ppll_compile.heads.build.model_loss`. It also
-    scores the auxiliary heads of a regression (float targets): ``fn(head_scores, target)``, the scores reshaped to
+    scores the auxiliary heads of float targets (0/1 ones included: it keeps a regression whose targets may all be 0
+    or 1 in a batch): ``fn(head_scores, target)``, the scores reshaped to
     the target's shape."""
     aux_loss: tuple[Callable[[Any, Tensor], Tensor] | None, ...] = ()
     """Loss of every auxiliary head, ``fn(head_scores, target)``, one per stage but the last (``None``: the task's,
