@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import reprlib
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +16,7 @@ from torch import nn
 from ppll_compile import policies as _policies
 
 from ..cost.hardware import LARGEST_DEVICE, LARGEST_DEVICE_BYTES
+from ..documents import described, load_yaml, not_utf8, yaml_error
 from ..errors import PolicyError
 from ..plans.plan import TensorSpec
 from ..plans.units import format_bytes
@@ -50,24 +49,6 @@ def _mapping(v: Any, source: str, subject: str) -> Mapping:
     if not isinstance(v, Mapping):
         raise PolicyError(f"{source}: {subject} must be a mapping, got {reprlib.repr(v)}")
     return v
-
-
-def _described(value: Any) -> str:
-    """What ``value`` (a parsed document) is, without quoting any of it: an error about a file that may not be a
-    policy at all (a plan's ``policy`` path may name any file) says its kind and size, never its content."""
-    if value is None:
-        return "an empty document"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, LongNumber)):
-        return "an integer"
-    if isinstance(value, float):
-        return "a number"
-    if isinstance(value, str):
-        return f"text of {len(value):,} character{'s' if len(value) != 1 else ''}"
-    if isinstance(value, list):
-        return f"a list of {len(value):,} item{'s' if len(value) != 1 else ''}"
-    return f"a {type(value).__name__} value"
 
 
 def _check_keys(d: Mapping, allowed: Sequence[str], source: str, at: str) -> None:
@@ -230,7 +211,7 @@ def validate_policy(data: Any, source: str) -> Policy:
     """Check parsed policy ``data`` against the schema; return the :class:`Policy` with defaults filled in. Until
     ``data`` is a mapping with a ``heads`` key (a policy at all), the errors quote nothing of it."""
     if not isinstance(data, Mapping):
-        raise PolicyError(f"{source}: a policy must be a mapping with the key 'heads', got {_described(data)}")
+        raise PolicyError(f"{source}: a policy must be a mapping with the key 'heads', got {described(data)}")
     if "heads" not in data:
         raise PolicyError(f"{source}: missing key 'heads' (a mapping from tensor kind - "
                           f"{', '.join(KINDS)} - to a head config)")
@@ -260,52 +241,6 @@ MAX_POLICY_BYTES = 2**20
 YAML reader takes about a second per MiB; a bigger file is not a policy."""
 
 
-class LongNumber:
-    """An integer in a YAML file with more digits than Python converts from text
-    (:func:`sys.get_int_max_str_digits`): read as its count of digits, so that the check of the option that holds
-    it names the key (``heads.vector.hidden must be an integer from 1 to 1048576 ..., got an integer of 10,000
-    digits``) instead of failing inside the YAML reader."""
-
-    def __init__(self, digits: int) -> None:
-        self.digits = digits
-
-    def __repr__(self) -> str:
-        return f"an integer of {self.digits:,} digits"
-
-
-class _Loader(yaml.SafeLoader):
-    """YAML's safe loader, reading an integer too long for Python's text conversion as a :class:`LongNumber`."""
-
-
-def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> Any:
-    limit = sys.get_int_max_str_digits()
-    try:
-        value = yaml.SafeLoader.construct_yaml_int(loader, node)
-    except ValueError:  # the int-string conversion limit (a decimal integer of more than `limit` digits)
-        return LongNumber(sum(c.isdigit() for c in str(node.value)))
-    digits = int(abs(value).bit_length() * 0.30103) + 1  # a hexadecimal, octal or binary one converts freely
-    return LongNumber(digits) if limit and digits > limit else value
-
-
-_Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
-
-
-def load_yaml(text: str) -> Any:
-    """The YAML document ``text`` as :func:`yaml.safe_load` reads it, an integer too long for Python's text
-    conversion read as a :class:`LongNumber` (so that it fails the check of its option, not the reader)."""
-    return yaml.load(text, Loader=_Loader)  # noqa: S506  (a subclass of the safe loader)
-
-
-_TOKEN = re.compile(r"'<[a-z ]+>'|'(?:\\(?:x[0-9a-f]{2}|u[0-9a-f]{4}|.)|[^'\\])'")
-"""What a YAML error may quote: the name of a syntax token (``'<block end>'``) or one character (``'\\t'``)."""
-
-
-def _yaml_problem(problem: str) -> str:
-    """A YAML reader's problem, without the names (anchors, aliases, tags) it quotes from the file."""
-    return re.sub(r"'[^']*'", lambda m: m.group(0) if _TOKEN.fullmatch(m.group(0)) else "a name in the file",
-                  problem)
-
-
 def read_yaml(path: Path, kind: str = "policy") -> Any:
     """The YAML document of the policy file ``path`` (a ``kind``; :func:`load_yaml`); a PolicyError naming the file
     when it cannot be read, is over :data:`MAX_POLICY_BYTES`, or is nested deeper than the YAML reader can follow.
@@ -321,16 +256,12 @@ def read_yaml(path: Path, kind: str = "policy") -> Any:
         raise PolicyError(f"{path}: the {kind} is nested deeper than the YAML reader can follow (a {kind} nests a "
                           f"few levels: section, entry, option); pass the right file, or flatten it") from None
     except OSError as e:
-        raise PolicyError(f"{path}: cannot read the policy file ({e.strerror})") from None
+        raise PolicyError(f"{path}: cannot read the {kind} file ({e.strerror})") from None
     except UnicodeDecodeError as e:
-        raise PolicyError(f"{path}: not a policy file (byte {e.object[e.start]:#04x} at offset {e.start} is not "
-                          f"UTF-8 text); a {kind} is a YAML text file saved as UTF-8") from None
+        raise PolicyError(f"{path}: not a policy file ({not_utf8(e)}); a {kind} is a YAML text file saved as "
+                          f"UTF-8") from None
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(e, "problem", None)
-        raise PolicyError(f"{path}: not valid YAML{at}" + (f": {_yaml_problem(problem)}" if problem else "")
-                          + "; fix the file's syntax") from None
+        raise PolicyError(f"{path}: {yaml_error(e)}; fix the file's syntax") from None
 
 
 def _read_policy(path: Path, name: str) -> Policy:

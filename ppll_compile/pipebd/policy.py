@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import reprlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ from torch.nn import functional as F
 
 from ppll_compile import policies as _policies
 
+from ..documents import described
 from ..errors import PolicyError
 from ..heads.policy import read_yaml
 
@@ -44,10 +46,12 @@ class DistillPolicy:
 
 def _check_loss(d: Any, source: str, at: str) -> dict[str, Any]:
     if not isinstance(d, Mapping) or "type" not in d:
-        raise PolicyError(f"{source}: {at} must be a mapping with a 'type' ({', '.join(LOSSES)}), got {d!r}")
+        got = described(d) if not isinstance(d, Mapping) else f"{described(d)} without 'type'"
+        raise PolicyError(f"{source}: {at} must be a mapping with a 'type' ({', '.join(LOSSES)}), got {got}")
     kind = d["type"]
     if kind not in LOSSES:
-        raise PolicyError(f"{source}: {at}.type is {kind!r}; known distillation losses: {', '.join(LOSSES)}")
+        raise PolicyError(f"{source}: {at}.type is {reprlib.repr(kind)}; known distillation losses: "
+                          f"{', '.join(LOSSES)}")
     unknown = sorted(set(d) - {"type"} - set(LOSSES[kind]))
     if unknown:
         raise PolicyError(f"{source}: {at} has unknown option(s) {unknown}; {kind} takes "
@@ -56,9 +60,28 @@ def _check_loss(d: Any, source: str, at: str) -> dict[str, Any]:
     for k, v in d.items():
         if k != "type":
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise PolicyError(f"{source}: {at}.{k} must be a positive number, got {v!r}")
+                raise PolicyError(f"{source}: {at}.{k} must be a positive number, got {reprlib.repr(v)}")
             out[k] = float(v)
     return out
+
+
+_KEYS = ("name", "description", "loss", "last")
+_ALLOWED = "name, description, loss and last"
+
+
+def _check_keys(data: Any, source: str) -> None:
+    """Refuse what is no distillation policy, quoting none of it (a path may name any file), and a policy's unknown
+    keys, naming them only in a document with 'loss' or 'last' (a policy being written)."""
+    way_out = f"pass a shipped name ({', '.join(_policies.distill_names())}) or a distillation policy file"
+    if not isinstance(data, Mapping):
+        raise PolicyError(f"{source}: a distillation policy is a mapping with 'loss:' and 'last:', got "
+                          f"{described(data)}; {way_out}")
+    unknown = sorted(map(str, set(data) - set(_KEYS)))
+    if unknown and not {"loss", "last"} & set(data):
+        raise PolicyError(f"{source}: not a distillation policy: {described(data)} with neither 'loss' nor 'last' "
+                          f"and keys other than {_ALLOWED}; {way_out}")
+    if unknown:
+        raise PolicyError(f"{source}: unknown key(s) {reprlib.repr(unknown)}; a distillation policy has {_ALLOWED}")
 
 
 def load_distill_policy(policy: str | os.PathLike | Mapping[str, Any] | DistillPolicy) -> DistillPolicy:
@@ -82,13 +105,9 @@ def load_distill_policy(policy: str | os.PathLike | Mapping[str, Any] | DistillP
         source = str(path)
         data = read_yaml(path, "distillation policy")
     else:
-        raise PolicyError(f"a distillation policy is a shipped name, a YAML path or a mapping; got {policy!r}")
-    if not isinstance(data, Mapping):
-        raise PolicyError(f"{source}: a distillation policy is a mapping with 'loss:' and 'last:'")
-    unknown = sorted(set(data) - {"name", "description", "loss", "last"})
-    if unknown:
-        raise PolicyError(f"{source}: unknown key(s) {unknown}; a distillation policy has name, description, "
-                          f"loss and last")
+        raise PolicyError(f"a distillation policy is a shipped name, a YAML path or a mapping; got "
+                          f"{reprlib.repr(policy)}")
+    _check_keys(data, source)
     loss = _check_loss(data.get("loss", {"type": "mse"}), source, "loss")
     if loss["type"] in LOGIT_LOSSES:
         raise PolicyError(f"{source}: loss.type {loss['type']} compares class logits and fits only the last block; "

@@ -6,7 +6,6 @@ import collections
 import dataclasses
 import itertools
 import os
-import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from ppll_compile.partitioners.objective import stage_seconds
 from ..analysis.analyse import Analysis, Summary
 from ..capture.trace import module_path
 from ..cost.roofline import DeviceFigures, seconds
+from ..errors import user_stacklevel
 from ..heads.build import head_notes, model_head, stage_head
 from ..options import PlanOptions
 from ..plans.plan import Plan, StagePlan, TensorSpec
@@ -109,17 +109,8 @@ def _cpu_fallback(layout: StageLayout, opts: PlanOptions) -> tuple[str, ...]:
         return ()
     msg = _fallback_message(missing, len(layout.ends), n)
     if os.environ.get("LOCAL_RANK", "0") == "0":  # torchrun starts a process per stage: the first one says it
-        warnings.warn(msg, stacklevel=_caller_level())
+        warnings.warn(msg, stacklevel=user_stacklevel())
     return (msg,)
-
-
-def _caller_level() -> int:
-    """The ``stacklevel`` that points a warning at the first frame outside this package (the user's call)."""
-    here = os.path.dirname(__file__)
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(here):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def assemble(layout: StageLayout, devices: Sequence[str], parts: Callable[[int, int, int, int], StageParts], *,

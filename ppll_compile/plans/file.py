@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import sys
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -14,6 +15,16 @@ from ppll_compile.partitioners.batch import most_replicas, split_refusal
 
 # upward (plans -> cost): a plan file's sizes are bounded by the largest device of the hardware presets
 from ..cost.hardware import LARGEST_DEVICE, LARGEST_DEVICE_BYTES
+from ..documents import (
+    LongNumber,
+    described,
+    json_error,
+    load_json,
+    load_yaml,
+    long_number,
+    not_utf8,
+    yaml_error,
+)
 from ..errors import PlanError
 from .specs import BlockPlan, FrozenDict, StagePlan, TensorSpec, required
 from .units import format_bytes
@@ -85,10 +96,11 @@ class PlanFile:
         """The plan a :meth:`to_dict` mapping describes, validated; a plan file from before the ``tracer`` and
         ``untied`` fields gets them from its notes."""
         if not isinstance(d, dict):
-            raise PlanError(f"a plan must be a mapping, got {type(d).__name__}")
+            raise PlanError(f"a plan must be a mapping, got {described(d)}; {_WAY_OUT}")
         version = d.get("version")
         if version != PLAN_VERSION:
-            raise PlanError(f"plan version {version!r} is not supported; this ppll-compile reads version "
+            given = repr(version) if _is_int(version) or isinstance(version, LongNumber) else described(version)
+            raise PlanError(f"plan version {given} is not supported; this ppll-compile reads version "
                             f"{PLAN_VERSION} (re-create the plan with `ppll-plan MODEL.py --yaml plan.yaml`)")
         check_plan_sizes(d)
         d = _from_old_notes(d)
@@ -145,8 +157,9 @@ class PlanFile:
             return cls.from_json(text) if path.suffix == ".json" else cls.from_yaml(text)
         except PlanError as e:
             raise PlanError(f"{path}: {e}") from None
-        except (ValueError, TypeError, OverflowError, yaml.YAMLError) as e:
-            raise PlanError(f"{path}: not a readable plan ({e})") from None
+        except (ValueError, TypeError, OverflowError) as e:  # a field of a version-1 plan of the wrong type
+            raise PlanError(f"{path}: malformed plan field ({e}); fix the plan file, or re-create it with "
+                            f"`ppll-plan MODEL.py --yaml plan.yaml`") from None
 
 
 def read_plan_text(path: Path) -> str:
@@ -164,36 +177,54 @@ def read_plan_text(path: Path) -> str:
                             f"nodes); pass a plan written by `ppll-plan MODEL.py --yaml plan.yaml` (or --json)")
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise PlanError(f"{path}: not a plan file (byte {e.object[e.start]:#04x} at offset {e.start} is not UTF-8 "
-                        f"text); pass a plan written by `ppll-plan MODEL.py --yaml plan.yaml` (or --json)") from None
+        raise PlanError(f"{path}: not a plan file ({not_utf8(e)}); {_WAY_OUT}") from None
     except OSError as e:
         raise PlanError(f"cannot read plan file {str(path)!r}: {e.strerror or e}") from None
 
 
 def parse_plan_text(text: str, json_text: bool = False) -> Any:
-    """The document of a plan file's text (YAML, or JSON with ``json_text``); a :class:`PlanError` when it is nested
-    deeper than the reader can follow."""
+    """The document of a plan file's text (YAML, or JSON with ``json_text``); a :class:`PlanError` when it is not
+    valid YAML or JSON, is nested deeper than the reader can follow, or holds an integer longer than Python reads
+    from text. The errors quote nothing of the text (a file that is no plan may be passed as one)."""
     try:
-        return json.loads(text) if json_text else yaml.safe_load(text)
+        d = load_json(text) if json_text else load_yaml(text)
     except RecursionError:
         raise PlanError("the plan is nested deeper than the reader can follow (a plan nests a few levels: stages, "
                         "a stage's head, its config); pass a plan written by `ppll-plan MODEL.py --yaml plan.yaml`"
                         ) from None
+    except yaml.YAMLError as e:
+        raise PlanError(f"{yaml_error(e)}; fix the file's syntax, or {_WAY_OUT}") from None
+    except json.JSONDecodeError as e:
+        raise PlanError(f"{json_error(e)}; fix the file's syntax, or {_WAY_OUT}") from None
+    _check_long_numbers(d)
+    return d
+
+
+_WAY_OUT = "pass a plan written by `ppll-plan MODEL.py --yaml plan.yaml` (or --json)"
+
+
+def _check_long_numbers(d: Any) -> None:
+    """Refuse an integer longer than Python reads from text, naming its field: no plan value is that long. Only in a
+    plan of this version (what is not a plan is refused by the version check, quoting none of its keys)."""
+    if not isinstance(d, dict) or d.get("version") != PLAN_VERSION or (found := long_number(d)) is None:
+        return
+    at, number = found
+    raise PlanError(f"{at} is {number!r}, more than the {sys.get_int_max_str_digits():,} digits Python reads from "
+                    f"text, and no plan value is that long; fix the plan file, or re-create it with "
+                    f"`ppll-plan MODEL.py --yaml plan.yaml`")
 
 
 def read_plan_document(path: str | Path) -> Any:
-    """The parsed plan file ``path`` (YAML or JSON), its sizes checked (:func:`check_plan_sizes`); a
+    """The parsed plan file ``path`` (JSON by its suffix ``.json``, else YAML), its sizes checked (:func:`check_plan_sizes`); a
     :class:`PlanError` naming the file when it cannot be read, is too big or too deeply nested, or asks for more
     than a device could hold."""
     path = Path(path)
     text = read_plan_text(path)
     try:
-        d = parse_plan_text(text)  # YAML is a superset of JSON
+        d = parse_plan_text(text, json_text=path.suffix == ".json")  # YAML 1.1 reads 1e-06 as text
         check_plan_sizes(d)
     except PlanError as e:
         raise PlanError(f"{path}: {e}") from None
-    except yaml.YAMLError as e:
-        raise PlanError(f"{path}: not a readable plan ({e})") from None
     return d
 
 
@@ -214,7 +245,8 @@ def _is_int(value: Any) -> bool:
 
 def _count(value: Any, field: str, low: int, high: int, why: str) -> int:
     if not _is_int(value) or not low <= value <= high:
-        raise PlanError(f"{field} must be an integer from {low} to {high} ({why}), got {value!r}; fix the plan "
+        got = repr(value) if _is_int(value) or isinstance(value, (LongNumber, float)) else described(value)
+        raise PlanError(f"{field} must be an integer from {low} to {high} ({why}), got {got}; fix the plan "
                         f"file, or re-create it with `ppll-plan MODEL.py --yaml plan.yaml`")
     return value
 

@@ -194,8 +194,11 @@ def test_the_kl_policy_puts_kl_on_the_last_block_only():
     ({"last": {"type": "kl", "tau": 2}}, "distillation policy: last has unknown option(s) ['tau']; kl takes "
                                          "['temperature']"),
     ({"last": {"type": "kl", "temperature": 0}}, "distillation policy: last.temperature must be a positive number"),
-    ({"heads": {}}, "distillation policy: unknown key(s) ['heads']; a distillation policy has name, description, "
-                    "loss and last"),
+    ({"heads": {}}, "distillation policy: not a distillation policy: a mapping of 1 key with neither 'loss' nor "
+                    "'last' and keys other than name, description, loss and last; pass a shipped name (kl, mse, "
+                    "pipebd) or a distillation policy file"),
+    ({"last": {"type": "kl"}, "heads": {}}, "distillation policy: unknown key(s) ['heads']; a distillation policy "
+                                            "has name, description, loss and last"),
     ("nope", "unknown distillation policy 'nope': not a shipped one (kl, mse, pipebd) nor a file"),
 ])
 def test_bad_policies_say_what_is_wrong(policy, message):

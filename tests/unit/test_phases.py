@@ -15,7 +15,7 @@ import pytest
 
 from tests.helpers import package_modules
 
-ORDER = ["partitioners", "errors", "phases", "allocator", "policies", "plans", "capture", "cost", "heads", "options",
+ORDER = ["partitioners", "errors", "documents", "phases", "allocator", "policies", "plans", "capture", "cost", "heads", "options",
          "analysis", "place", "lower", "simulation", "runtime", "pipeline", "pipebd", "api", "__init__", "draw", "cli"]
 """The phases bottom to top, by the name under ``ppll_compile`` (``__init__``: the package's root module). A module
 imports only from its own phase and the phases below it."""
