@@ -3,7 +3,7 @@ the optimizers it builds compare with the one the plan costed."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,8 +43,9 @@ class TrainConfig:
     """Fail the pipeline when a stage's loss is not finite."""
     seed: int | None = 0
     """Seed of every stage's training randomness (see :mod:`.rng`); ``None``: torch's global stream, unseeded."""
-    compile_stages: bool = False
-    """Run every stage's forward under ``torch.compile`` (see :mod:`ppll_compile.runtime.compiled`)."""
+    compile_stages: bool | Mapping[str, Any] = False
+    """True: every stage's forward (block and head) under ``torch.compile`` (inductor); a dict: torch.compile's
+    keywords (``backend``, ``mode``, ``options``, ``dynamic``, ``fullgraph``); see :mod:`ppll_compile.runtime.compiled`."""
 
 
 def _described(optimizer: torch.optim.Optimizer) -> str:

@@ -16,6 +16,7 @@ from ..errors import PPLLError
 from ..plans.plan import Plan
 from ..plans.precision import precision_spec
 from .base import Runtime
+from .compiled import compile_options
 from .distributed.runtime import DistributedRuntime
 from .dna import DNAPerBlockRuntime, DNARuntime
 from .sequential import SequentialRuntime
@@ -82,9 +83,7 @@ def check_options(plan: Plan, *, runtime: str, queue: str, optimizer: Any, queue
     """The trainer's options, each alone and together with the plan's kind and what the runtime declares; the
     runtime's class."""
     cls = runtime_class(runtime, plan)
-    if not isinstance(compile_stages, bool):
-        raise PPLLError(f"compile_stages must be True (every stage's forward under torch.compile) or False (eager, "
-                        f"the default), got {compile_stages!r}; pass compile_stages=True or leave it out")
+    compile_options(compile_stages)  # True, False or a dict of torch.compile's keywords; refused with the way out
     _check_choice("queue", queue, QUEUES)
     if not callable(optimizer):
         raise TypeError(f"optimizer must be a factory fn(params) -> torch.optim.Optimizer, e.g. "

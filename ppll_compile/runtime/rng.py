@@ -13,6 +13,10 @@ numbers from that stage's stream and changes its masks; give such code its own `
 it in DataLoader worker processes. Backward draws nothing (masks are saved) and runs outside the lock;
 activation checkpointing inside a stage, which replays the forward's generator state in backward, is
 therefore not reproducible under ``threads``.
+
+With ``compile_stages`` the stages' forwards run under ``torch.compile``; its inductor backend then draws through
+these same default generators, in eager's order (``fallback_random``, see :mod:`.compiled`), so a compiled stage
+draws the masks an eager one draws and the equalities above hold compiled too.
 """
 
 from __future__ import annotations

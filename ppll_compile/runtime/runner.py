@@ -13,9 +13,10 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import PPLLError
-from ..lower.stages import move
+from ..lower.stages import Stage, move
 from ..plans.plan import StagePlan
 from ..plans.timeline import Recorder, span
+from .compiled import StageCompiler, backward_error, raised_by_compiler, stage_compiler
 from .config import TrainConfig
 from .messages import Message, dtype_of
 from .rng import StageRNG, stream_seed
@@ -113,6 +114,9 @@ class Runner(GradientUpdates):
         self._out_dtypes = tuple(dtype_of(t) for t in self.plan.boundary)
         self._net: nn.Module = trainable
         self._rng = StageRNG(device)
+        self.compiler: StageCompiler | None = stage_compiler(self.index, self._named_modules(), device,
+                                                             config.compile_stages)
+        """The compiled forwards of the stage's modules (``compile_stages``), or ``None`` (eager)."""
         if group is not None:
             self._net = DistributedDataParallel(trainable, process_group=group,
                                                 device_ids=[device] if device.type == "cuda" else None)
@@ -152,9 +156,20 @@ class Runner(GradientUpdates):
         return self._rng.seeded(stream_seed(self.config.seed, self.index, msg.index, reused=msg.reused,
                                             replica=self.replica))
 
-    def autocast(self) -> contextlib.AbstractContextManager:
-        """The autocast context this stage's forward runs under (a no-op unless the trainer has ``autocast=``)."""
-        return self._autocast()
+    def _named_modules(self) -> list[tuple[str, nn.Module]]:
+        """The modules this stage trains, each with what an error calls it (block, student block k, head)."""
+        def what(m: nn.Module) -> str:
+            if not isinstance(m, Stage):
+                return "auxiliary head"
+            return f"student block {m.index}" if self.plan.blocks else "block"
+        return [(what(m), m) for m in self.modules()]
+
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[None]:
+        """The context every forward of this stage (training, :meth:`forward_loss`, evaluation) runs under: autocast
+        (a no-op unless the trainer has ``autocast=``) and, with ``compile_stages``, the stage's modules compiled."""
+        with self._autocast(), (self.compiler.active() if self.compiler is not None else contextlib.nullcontext()):
+            yield
 
     def _receive(self, msg: Message) -> tuple[tuple[Any, ...], Any, Tensor | None]:
         if msg.events:  # produced on another stage's CUDA stream (threads runtime)
@@ -234,9 +249,7 @@ class Runner(GradientUpdates):
         rng = self._unwaited(self.randomness(msg)) if timed else self.randomness(msg)
         with span(self.recorder, "forward", msg.index), self.autocast():
             _, loss = self._forward(values, target, raw, rng, ready)
-        # a replica's slice: scaled so that DDP's mean over replicas is the whole batch's gradient
-        stepped = self.update(loss, msg.size * self.plan.replicas / msg.whole if msg.whole else 1.0,
-                              batch=msg.index, schedule=not msg.reused or self.config.schedule_reused)
+        stepped = self._update(loss, msg)
         self.steps += 1
         if stepped and self.publish_weights is not None and self.updates % self.publish_every == 0:
             self.publish_weights()
@@ -244,6 +257,18 @@ class Runner(GradientUpdates):
             waited = self._waited if self.device.type != "cpu" else 0.0  # blocked threads take no CPU time
             self.step_times.append(max(0.0, self._clock() - start - waited))
         return (sent[0] if sent else None), loss.detach()
+
+    def _update(self, loss: Tensor, msg: Message) -> bool:
+        """Backward of ``loss`` and, at the end of an accumulation group, the optimizer step: whether it stepped. A
+        backward that torch.compile (``compile_stages``) fails to compile, at its first call, is named as such."""
+        try:
+            # a replica's slice: scaled so that DDP's mean over replicas is the whole batch's gradient
+            return self.update(loss, msg.size * self.plan.replicas / msg.whole if msg.whole else 1.0,
+                               batch=msg.index, schedule=not msg.reused or self.config.schedule_reused)
+        except Exception as e:
+            if self.compiler is None or not raised_by_compiler(e):
+                raise
+            raise backward_error(self.index, self.compiler.options, e) from e
 
     def _clock(self) -> float:
         """The clock of :attr:`step_times`: this thread's CPU seconds on a CPU, else wall-clock seconds once this

@@ -183,11 +183,12 @@ def test_a_non_float_autocast_dtype_is_refused():
         compiled.trainer(optimizer=_sgd, autocast=[None, torch.int64])
 
 
-def test_compile_stages_is_a_bool_passed_to_every_stage():
+def test_compile_stages_is_checked_and_passed_to_every_stage():
     compiled = _compiled()
     with pytest.raises(PPLLError, match=re.escape(
-            "compile_stages must be True (every stage's forward under torch.compile) or False (eager, the default), "
-            "got 'yes'; pass compile_stages=True or leave it out")):
+            "compile_stages must be True (every stage's forward under torch.compile), False (eager) or a dict of "
+            "torch.compile keywords (backend, mode, options, dynamic, fullgraph), e.g. compile_stages={'mode': "
+            "'max-autotune'}; got 'yes'")):
         compiled.trainer(optimizer=_sgd, compile_stages="yes")
     with compiled.trainer(optimizer=_sgd) as trainer:
         assert all(r.config.compile_stages is False for r in trainer.runners)
