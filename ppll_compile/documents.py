@@ -10,9 +10,6 @@ from typing import Any
 
 import yaml
 
-__all__ = ["LongNumber", "described", "json_error", "load_json", "load_yaml", "long_number", "not_utf8",
-           "yaml_error"]
-
 
 class LongNumber:
     """An integer in a document with more digits than Python converts from text

@@ -20,7 +20,8 @@ from ..lower.stages import Lowered, Stage
 from ..options import PlanOptions
 from ..pipeline import DistillPipeline
 from ..place.assemble import StageParts, assemble, stage_devices
-from ..place.partition import Costs, block_layout, idle_note, plan_figures, planned_batch
+from ..place.costs import Costs
+from ..place.partition import block_layout, idle_note, plan_figures, planned_batch
 from ..plans.plan import BlockPlan, Plan, TensorSpec
 from ..plans.specs import HeadSpec
 from .align import Blocks, align, output_spec, stage_ends

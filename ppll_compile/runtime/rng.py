@@ -10,9 +10,9 @@ later, say a dropout probability scheduled up from 0, is then not seeded).
 Under ``threads`` the caller keeps running while stages train: code on another thread that draws from the
 default generator during a seeded forward (random augmentation in the loop that feeds the trainer) takes
 numbers from that stage's stream and changes its masks; give such code its own ``torch.Generator`` or run
-it in DataLoader worker processes. Backward draws nothing (masks are saved) and runs outside the lock;
-activation checkpointing inside a stage, which replays the forward's generator state in backward, is
-therefore not reproducible under ``threads``.
+it in DataLoader worker processes. Backward draws nothing (masks are saved) and runs outside the lock, except
+the recompute of a checkpointed segment (``checkpoint_activations=True``), which replays its forward's generator
+states under the same lock (:data:`RNG_LOCK` is :data:`ppll_compile.lower.stages.RNG_LOCK`).
 
 With ``compile_stages`` the stages' forwards run under ``torch.compile``; its inductor backend then draws through
 these same default generators, in eager's order (``fallback_random``, see :mod:`.compiled`), so a compiled stage
@@ -22,15 +22,13 @@ draws the masks an eager one draws and the equalities above hold compiled too.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator
 
 import torch
 
-_MASK = (1 << 64) - 1
+from ..lower.stages import RNG_LOCK  # one lock: seeded forwards and the recomputes of checkpointed segments
 
-RNG_LOCK = threading.RLock()
-"""Held by every seeded training forward in this process (re-entrant: a nested one restores the outer stream)."""
+_MASK = (1 << 64) - 1
 
 
 def stream_seed(seed: int, stage: int, batch: int, *, reused: bool = False, replica: int = 0) -> int:

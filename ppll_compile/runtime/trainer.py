@@ -89,8 +89,7 @@ class Trainer(DataLoops, ModelState):
     mean; :meth:`save` inside a group is refused; :attr:`steps` counts batches, :attr:`updates` optimizer steps.
     Moving cuts and ``pipebd`` plans refuse ``accumulate > 1``.
 
-    ``compile_stages=True`` runs every stage's forward under torch.compile (a dict: torch.compile's keywords); see
-    :mod:`ppll_compile.runtime.compiled`.
+    ``compile_stages=True`` (or torch.compile's keywords) runs every stage under torch.compile: :mod:`.compiled`.
     The loops (:meth:`fit`: ``epochs`` total, ``max_steps``, ``callbacks``, ``evaluate``; :attr:`lr`): :mod:`.loops`.
 
     The optimizers the factory builds are compared with the plan's ``optimizer``: one that keeps another number of
@@ -108,8 +107,7 @@ class Trainer(DataLoops, ModelState):
                  timeout: float = 300.0, decoupled: bool = True, trace: bool = False, seed: int | None = 0,
                  schedule_reused: bool = False, rebalance: bool = False, rebalance_steps: int = REBALANCE_STEPS,
                  rebalance_threshold: float = REBALANCE_THRESHOLD, rebalance_policy: Any = None,
-                 replanner: Replanning | None = None, accumulate: int = 1,
-                 compile_stages: bool | dict[str, Any] = False) -> None:
+                 replanner: Replanning | None = None, accumulate: int = 1, compile_stages: Any = False) -> None:
         kind = check_options(plan, runtime=runtime, queue=queue, optimizer=optimizer, queue_depth=queue_depth,
                              loss=loss, decoupled=decoupled, trace=trace, seed=seed, accumulate=accumulate,
                              rebalance=rebalance, threads_per_stage=threads_per_stage, clip_grad_norm=clip_grad_norm,

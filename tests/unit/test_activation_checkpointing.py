@@ -11,7 +11,7 @@ from torch import nn
 
 import ppll_compile
 from ppll_compile import Plan, PlanError
-from ppll_compile.place.assemble import checkpoint_starts
+from ppll_compile.place.checkpointing import checkpoint_starts
 
 pytestmark = pytest.mark.usefixtures("one_thread_quietly")  # one reduction order; no CPU-fallback warnings
 

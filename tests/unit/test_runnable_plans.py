@@ -14,7 +14,8 @@ from torch import nn
 import ppll_compile
 from ppll_compile import Plan, PlanError
 from ppll_compile.options import PlanOptions
-from ppll_compile.place.partition import Costs, StageLayout, fewest_devices, idle_note
+from ppll_compile.place.costs import Costs
+from ppll_compile.place.partition import StageLayout, fewest_devices, idle_note
 from ppll_compile.runtime.distributed.wire import split
 from ppll_compile.runtime.messages import Message
 
