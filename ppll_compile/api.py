@@ -13,6 +13,7 @@ from torch import nn
 
 from .analysis.analyse import Analysis, analyse
 from .analysis.cut_heads import cut_heads
+from .analysis.reach import Reach
 from .capture.meta import is_meta
 from .errors import PlanError
 from .heads.policy import Policy, load_policy
@@ -22,7 +23,7 @@ from .options import PlanOptions, SavedPlan, check_no_blocks, read_saved_plan, r
 from .pipebd.build import compile_pipebd, plan_pipebd
 from .pipeline import CompiledPipeline
 from .place.assemble import assemble_ppll
-from .place.notes import closing_notes
+from .place.notes import check_distilled, check_frozen_names, closing_notes, reach_notes, reaching_cuts
 from .place.partition import idle_note, ppll_layout, segment_costs, time_layout
 from .place.tied import lowers_untied, untie, usable_cuts
 from .plans.plan import Plan
@@ -59,8 +60,10 @@ def plan(model: nn.Module, gpus: int | None = None, *, teacher: nn.Module | None
     opts = resolve_options(gpus, saved, options)
     _check_devices_here(opts, placing=False)
     if resolve_mode(mode, teacher, saved) == "pipebd":
-        return plan_pipebd(model, teacher, example_inputs, example_kwargs, opts,  # type: ignore[arg-type]
-                           blocks or (saved and saved.blocks)).plan
+        check_frozen_names(opts.frozen, model)
+        distilled = plan_pipebd(model, teacher, example_inputs, example_kwargs, opts,  # type: ignore[arg-type]
+                                blocks or (saved and saved.blocks))
+        return check_distilled(distilled.plan, distilled.blocks.student.gm, opts.frozen, type(model).__name__)
     check_no_blocks(blocks)
     return _plan_ppll(model, example_inputs, example_kwargs, opts, saved)[0]
 
@@ -117,8 +120,11 @@ def compile(model: nn.Module, gpus: int | None = None, *, teacher: nn.Module | N
             raise PlanError("compile() of a blockwise distillation (teacher=) takes models with their weights: "
                             "materialise the student and teacher first (to_empty() and load their weights), or "
                             "use plan() to plan them on the meta device")
-        return compile_pipebd(model, teacher, example_inputs, example_kwargs, opts,  # type: ignore[arg-type]
-                              blocks or (saved and saved.blocks))
+        check_frozen_names(opts.frozen, model)
+        pipeline = compile_pipebd(model, teacher, example_inputs, example_kwargs, opts,  # type: ignore[arg-type]
+                                  blocks or (saved and saved.blocks))
+        pipeline.plan = check_distilled(pipeline.plan, pipeline.graph_module, opts.frozen, type(model).__name__)
+        return pipeline
     check_no_blocks(blocks)
     how = Materialization(hook=materialize, state_dict=state_dict) if meta else None
     ranks = shared_ranks(opts, saved) if share_plan else None
@@ -188,7 +194,10 @@ def _plan_ppll(model: nn.Module, example_inputs: Sequence[Any] | None, example_k
     if saved is not None:
         a.check_saved_cuts(saved.cuts, saved.source)
     find = functools.partial(next_blocks, model)  # the blocks a head copies or follows (lowering finds them)
+    check_frozen_names(opts.frozen, model)
     a, request, untie_why = usable_cuts(a, policy, opts, saved, type(model).__name__, find)
+    reach = Reach.of(a.gm, a.nodes, [c.node for c in a.cuts])  # which parameters each cut's stage loss reaches
+    a, request = reaching_cuts(a, reach, request, opts, saved, type(model).__name__)
     heads, head_costs = cut_heads(a, request.manual, saved, policy, opts, find)
     devices = sum(opts.replicas) if isinstance(opts.replicas, tuple) else opts.gpus or request.stages
     costs, figures, notes = segment_costs(a, heads, head_costs, policy, opts, devices)
@@ -203,6 +212,7 @@ def _plan_ppll(model: nn.Module, example_inputs: Sequence[Any] | None, example_k
                            figures, measured)
     result = closing_notes(result, model, a, opts)
     result = untie(a, result, untie_why)
+    result = reach_notes(result, a, reach, opts, type(model).__name__)
     return result, a, policy
 
 

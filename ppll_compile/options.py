@@ -114,9 +114,10 @@ class PlanOptions:
     compiled) or ``fused`` (one kernel per chain, as ``torch.compile`` runs it; see :mod:`~ppll_compile.cost.reprice`);
     ``None``: ``fused`` for a low precision, ``eager`` for ``fp32``."""
     frozen: tuple[str, ...] = ()
-    """Parameters (names as ``model.named_parameters()`` gives them, or a module's name for all of its own) accepted
-    as never trained: a plan refuses a stage holding a trainable parameter that no loss of that stage reaches
-    unless it is named here."""
+    """Parameters (names as ``model.named_parameters()`` gives them, or a module's name for every parameter under it)
+    accepted as never trained: a plan refuses a stage holding a trainable parameter that no loss of that stage reaches
+    (its value crosses the cut beside the tensor the head reads) unless it is named here; the plan's notes list the
+    ones it accepts (see :mod:`~ppll_compile.analysis.reach`)."""
     checkpoint_activations: bool = False
     """Recompute every stage's activations in its backward instead of keeping them from its forward (activation
     checkpointing between the legal cuts inside a stage): less activation memory, one more forward per step; the
@@ -280,7 +281,7 @@ class SavedPlan:
 
 _CARRIED = ("batch_size", "num_classes", "policy", "profile", "optimizer", "memory_limit", "device_speeds",
             "link_bandwidth", "flops_per_second", "hardware", "gpus_per_node", "intra_node_bandwidth",
-            "inter_node_bandwidth", "precision", "fusion")
+            "inter_node_bandwidth", "precision", "fusion", "frozen", "checkpoint_activations")
 
 
 def read_saved_plan(plan: Plan | str | Path | None) -> SavedPlan | None:

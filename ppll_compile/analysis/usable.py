@@ -1,8 +1,10 @@
 """The cuts a ``ppll`` plan can use: a stage on either side trains something, no parameter is trained on both sides
-(under ``tied='error'``), a head of the policy reads the tensor, and the blocks that head copies or follows begin
-there."""
+(under ``tied='error'``), a head of the policy reads the tensor, the blocks that head copies or follows begin
+there, and the loss of the stage before it reaches every parameter that stage uses (:mod:`.reach`)."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from ..errors import PolicyError
 from ..heads.output import NoOutputProjection
@@ -10,6 +12,7 @@ from ..heads.policy import Policy
 from .analyse import Analysis
 from .cut_heads import FindBlocks, copied_after
 from .cuts import Cut
+from .reach import Reach, listed, unaccepted
 
 
 def drop_unusable_cuts(a: Analysis, policy: Policy, tied: str, model: str) -> Analysis:
@@ -48,3 +51,15 @@ def drop_blockless_cuts(a: Analysis, policy: Policy, find: FindBlocks) -> Analys
 
     return a.keep_cuts(blockless,
                        f"policy {policy.name!r} copies or follows the blocks after a cut, and too few begin there")
+
+
+def drop_stranding_cuts(a: Analysis, reach: Reach, frozen: Sequence[str]) -> Analysis:
+    """``a`` without the cuts that would leave a trainable parameter of the stage before them untrained, whichever
+    stage they close (:meth:`.reach.Reach.stranding`): its value crosses the cut beside the main tensor, which is all
+    the stage's head reads. Parameters ``frozen`` names are accepted as untrained."""
+    def strands(cut: Cut) -> str | None:
+        names = unaccepted(reach.stranding(cut.node), frozen)
+        return (f"parameter(s) {listed(names, 2)} would never train: their values cross the cut beside the tensor its "
+                f"head reads; frozen=[...] accepts that") if names else None
+
+    return a.keep_cuts(strands, "the stage before them would not train every parameter it holds")

@@ -1,19 +1,34 @@
 """The notes an assembled ``ppll`` plan closes with: a model planned on the meta device, a model output the default
-losses do not fit, and a slow stage; the last two are warned at the user's call too."""
+losses do not fit, and a slow stage (the last two warned at the user's call too); and the parameters no loss of their
+stage reaches: the cuts that would strand them left to the partitioner only when enough others remain, a plan that
+strands one refused unless ``frozen=`` accepts it (:mod:`..analysis.reach`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import warnings
+from collections.abc import Sequence
 
-from torch import nn
+from torch import fx, nn
 
 from ..analysis.analyse import Analysis
 from ..analysis.cut_heads import scores_spec
+from ..analysis.reach import (
+    Reach,
+    Stranded,
+    accepted,
+    frozen_hint,
+    listed,
+    unaccepted,
+    unknown_frozen,
+)
+from ..analysis.usable import drop_stranding_cuts
 from ..capture.meta import PLANNED_ON_META, is_meta
-from ..options import PlanOptions
+from ..errors import CutError, PlanError, user_stacklevel
+from ..options import PlanOptions, SavedPlan
 from ..plans.plan import Plan
-from .partition import slow_stage_note
+from .partition import StageRequest, slow_stage_note, stage_request
 
 _WAY_OUT = ("pass the trainer the loss of your task: compiled.trainer(..., loss=fn) with fn(output, target) -> scalar "
             "tensor for the last stage, and aux_loss=fn(scores, target) for the auxiliary heads")
@@ -27,7 +42,7 @@ def closing_notes(plan: Plan, model: nn.Module, a: Analysis, opts: PlanOptions) 
     warned = [note for note in (*output_notes(model, a, plan, opts.num_classes), slow_stage_note(plan))
               if note is not None]
     for note in warned:
-        warnings.warn(note, UserWarning, stacklevel=4)  # at the caller of plan() or compile()
+        warnings.warn(note, UserWarning, stacklevel=user_stacklevel())
     return dataclasses.replace(plan, notes=(*plan.notes, *warned)) if warned else plan
 
 
@@ -79,3 +94,116 @@ def output_notes(model: nn.Module, a: Analysis, plan: Plan, num_classes: int | N
                          f"model); for another rule pass compiled.trainer(..., aux_loss=fn) with fn(scores, target) "
                          f"-> scalar tensor, or cut where the output's tokens are")
     return notes
+
+
+def check_frozen_names(frozen: Sequence[str], model: nn.Module) -> None:
+    """Every entry of ``frozen=`` names a parameter of ``model`` or a module holding one."""
+    unknown = unknown_frozen(frozen, model)
+    if not unknown:
+        return
+    names = [k for k, _ in model.named_parameters()] + [k for k, _ in model.named_modules() if k]
+    close = difflib.get_close_matches(unknown[0], names, n=3)
+    hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
+    raise ValueError(f"frozen={list(frozen)!r}: {unknown[0]!r} names neither a parameter of {type(model).__name__} nor "
+                     f"a module holding one{hint}; give names as model.named_parameters() or model.named_modules() "
+                     f"spell them")
+
+
+def reaching_cuts(a: Analysis, reach: Reach, request: StageRequest, opts: PlanOptions, saved: SavedPlan | None,
+                  model: str) -> tuple[Analysis, StageRequest]:
+    """``a`` and ``request`` with only the cuts after which the stage's loss reaches every parameter it holds (those
+    ``frozen=`` accepts aside), when enough remain for the stages asked for; cuts given by hand (``split_points``, a
+    saved plan) are checked stage by stage instead. Refused (:class:`PlanError`) where no such plan exists, naming the
+    parameters and the ways out."""
+    if request.manual is not None:
+        source = f"{saved.source}: " if saved is not None else ""
+        refuse_stranded(a, reach, reach.stages([a.cuts[i].node for i in request.manual]), opts.frozen, model, source)
+        return a, request
+    kept = drop_stranding_cuts(a, reach, opts.frozen)
+    if kept is a:
+        return a, request
+    try:
+        return kept, stage_request(kept, opts, saved)
+    except CutError:
+        pass
+    gone = [c for c in a.cuts if c.node in kept.dropped and c not in kept.cuts]
+    names = unaccepted(reach.stranding(gone[0].node), opts.frozen)
+    k = len(kept.cuts)
+    fewer = f"plan at most {k + 1} stages (gpus={k + 1} or fewer), or " if k else ""
+    raise PlanError(f"cannot cut {model} into {request.stages} stages so that every stage's loss reaches the "
+                    f"parameters it holds: {len(gone)} of its {len(a.cuts)} usable cuts would leave some untrained "
+                    f"(the cut after {gone[0].node!r}: {listed(names)}, whose values cross it beside the tensor the "
+                    f"head reads), leaving {k}; {fewer}accept them untrained with {frozen_hint(names)} (they keep "
+                    f"their values; end-to-end training would train them)")
+
+
+def refuse_stranded(a: Analysis, reach: Reach, stranded: Sequence[Stranded], frozen: Sequence[str], model: str,
+                    source: str = "") -> None:
+    """Refuse a plan whose stages would leave parameters ``frozen=`` does not accept untrained, naming the first such
+    stage, its parameters, and a working cut (``source``: the saved plan's, prefixed to the message)."""
+    bad = [(s, unaccepted(s.names, frozen)) for s in stranded]
+    bad = [(s, names) for s, names in bad if names]
+    if not bad:
+        return
+    s, names = bad[0]
+    cut = next((c for c in a.cuts if c.node == s.end), None)
+    beside = ", ".join(repr(v) for v in cut.boundary[1:]) if cut is not None else ""
+    others = f" (and {len(bad) - 1} more stage(s) alike)" if len(bad) > 1 else ""
+    raise PlanError(f"{source}stage {s.stage} of {model} would never train {len(names)} parameter tensor(s): "
+                    f"{listed(names)}{others}; its loss reads only {s.end!r}, the tensor at its cut (what its head "
+                    f"reads), and their values cross the cut detached" + (f" in {beside}" if beside else "")
+                    + f", so no loss reaches them (end-to-end training would train them); ways out: "
+                      f"{_elsewhere(a, reach, frozen, s.end)}, or accept them untrained with {frozen_hint(names)}")
+
+
+def _elsewhere(a: Analysis, reach: Reach, frozen: Sequence[str], end: str) -> str:
+    """A cut near ``end`` that leaves nothing untrained, as a way out."""
+    order = {n.name: i for i, n in enumerate(a.nodes)}
+    kept = drop_stranding_cuts(a, reach, frozen).cuts
+    if not kept:
+        return "no legal cut of the model trains every parameter of the stage before it: plan one stage fewer"
+    near = min(kept, key=lambda c: (abs(c.position - order[end]), c.position))
+    return f"cut after {near.node!r} instead of {end!r} (the stage before it trains every parameter it holds)"
+
+
+def reach_notes(plan: Plan, a: Analysis, reach: Reach, opts: PlanOptions, model: str) -> Plan:
+    """``plan`` refused if a stage of it would leave parameters untrained that ``frozen=`` does not accept, else with
+    notes naming those it accepts; entries of ``frozen=`` that accept nothing in this plan are warned."""
+    stranded = reach.stages(plan.cuts)
+    refuse_stranded(a, reach, stranded, opts.frozen, model)
+    return _accepted_notes(plan, stranded, opts.frozen, "stage")
+
+
+def check_distilled(plan: Plan, gm: fx.GraphModule, frozen: Sequence[str], model: str) -> Plan:
+    """A ``pipebd`` plan refused if a student block would never learn parameters ``frozen=`` does not accept (its
+    distillation loss compares the tensor at the block's end, the main one, and the next block reads the teacher's
+    values, not the student's side values), else with notes naming those it accepts."""
+    ends = [b.student_nodes[-1] for b in plan.blocks[:-1]]
+    stranded = Reach.of(gm, list(gm.graph.nodes), ends).stages(ends)
+    bad = [(s, unaccepted(s.names, frozen)) for s in stranded]
+    bad = [(s, names) for s, names in bad if names]
+    if bad:
+        s, names = bad[0]
+        raise PlanError(f"student block {s.stage} of {model} would never learn {len(names)} parameter tensor(s): "
+                        f"{listed(names)}; its distillation loss compares only {s.end!r}, the tensor at the block's "
+                        f"end, with the teacher's, and their values leave the block beside it (the next block reads "
+                        f"the teacher's values instead), so no loss reaches them; ways out: align the blocks elsewhere "
+                        f"(blocks=[(teacher_module, student_module), ...]), or accept them untrained with "
+                        f"{frozen_hint(names)}")
+    return _accepted_notes(plan, stranded, frozen, "student block")
+
+
+def _accepted_notes(plan: Plan, stranded: Sequence[Stranded], frozen: Sequence[str], what: str) -> Plan:
+    """``plan`` with a note per stage (or block) on the parameters ``frozen`` accepts as never trained, and a warned
+    note on entries of ``frozen`` that accept none."""
+    notes = [f"{what} {s.stage}: {len(names)} parameter tensor(s) never trained, accepted by frozen=: {listed(names)} "
+             f"(no loss of the {what} reaches them; they keep their values)"
+             for s in stranded if (names := [n for n in s.names if accepted(n, frozen)])]
+    idle = [f for f in frozen if not any(accepted(n, [f]) for s in stranded for n in s.names)]
+    if idle:
+        note = (f"frozen={idle!r} accepts no parameter of this plan: every loss reaches the parameters it names (or "
+                f"they do not require gradients), so they train as usual; drop them from frozen (to stop training a "
+                f"parameter, set its requires_grad=False)")
+        warnings.warn(note, UserWarning, stacklevel=user_stacklevel())
+        notes.append(note)
+    return dataclasses.replace(plan, notes=(*plan.notes, *notes), frozen=tuple(frozen))

@@ -86,8 +86,9 @@ class PlanFile:
                 d.pop("intra_node_bandwidth", None)
             for stage in d["stages"]:
                 stage.pop("crosses_nodes", None)
-        if not d.get("checkpoint_activations"):  # no checkpointing: the file reads as it did before it existed
-            d.pop("checkpoint_activations", None)
+        for name in ("checkpoint_activations", "frozen"):  # unused: the file reads as it did before they existed
+            if not d.get(name):
+                d.pop(name, None)
         d["totals"] = self.totals()
         return d
 

@@ -108,6 +108,9 @@ class Plan(PlanTable, PlanFile):
     untied: tuple[str, ...] = ()
     """Parameters the stages train their own copies of (``tied='untie'``, or ``tied='auto'`` where no plan kept them in
     one stage): per tensor, its names joined by `` = ``."""
+    frozen: tuple[str, ...] = ()
+    """Parameters (names, or modules holding them) accepted as never trained (``frozen=``): no loss of their stage
+    reaches them; re-applying the plan (``plan=``) accepts them again. A plan file without the field accepts none."""
     checkpoint_activations: bool = False
     """Whether every stage recomputes its activations in backward instead of keeping them from its forward
     (``checkpoint_activations=True``), segment by segment between the legal cuts inside it
@@ -205,6 +208,8 @@ class Plan(PlanTable, PlanFile):
             raise PlanError(f"plan fusion {self.fusion!r} is not known; fusions: {', '.join(FUSIONS)}")
         if self.tracer not in TRACERS_USED:
             raise PlanError(f"plan tracer {self.tracer!r} is not known; tracers: {', '.join(TRACERS_USED)}")
+        if not all(isinstance(n, str) and n for n in self.frozen):
+            raise PlanError(f"frozen must list parameter or module names, got {list(self.frozen)!r}")
         if not isinstance(self.checkpoint_activations, bool):
             raise PlanError(f"checkpoint_activations must be true or false, got {self.checkpoint_activations!r}")
         distill = self.mode == "pipebd"

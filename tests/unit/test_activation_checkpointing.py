@@ -181,6 +181,9 @@ def test_a_plan_file_keeps_it_and_an_old_plan_file_loads(tmp_path):
     assert "checkpoint_activations" not in old and "kept_bytes" not in old["stages"][0]
     loaded = Plan.from_dict(old)
     assert not loaded.checkpoint_activations and loaded.stages[0].checkpoints == ()
+    made = ppll_compile.plan(_net(), 2, example_inputs=(X,), profile="flops", checkpoint_activations=True)
+    again = ppll_compile.plan(_net(), example_inputs=(X,), profile="flops", plan=made.save(tmp_path / "re.yaml"))
+    assert again.checkpoint_activations and again.stages[0].checkpoints == made.stages[0].checkpoints  # re-applied
 
 
 def test_a_hand_edited_plan_file_is_checked(tmp_path):
