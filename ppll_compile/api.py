@@ -15,7 +15,7 @@ from .analysis.analyse import Analysis, analyse
 from .analysis.cut_heads import cut_heads
 from .analysis.reach import Reach
 from .capture.meta import is_meta
-from .errors import PlanError
+from .errors import PlanError, PPLLError
 from .heads.policy import Policy, load_policy
 from .lower.materialize import Materialization, MaterializeHook, StateDictSource, planned
 from .lower.split import lower_ppll, next_blocks
@@ -28,6 +28,7 @@ from .place.partition import idle_note, ppll_layout, segment_costs, time_layout
 from .place.tied import lowers_untied, untie, usable_cuts
 from .plans.plan import Plan
 from .runtime.distributed.plan_share import (
+    confirm_model,
     meet,
     receive_plan,
     request_of,
@@ -177,12 +178,20 @@ def _one_plan(model: nn.Module, example_inputs: Sequence[Any] | None, example_kw
             send_failure(request, e, world)
             raise
         result = dataclasses.replace(result, notes=(*result.notes, shared_note(world)))
-        return result, a, policy, send_plan(request, result)
+        seed = send_plan(request, result)
+        confirm_model(rank, world, a.gm)  # every rank traced the same model: else every rank raises
+        return result, a, policy, seed
     received, seed = receive_plan(rank, request)
     if received is None:  # this rank asked for another plan: its own
+        confirm_model(rank, world, None)
         return (*_plan_ppll(model, example_inputs, example_kwargs, opts, saved), seed)
-    a = analyse(model, example_inputs, example_kwargs, opts, received.inputs)
-    a.check_saved_cuts(received.cuts, "rank 0's plan")
+    try:
+        a = analyse(model, example_inputs, example_kwargs, opts, received.inputs)
+        a.check_saved_cuts(received.cuts, "rank 0's plan")
+    except PPLLError as e:
+        confirm_model(rank, world, None, e)  # raises on every rank, naming this one and its error
+        raise
+    confirm_model(rank, world, a.gm)
     return received, a, load_policy(opts.policy), seed
 
 

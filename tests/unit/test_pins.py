@@ -95,8 +95,9 @@ def test_a_figures_file_with_zero_overhead_loads_as_zero_and_a_negative_one_is_r
     negative.write_text(json.dumps({"device": "d", "torch": "any", "rates": RATES, "overhead": -1e-6}))
     with pytest.raises(PlanError) as e:
         load_hardware(negative)
-    assert str(e.value).startswith(f"hardware={negative}: overhead must be positive numbers (gpus_per_node an "
-                                   f"integer); give a JSON object with the fields device, torch, rates")
+    assert str(e.value) == (f"hardware={negative}: overhead is -1e-06, expected a number of seconds per operator from 0 "
+                            f"to 1; give the device's own figure in seconds per operator "
+                            f"(ppll_compile.calibrate(out=...) measures them), or remove the field")
 
 
 # ---- report, precision, autocast ------------------------------------------------------------------------------

@@ -1,8 +1,11 @@
-"""The process group of the ``distributed`` runtime: set-up, abort and release, each rank's place, the stage groups."""
+"""The process group of the ``distributed`` runtime: set-up, abort and release, each rank's place, the stage groups,
+and the checks that every rank runs the same plan and the same model."""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import os
 import threading
 import warnings
@@ -12,8 +15,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import fx, nn
 
 from ...errors import PPLLError
+from ...lower.stages import Lowered
 from ...plans.plan import Plan
 
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -188,6 +193,132 @@ def check_same_plan(plan: Plan, world: int) -> None:
     plans: list[Any] = [None] * world
     dist.all_gather_object(plans, plan_identity(plan))
     mismatch = plan_mismatch(plans)
+    if mismatch is not None:
+        raise PPLLError(mismatch)
+
+
+SAME_MODEL = ("start every rank with the same model file and options (torchrun runs one script on every rank: build "
+              "the model the same way on each, with no layer, width or dtype that depends on the rank)")
+"""The way out when the ranks' models differ."""
+_SHOWN = 160
+"""Characters of a node or tensor shown in the error that names the first difference."""
+
+
+def _plain(value: Any) -> str:
+    """An argument of a graph node as text that is the same in every process: a node by its name, numbers and
+    strings by their repr, containers item by item, a device by its type, any other object by its type's name (never
+    an address)."""
+    if isinstance(value, fx.Node):
+        return value.name
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value)
+    if isinstance(value, (tuple, list)):
+        inner = ", ".join(map(_plain, value)) + ("," if isinstance(value, tuple) and len(value) == 1 else "")
+        return f"({inner})" if isinstance(value, tuple) else f"[{inner}]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_plain(k)}: {_plain(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, slice):
+        return f"slice({_plain(value.start)}, {_plain(value.stop)}, {_plain(value.step)})"
+    if isinstance(value, torch.device):
+        return f"device({value.type!r})"
+    if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+        return str(value)
+    return type(value).__qualname__
+
+
+def _call(module: nn.Module, node: fx.Node) -> str:
+    """What ``node`` computes, as text: a submodule by its path and class (a ``torch.nn`` one with its settings, e.g.
+    ``2: Linear(in_features=8, out_features=16, bias=True)``), a function by its qualified name, a method by its name,
+    each with its arguments; a tensor attribute with its dtype and shape."""
+    target = node.target
+    args = ", ".join([*map(_plain, node.args), *(f"{k}={_plain(v)}" for k, v in node.kwargs.items())])
+    if node.op == "placeholder":
+        return "input"
+    if node.op == "call_module":
+        sub = module.get_submodule(str(target))
+        kind = type(sub)
+        settings = f"({sub.extra_repr()})" if kind.__module__.startswith("torch.nn") else ""
+        return f"{target}: {kind.__qualname__}{settings}({args})"
+    if node.op == "get_attr":
+        value = getattr(module, str(target), None) if "." not in str(target) else None
+        if isinstance(value, torch.Tensor):
+            return f"{target}: {str(value.dtype).removeprefix('torch.')} {tuple(value.shape)}"
+        return str(target)
+    if node.op == "call_method":
+        return f".{target}({args})"
+    if callable(target):
+        name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or type(target).__qualname__
+        return f"{getattr(target, '__module__', None) or ''}.{name}".lstrip(".") + f"({args})"
+    return f"{target}({args})"
+
+
+def module_lines(module: nn.Module) -> list[str]:
+    """One module's fingerprint: for a graph (a traced model, or a stage holding one) every node of it (what it calls,
+    on which values), for a head the classes of its submodules; then its parameters and buffers (name, dtype,
+    shape)."""
+    graph = module if isinstance(module, fx.GraphModule) else getattr(module, "module", None)
+    if isinstance(graph, fx.GraphModule):
+        lines = [f"node {node.name} = {_call(graph, node)}" for node in graph.graph.nodes]
+    else:
+        lines = [f"module {name or '(root)'}: {type(m).__qualname__}" for name, m in module.named_modules()]
+    return lines + [f"{kind} {name}: {str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}"
+                    for kind, items in (("parameter", module.named_parameters()), ("buffer", module.named_buffers()))
+                    for name, t in items]
+
+
+def model_fingerprint(lowered: Lowered) -> list[tuple[str, list[str]]]:
+    """What every rank's model must share, part by part (each stage module, its head, Pipe-BD's teacher blocks):
+    the lines of :func:`module_lines`, from the modules every rank holds (its own materialised, the others' on the
+    meta device), so they are the same on every rank started with the same model and options."""
+    block = "block" if lowered.teacher else "stage"
+    parts = [(f"{block} {i}", m) for i, m in enumerate(lowered.modules)]
+    parts += [(f"the head of {block} {i}", h) for i, h in enumerate(lowered.heads) if h is not None]
+    parts += [(f"teacher block {i}", t) for i, t in enumerate(lowered.teacher)]
+    return [(label, module_lines(m)) for label, m in parts]
+
+
+def fingerprint_digest(fingerprint: list[tuple[str, list[str]]]) -> str:
+    """A short digest of a :func:`model_fingerprint`, exchanged before the whole of it."""
+    return hashlib.sha256(json.dumps(fingerprint).encode()).hexdigest()
+
+
+def model_mismatch(prints: list[list[tuple[str, list[str]]]]) -> str | None:
+    """What to tell the user when the :func:`model_fingerprint` of every rank (in rank order) are not all the same:
+    the ranks that differ from rank 0 and the first difference (the part, the parameter or node); ``None`` when they
+    are the same."""
+    differ = [r for r, p in enumerate(prints) if p != prints[0]]
+    if not differ:
+        return None
+    mine, other, r = prints[0], prints[differ[0]], differ[0]
+    labels = [label for label, _ in mine]
+    if labels != [label for label, _ in other]:
+        where = (f"rank 0's model lowers to {', '.join(labels)}; rank {r}'s to "
+                 f"{', '.join(label for label, _ in other)}")
+    else:
+        i = next(i for i, (a, b) in enumerate(zip(mine, other)) if a != b)
+        (label, a), (_, b) = mine[i], other[i]
+        j = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+        def show(lines: list[str]) -> str:
+            return f"{lines[j][:_SHOWN]!r}" if j < len(lines) else "nothing more"
+
+        where = f"first in {label}: rank 0 has {show(a)} where rank {r} has {show(b)}"
+    ranks = f"rank {r} differs" if len(differ) == 1 else f"ranks {', '.join(map(str, differ))} differ"
+    return f"the ranks were started with different models ({ranks} from rank 0), {where}; {SAME_MODEL}"
+
+
+def check_same_model(lowered: Lowered, world: int) -> None:
+    """Every rank must have lowered the same model: their :func:`model_fingerprint` digests are gathered, and when
+    they differ the whole fingerprints, so that every rank raises the same :class:`PPLLError` naming the ranks and
+    the first difference (before any of them trains, or fails on a shape another rank sent)."""
+    fingerprint = model_fingerprint(lowered)
+    digests: list[Any] = [None] * world
+    dist.all_gather_object(digests, fingerprint_digest(fingerprint))
+    if len(set(digests)) == 1:
+        return
+    prints: list[Any] = [None] * world
+    dist.all_gather_object(prints, fingerprint)
+    mismatch = model_mismatch(prints)
     if mismatch is not None:
         raise PPLLError(mismatch)
 

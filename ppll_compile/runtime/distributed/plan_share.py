@@ -8,7 +8,10 @@ plan file format, with the seed every rank initialises the heads from; each othe
 rank 0's plan. A call for another number of devices makes no distributed assumption: every process plans on its own.
 A rank whose options differ from rank 0's (another ``split_points``, policy, ...) plans on its own, with a warning
 naming the options, and a distributed trainer then refuses ranks whose plans differ. If rank 0 cannot plan, every
-other rank raises a :class:`~ppll_compile.PPLLError` with rank 0's error; a rank lost meanwhile is named too.
+other rank raises a :class:`~ppll_compile.PPLLError` with rank 0's error; a rank lost meanwhile is named too. Once
+each rank has traced its model for rank 0's plan, :func:`confirm_model` compares the traced models of every rank:
+when one differs from rank 0's (or cannot take rank 0's cuts), every rank raises the same error naming the ranks and
+the first difference.
 
 How the ranks meet: through a default process group formed before ``compile()`` (by the user), used and left as it
 is; else through torchrun's store (``env://``, under the prefix of this incarnation of the job,
@@ -29,11 +32,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import fx
 
 from ...errors import PPLLError
 from ...options import PlanOptions, SavedPlan
 from ...plans.plan import Plan
-from .group import meeting_store, rank_device
+from .group import SAME_MODEL, meeting_store, model_mismatch, module_lines, rank_device
 
 PLAN_TIMEOUT = 1800.0
 """Seconds the ranks wait for rank 0's plan."""
@@ -135,6 +139,49 @@ def meet(rank: int) -> None:
     rank_device(rank)
     if not dist.is_initialized():
         meeting_store(PLAN_TIMEOUT)
+
+
+def confirm_model(rank: int, world: int, graph: fx.GraphModule | None, error: BaseException | None = None) -> None:
+    """Every rank, once rank 0 has sent its plan (rank 0) or this rank has traced its own model for it (the others):
+    the traced model (``graph``; ``None`` on a rank that plans on its own, which is not compared) or the error that
+    rank 0's plan met on this rank's model, exchanged between all ``world`` ranks. When a rank's model differs from
+    rank 0's, or took an error, every rank raises the same :class:`PPLLError` naming the ranks and the first
+    difference, before any of them forms a trainer's process group."""
+    report: dict[str, Any] = {"error": f"{type(error).__name__}: {error}"} if error is not None else \
+        {"lines": module_lines(graph)} if graph is not None else {}
+    reports = _gather(rank, world, report)
+    failed = [(r, got["error"]) for r, got in enumerate(reports) if "error" in got]
+    if failed:
+        r, text = failed[0]
+        others = f" (and rank(s) {', '.join(str(q) for q, _ in failed[1:])})" if len(failed) > 1 else ""
+        raise PPLLError(f"rank {r}{others} could not lower rank 0's plan on its own model, so the ranks were started "
+                        f"with different models: {text}; {SAME_MODEL}")
+    mine = reports[0]["lines"]
+    mismatch = model_mismatch([[("the traced model", got.get("lines", mine))] for got in reports])
+    if mismatch is not None:
+        raise PPLLError(mismatch)
+
+
+def _gather(rank: int, world: int, report: dict[str, Any]) -> list[dict[str, Any]]:
+    """``report`` of every rank (a JSON object), on every rank: through the default process group if one is formed,
+    else through torchrun's store, where rank 0 waits until every other rank has read them all (it may host it)."""
+    try:
+        if dist.is_initialized():
+            out: list[Any] = [None] * world
+            dist.all_gather_object(out, report)
+            return out
+        store, key = meeting_store(PLAN_TIMEOUT)[0], f"plan/{next(_EXCHANGES)}"
+        store.set(f"{key}/rank-{rank}", json.dumps(report))
+        reports = [json.loads(store.get(f"{key}/rank-{r}")) for r in range(world)]
+        store.add(f"{key}/read", 1)
+        deadline = time.monotonic() + READ_TIMEOUT
+        while rank == 0 and store.add(f"{key}/read", 0) < world and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return reports
+    except RuntimeError as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise PPLLError(f"lost a rank while the ranks compared their models: see the output of the rank that ended "
+                        f"({first})") from None
 
 
 def _broadcast(obj: Any, readers: int = 0) -> Any:

@@ -18,7 +18,17 @@ from ..messages import EVAL, TRAIN, Message, add_counts, dtype_of
 from ..momentum import check_distributed, momentum_pairs
 from ..runners import make_runners
 from .faults import Faults
-from .group import abort, check_same_plan, check_world, init_group, place, rank_device, release, stage_group
+from .group import (
+    abort,
+    check_same_model,
+    check_same_plan,
+    check_world,
+    init_group,
+    place,
+    rank_device,
+    release,
+    stage_group,
+)
 from .links import BatchSender, BatchTaker, WeightLinks, feed
 from .outbox import Outbox
 from .wire import END, Wire, check_splittable
@@ -91,6 +101,7 @@ class DistributedRuntime(Runtime):
         check_world(plan, world, queue)
         self.rank = dist.get_rank()
         check_same_plan(plan, world)
+        check_same_model(lowered, world)
         self._place = place(plan, self.rank)
         self.stage, self.replica = self._place.stage, self._place.replica
         group = stage_group(self._place)
