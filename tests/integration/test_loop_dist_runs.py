@@ -49,16 +49,22 @@ def _program(trainer, out: Path, tag: str) -> dict:
         calls.append(1)
         return float(len(calls))
 
+    sizes: list[tuple[int, list]] = []  # per step record and stage: how many losses came, and their batch sizes
+
+    class Sizes(Callback):
+        def on_step_end(self, trainer, record):
+            sizes.extend((len(ls), s) for ls, s in zip(record["losses"], record["sizes"]))
+
     stop = EarlyStopping("worse", patience=2)
     first = trainer.fit(_data(1, 4), epochs=6, max_steps=20, progress=False, evaluate=_data(2, 1),
-                        metrics={"worse": worse}, callbacks=[stop, CSVLogger(out / f"{tag}.csv")])
+                        metrics={"worse": worse}, callbacks=[stop, CSVLogger(out / f"{tag}.csv"), Sizes()])
     second = trainer.fit(_data(1, 4), epochs=6, max_steps=14, progress=False)
 
     def strip(h: list) -> list:
         return [{k: v for k, v in r.items() if k not in ("seconds", "samples_per_s")} for r in h]
 
     return {"first": strip(first), "second": strip(second), "epoch": trainer.epoch, "updates": trainer.updates,
-            "stopped": stop.stopped_epoch}
+            "stopped": stop.stopped_epoch, "sizes": sizes}
 
 
 def _body(argv: list[str]) -> None:
@@ -96,8 +102,10 @@ def test_max_steps_and_early_stopping_stop_every_rank_as_a_sequential_run(tmp_pa
         state = trainer.model_state_dict()
     assert [(r["epoch"], r["samples"]) for r in ref["first"] + ref["second"]] == [(1, 32), (2, 32), (3, 32), (4, 16)]
     assert (ref["epoch"], ref["updates"], ref["stopped"]) == (3, {0: 14, 1: 14}, 3)
+    assert ref["sizes"] and all(s == [8] * n for n, s in ref["sizes"])
     for rank, got in enumerate(ranks):
         assert (got["epoch"], got["updates"], got["stopped"]) == (3, {str(rank): 14}, 3)
+        assert all(s == [8] * n for n, s in got["sizes"]), got["sizes"]  # every loss with its batch size, every rank
         for ours, theirs in zip(got["first"] + got["second"], ref["first"] + ref["second"], strict=True):
             assert (ours["epoch"], ours["samples"]) == (theirs["epoch"], theirs["samples"])
             assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5)

@@ -146,9 +146,12 @@ class DistributedRuntime(Runtime):
         return StageRule(queue=self._queue, depth=self._depth, decoupled=self._sync is None, first=self.stage == 0,
                          last=self.stage == self.num_stages - 1)
 
-    def _losses(self, mine: list[float]) -> Losses:
-        """Per stage, ``mine`` for this rank's stage; a replicated stage reports its first replica's losses."""
-        return [list(mine) if i == self.stage and self.replica == 0 else [] for i in range(self.num_stages)]
+    def _losses(self, mine: list[float], sizes: list[int] | None = None) -> Losses:
+        """Per stage, ``mine`` (of batches of ``sizes`` rows) for this rank's stage; a replicated stage reports its
+        first replica's losses."""
+        here = [i == self.stage and self.replica == 0 for i in range(self.num_stages)]
+        return Losses([list(mine) if h else [] for h in here],
+                      [(list(sizes) if sizes is not None else [None] * len(mine)) if h else [] for h in here])
 
     def _by_stage(self, per_rank: list[Any]) -> list[list[Any]]:
         """Values gathered from every rank, grouped by stage (replicas in order)."""
@@ -164,7 +167,7 @@ class DistributedRuntime(Runtime):
         self._raise_if_failed()
         if self.rank == 0:
             assert msg is not None, "rank 0 reads the data: step() needs a batch there"
-            return self._losses([self._train(self._sending.scatter(msg, TRAIN), False)])
+            return self._losses([self._train(self._sending.scatter(msg, TRAIN), False)], [msg.size])
         if self._ended:  # this epoch's inputs are all taken (or dropped): nothing left to train on until finish()
             return self._losses([])
         item, reused = self._taking.take(reuse=self._queue == "reuse")
@@ -172,7 +175,8 @@ class DistributedRuntime(Runtime):
             self._ended = True
             self._flush()
             return self._losses([])
-        return self._losses([self._train(self._taking.expect(item, TRAIN), reused)])
+        taken = self._taking.expect(item, TRAIN)
+        return self._losses([self._train(taken, reused)], [taken.whole or taken.size])
 
     def finish(self) -> Losses:
         """Rank 0: wait for its sends and send END. Other ranks: train until END arrives, forward it, wait."""
@@ -184,26 +188,32 @@ class DistributedRuntime(Runtime):
         if self._ended:
             self._ended = False
             return self._losses([])
-        return self._losses([loss for loss, _ in self._until_end()])
+        done = list(self._until_end())
+        return self._losses([loss for loss, _, _ in done], [rows for _, rows, _ in done])
 
     def epoch(self, messages: Iterable[Message] | None, on_step: Callable[[Losses, int], None]) -> None:
         """Train one epoch (rank 0 feeds ``messages``, the others train until END); every stage's losses at the end."""
         mine: list[float] = []
+        sizes: list[int | None] = []
         if self.rank == 0:
             assert messages is not None, "rank 0 reads the data: epoch() needs the batches there"
             for msg in feed(messages, self._faults):
                 losses = self.step(msg)
                 mine += losses[0]
+                sizes += losses.sizes[0]
                 on_step(losses, msg.size)  # the whole batch: rank 0 counts the samples fed in
             on_step(self.finish(), 0)
         else:
             self._raise_if_failed()
             self._ended = False
-            for loss, size in self._until_end():
+            for loss, rows, reused in self._until_end():
                 mine.append(loss)
-                on_step(self._losses([loss]), size)
-        first = [replicas[0] for replicas in self._by_stage(self.gather(mine))]
-        on_step([[] if i == self.stage and self.replica == 0 else list(ls) for i, ls in enumerate(first)], 0)
+                sizes.append(rows)
+                on_step(self._losses([loss], [rows]), 0 if reused else rows)  # a reused batch feeds no new samples
+        first = [replicas[0] for replicas in self._by_stage(self.gather((mine, sizes)))]
+        here = [i == self.stage and self.replica == 0 for i in range(self.num_stages)]
+        on_step(Losses([[] if h else list(ls) for h, (ls, _) in zip(here, first)],
+                       [[] if h else list(s) for h, (_, s) in zip(here, first)]), 0)
 
     def evaluate(self, messages: Iterable[Message], metrics: Sequence[Callable[[Any, Any], Any]] = ()) -> Counts:
         """Eval-mode forward pipelined through the ranks; every stage's tally and examples seen, on every rank
@@ -315,12 +325,12 @@ class DistributedRuntime(Runtime):
         """The end of the data: this rank's stage steps on a partial accumulation group (``accumulate > 1``)."""
         self._faults.guard(None, self.runner.flush)
 
-    def _until_end(self) -> Iterator[tuple[float, int]]:
-        """Train on every batch until END (forwarded on); each loss with its batch size (0 when reused)."""
+    def _until_end(self) -> Iterator[tuple[float, int, bool]]:
+        """Train on every batch until END (forwarded on); each loss with its batch size and whether it was reused."""
         while True:
             item, reused = self._taking.take(reuse=self._queue == "reuse")
             if item is END:
                 self._flush()
                 return
             loss = self._train(self._taking.expect(item, TRAIN), reused)
-            yield loss, 0 if reused else item.whole or item.size
+            yield loss, item.whole or item.size, reused
