@@ -155,7 +155,7 @@ def _plot(res: dict, path: Path) -> None:
 def section(*, quick: bool, out: Path) -> Section:
     """Train every configuration on every seed, tabulate mean ± std and plot."""
     seeds = [0] if quick else [0, 1, 2]
-    epochs = 3 if quick else 8
+    epochs = 2 if quick else 8
     digits = load_example("train_digits")
     train_set, test_set = digits.load_data(seeds[0])
     start = time.perf_counter()

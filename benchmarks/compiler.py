@@ -65,7 +65,7 @@ def _plan_once(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> tuple[dict
     with record_phases() as seconds, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the CPU fallback of a machine without GPUs
         start = time.perf_counter()
-        plan = ppll_compile.plan(model, STAGES, example_inputs=inputs, batch_size=BATCH)
+        plan = ppll_compile.plan(model, STAGES, example_inputs=inputs, batch_size=BATCH, profile="flops")
         total = time.perf_counter() - start
     nodes = len(trace(model, example_inputs=inputs).graph.nodes)
     return {**seconds, "total": total}, nodes, len(plan.legal_cuts)
@@ -79,7 +79,7 @@ def compile_scaling(plan: dict[str, tuple], repeat: int) -> list[dict[str, Any]]
     torch.manual_seed(0)
     models = [(family, name, build(), inputs) for family, name, build, inputs in _models(plan)]
     # first use of fake tensors, the FLOP counter, convolution and batch-norm kernels, and the policy files
-    _plan_once(_mlp(2), (torch.randn(1, 64),))
+    _plan_once(_mlp(STAGES), (torch.randn(1, 64),))  # enough legal cuts for STAGES stages
     _plan_once(nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.BatchNorm2d(8),
                              nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10)),
                (torch.randn(1, 3, 32, 32),))

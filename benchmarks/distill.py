@@ -84,9 +84,10 @@ def _batches(n: int) -> list[torch.Tensor]:
 
 
 def _train(trainer: Any, runtime: str, data: list[torch.Tensor | None]) -> None:
-    """Train on ``data``: batch by batch, or (``dna-per-block``, which needs the whole data) one ``fit`` epoch."""
+    """Train on ``data``: batch by batch, or (``dna-per-block``, which needs the whole data) one more ``fit`` epoch
+    (``epochs`` counts from the start of training)."""
     if runtime == "dna-per-block":
-        trainer.fit([(x, None) for x in data], epochs=1, progress=False)
+        trainer.fit([(x, None) for x in data], epochs=trainer.epoch + 1, progress=False)
         return
     for x in data:
         trainer.step(x)
@@ -117,19 +118,20 @@ def _sequential(plan: str, steps: int, warmup: int) -> float:
     return steps * BATCH / (time.perf_counter() - start)
 
 
-def compare(*, steps: int, warmup: int, rounds: int) -> dict:
+def compare(*, steps: int, warmup: int, rounds: int, profile: str = "time") -> dict:
     """Samples/s of each run in :data:`RUNS` on 2 processes, plus one process running every block in turn.
 
-    The plans of :data:`PLANS` are measured by time on this machine once (``profile="time"``: the teacher
-    forward and student forward/backward of every block, at the whole batch and at half of it), saved, and
-    re-applied in every process. Each round runs every configuration once, in turn, so that a burst of load
-    on the machine does not favour one; the figures are medians over the rounds. ``ratios`` holds Pipe-BD
-    against the strongest baseline (``pipebd/best-baseline``, the fastest of :data:`BASELINES`) and against each.
+    The plans of :data:`PLANS` are measured by time on this machine once (``profile="time"``: the teacher forward
+    and student forward/backward of every block, at the whole batch and at half of it; or priced by another
+    ``profile``), saved, and re-applied in every process. Each round runs every configuration once, in turn, so that
+    a burst of load on the machine does not favour one; the figures are medians over the rounds. ``ratios`` holds
+    Pipe-BD against the strongest baseline (``pipebd/best-baseline``, the fastest of :data:`BASELINES`) and against
+    each.
     """
     with one_thread(), tempfile.TemporaryDirectory() as folder:
         paths, layouts, predicted = {}, {}, {}
         for name, options in PLANS.items():
-            p = _compiled(gpus=2, profile="time", **options).plan
+            p = _compiled(gpus=2, profile=profile, **options).plan
             paths[name] = str(p.save(Path(folder) / f"plan-pipebd-{name}.json"))
             layouts[name] = [[list(s.blocks), s.replicas] for s in p.stages]
             predicted[name] = BATCH / p.bottleneck_cost
@@ -212,9 +214,10 @@ def _markdown(r: dict) -> str:
 
 def section(*, quick: bool, out: Path) -> Section:
     """Pipe-BD against the strongest 2-process baseline, and the share of each technique."""
-    steps, warmup, rounds = (6, 2, 1) if quick else (24, 3, 5)
-    results = {"batch": BATCH, "steps": steps, "rounds": rounds, "labels": LABELS,
-               **compare(steps=steps, warmup=warmup, rounds=rounds)}
+    steps, warmup, rounds = (3, 1, 1) if quick else (24, 3, 5)
+    profile = "roofline" if quick else "time"  # quick: plans priced, not timed
+    results = {"batch": BATCH, "steps": steps, "rounds": rounds, "labels": LABELS, "profile": profile,
+               **compare(steps=steps, warmup=warmup, rounds=rounds, profile=profile)}
     _plot(results, out / "distill.png")
     return Section(key="distill", title="Pipe-BD against the 2-process baselines", results=results,
                    markdown=_markdown(results), figures=["distill.png"])

@@ -272,7 +272,7 @@ def _markdown(res: dict) -> str:
 
 def section(*, quick: bool, out: Path) -> Section:
     """Faults and throughput before and after the allocator setting, and SGD's step time per implementation."""
-    steps, warmup, rounds, repeat = (12, 4, 1, 10) if quick else (40, 10, 3, 30)
+    steps, warmup, rounds, repeat = (6, 2, 1, 5) if quick else (40, 10, 3, 30)
     res = compare(steps=steps, warmup=warmup, rounds=rounds, repeat=repeat)
     return Section(key="faults", title="Page faults per step: glibc's defaults against the allocator setting",
                    results=res, markdown=_markdown(res))

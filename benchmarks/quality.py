@@ -6,7 +6,7 @@ cost) and speedup. ResNet-32 is small enough to train here, so each of its plans
 training step (forward, local loss, backward, optimizer step) is timed alone in the sequential runtime on one
 thread, and the measured max/mean set next to the predicted one. Its exact plan is made twice, from FLOP counts and
 from times measured on this machine (``profile="time"``), to show what measuring buys. K = 2, 4, 8; ``--quick``:
-K = 2, 4, fewer timed steps and no vit_b_16.
+K = 2, no time profile (the cost model's section measures one), fewer timed steps and no vit_b_16.
 """
 
 from __future__ import annotations
@@ -107,11 +107,12 @@ def measured_balance(pipelines: list[ppll_compile.CompiledPipeline], *, rounds: 
     return [[samples[i, j] for j in range(len(trainer.runners))] for i, (trainer, _) in enumerate(setups)]
 
 
-def _resnet32_rows(ks: tuple[int, ...], rounds: int) -> list[dict]:
-    """ResNet-32 plans (every partitioner by FLOPs, ``exact`` also by time) with their measured stage times."""
+def _resnet32_rows(ks: tuple[int, ...], rounds: int, timed: bool = True) -> list[dict]:
+    """ResNet-32 plans (every partitioner by FLOPs, ``exact`` also by time unless not ``timed``) with their measured
+    stage times."""
     rows, pipelines = [], []
     for k in ks:
-        for p, profile in [(p, "flops") for p in PARTITIONERS] + [("exact", "time")]:
+        for p, profile in [(p, "flops") for p in PARTITIONERS] + ([("exact", "time")] if timed else []):
             try:
                 compiled, seconds = _resnet32(k, p, profile)
             except ppll_compile.PPLLError as e:
@@ -228,12 +229,12 @@ def _markdown(res: dict) -> str:
 
 def section(*, quick: bool, out: Path) -> Section:
     """Plan every model with every partitioner at each K, run ResNet-32's plans, plot and tabulate."""
-    ks = (2, 4) if quick else (2, 4, 8)
+    ks = (2,) if quick else (2, 4, 8)
     rounds = 4 if quick else 12
     models = ["resnet32", *(TORCHVISION[:1] if quick else TORCHVISION)]
     start = time.perf_counter()
     with one_thread():
-        rows = _resnet32_rows(ks, rounds)
+        rows = _resnet32_rows(ks, rounds, timed=not quick)
         for name in models[1:]:
             rows += predicted(name, ks)
     res: dict[str, Any] = {"batch": BATCH, "ks": list(ks), "rounds": rounds, "threads": 1,

@@ -49,7 +49,8 @@ from typing import Any
 
 from .report import Section, standalone
 
-__all__ = ["CLUSTER", "SHAPES", "QUICK_SHAPES", "DEVICES", "QUICK_DEVICES", "plan_kwargs", "point", "section", "main"]
+__all__ = ["CLUSTER", "SHAPES", "QUICK_SHAPES", "DEVICES", "QUICK_DEVICES", "llama_config", "plan_kwargs", "point",
+           "section", "main"]
 
 CLUSTER: dict[str, Any] = {"hardware": "h100", "gpus_per_node": 8, "optimizer": "adam"}
 """The cluster every plan is made for, and the optimizer (Adam's two moments per weight, as LLMs train); only the
@@ -94,7 +95,8 @@ def plan_kwargs(precision: str = "fp32") -> dict[str, Any]:
     return {**{k: v for k, v in CLUSTER.items() if k in known}, **extra}
 
 
-def _config(shape: dict[str, Any]) -> Any:
+def llama_config(shape: dict[str, Any]) -> Any:
+    """The transformers ``LlamaConfig`` of a shape of :data:`SHAPES` (its ``seq`` the longest position)."""
     from transformers import LlamaConfig
     spec = {k: v for k, v in shape.items() if k not in ("seq", "batch")}
     return LlamaConfig(**spec, max_position_embeddings=shape["seq"], tie_word_embeddings=False, bos_token_id=0,
@@ -105,7 +107,7 @@ def _build(shape: dict[str, Any], how: str) -> tuple[Any, Any]:
     """The model and example token ids, ``how``: ``meta`` (meta model and ids), ``meta+cpu ids`` or ``real``."""
     import torch
     from transformers import LlamaForCausalLM
-    config = _config(shape)
+    config = llama_config(shape)
     if how == "real":
         torch.manual_seed(0)
         model = LlamaForCausalLM(config)

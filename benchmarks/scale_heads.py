@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .report import Section, standalone
-from .scale import QUICK_SHAPES, SHAPES, STEPS, _config, plan_kwargs
+from .scale import QUICK_SHAPES, SHAPES, STEPS, llama_config, plan_kwargs
 
 HEADS: dict[str, dict[str, Any]] = {
     "lm rank 64 (auto, lm)": {"type": "lm", "rank": 64},
@@ -54,14 +54,14 @@ def _model(shape: dict[str, Any], pooled: bool) -> Any:
 
         def __init__(self) -> None:
             super().__init__()
-            self.model = LlamaModel(_config(shape))
+            self.model = LlamaModel(llama_config(shape))
             self.score = nn.Linear(shape["hidden_size"], 2)
 
         def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
             return self.score(self.model(input_ids=input_ids).last_hidden_state.mean(1))
 
     with torch.device("meta"):
-        return Classifier() if pooled else LlamaForCausalLM(_config(shape))
+        return Classifier() if pooled else LlamaForCausalLM(llama_config(shape))
 
 
 def row(name: str, shape: dict[str, Any], devices: int, precision: str) -> dict[str, Any]:

@@ -1,15 +1,15 @@
 """Real models from timm and Hugging Face transformers, compiled unmodified: cuts, balance, front end, and checks.
 
-Every model is built with random weights from a config in code (no download) at a small size, and compiled for 2
-and 4 stages (``--quick``: 2) at batch 4 with the defaults (``tracer="auto"``, ``policy="auto"``, FLOP profile);
-GPT-2 with ``tied="untie"`` (its input embedding is its output projection). Per model and stage count: the
-``compile()`` time (one call, after a warm-up compile of another model), the legal cuts, the stages, the plan's
-imbalance, the front end that captured it (``export`` when the plan's notes say "captured with torch.export") and
-two checks: **eval exact** (``compiled.eval()`` gives the model's own eval output, max abs error <= 1e-6, and the
-stages hold the model's own parameters, each exactly once; an untied parameter's copies aside) and
-**threads == sequential** (3 training steps, dropout on, SGD lr 0.05, from two deep copies: every stage and head
-parameter equal bit for bit; the last batch smaller). Then a Pipe-BD pair from each library: compiled, and one
-step under ``sequential`` and ``threads`` with equal student parameters. A check that raises is a ``FAIL`` row
+Every model is built with random weights from a config in code (no download) at a small size, and compiled for 2 and
+4 stages (``--quick``: 2, four models, one pair, a sweep of four) at batch 4 with the defaults (``tracer="auto"``,
+``policy="auto"``, FLOP profile); GPT-2 with ``tied="untie"`` (its input embedding is its output projection). Per
+model and stage count: the ``compile()`` time (one call, after a warm-up compile of another model), the legal cuts,
+the stages, the plan's imbalance, the front end that captured it (``export`` when the plan's notes say "captured
+with torch.export") and two checks: **eval exact** (``compiled.eval()`` gives the model's own eval output, max abs
+error <= 1e-6, and the stages hold the model's own parameters, each exactly once; an untied parameter's copies
+aside) and **threads == sequential** (3 training steps, dropout on, SGD lr 0.05, from two deep copies: every stage
+and head parameter equal bit for bit; the last batch smaller). Then a Pipe-BD pair from each library: compiled, and
+one step under ``sequential`` and ``threads`` with equal student parameters. A check that raises is a ``FAIL`` row
 with the error's first line; the section itself does not fail.
 
 The catalogue (:data:`ZOO`, :data:`PAIRS`) and the helpers here are also what ``tests/integration/test_zoo.py`` runs. The section
@@ -410,19 +410,25 @@ def _pair_row(pair: Pair) -> dict[str, Any]:
     return row
 
 
-def zoo(stages: tuple[int, ...], train_stages: int) -> dict[str, Any]:
-    """Every model at every stage count (eval checks) and at ``train_stages`` (threads == sequential), the pairs."""
+# --quick: a timm CNN and ViT, a Hugging Face encoder and decoder; one Pipe-BD pair; four families of the sweep
+QUICK_MODELS, QUICK_PAIRS = ("resnet10t", "vit_tiny_patch16_224", "bert", "gpt2"), ("resnet18>resnet10t",)
+QUICK_SWEEP = ("timm:resnet", "timm:vision_transformer", "hf:bert", "hf:gpt2")
+
+
+def zoo(stages: tuple[int, ...], train_stages: int, quick: bool = False) -> dict[str, Any]:
+    """Every model at every stage count (eval checks) and at ``train_stages`` (threads == sequential), the pairs
+    (``quick``: :data:`QUICK_MODELS` and :data:`QUICK_PAIRS`)."""
     warm = build(ZOO["resnet10t"])
     compile_entry(ZOO["resnet10t"], warm, 2, torch.randn(2, 3, 32, 32))  # imports and first-call costs
     rows = []
-    for entry in ZOO.values():
+    for entry in (ZOO[name] for name in QUICK_MODELS) if quick else ZOO.values():
         for k in stages:
             row = _eval_row(entry, k)
             if k == train_stages:
                 row.update(_train_check(entry, k))
             print(f"  {entry.name} K={k}: {_status(row)}", flush=True)
             rows.append(row)
-    pairs = [_pair_row(p) for p in PAIRS.values()]
+    pairs = [_pair_row(PAIRS[name]) for name in (QUICK_PAIRS if quick else PAIRS)]
     return {"models": rows, "pairs": pairs}
 
 
@@ -482,7 +488,7 @@ def section(*, quick: bool, out: Path) -> Section:
     with one_thread():
         results: dict[str, Any] = {"batch": BATCH, "steps": STEPS, "train_batches": train_sizes(),
                                    "stages": list(stages), "train_stages": stages[-1], "threads": 1,
-                                   **zoo(stages, stages[-1])}
+                                   **zoo(stages, stages[-1], quick)}
         sweep_md = _sweep(quick, out, results)
     results["seconds"] = time.perf_counter() - start
     s = Section(key="zoo", title="Model zoo: timm and Hugging Face models compiled unmodified", results=results,
@@ -494,10 +500,10 @@ def section(*, quick: bool, out: Path) -> Section:
 
 
 def _sweep(quick: bool, out: Path, results: dict[str, Any]) -> str:
-    """The zoo sweep (``--quick``: its tested subset): rows kept in ``zoo_sweep.jsonl``, the table in markdown."""
+    """The zoo sweep (``--quick``: :data:`QUICK_SWEEP`): rows kept in ``zoo_sweep.jsonl``, the table in markdown."""
     from . import zoo_sweep
     (out / "zoo_sweep.jsonl").unlink(missing_ok=True)  # a fresh sweep (the file keeps rows as they finish)
-    rows = zoo_sweep.sweep(list(zoo_sweep.TESTED if quick else zoo_sweep.SWEEP), out / "zoo_sweep.jsonl")
+    rows = zoo_sweep.sweep(list(QUICK_SWEEP if quick else zoo_sweep.SWEEP), out / "zoo_sweep.jsonl")
     results["sweep"] = zoo_sweep.summary(rows)
     return "\nThe sweep (`python -m benchmarks.zoo_sweep`):\n\n" + zoo_sweep.markdown(rows)
 

@@ -117,6 +117,8 @@ def _cli_value(name: str, raw: str, action: argparse.Action) -> str | None:
         if action.nargs == 0:  # a switch: given or not
             return None
         return str(value).lower()
+    if isinstance(value, (list, tuple)) and action.nargs == "+":  # --frozen a b
+        return " ".join(map(str, value))
     if isinstance(value, (list, tuple)):
         return ",".join(":".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v) for v in value)
     return str(value)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import textwrap
 from typing import Any
 
 from ..cost.hardware import NAMES as HARDWARE_NAMES
@@ -15,6 +16,7 @@ from ..options import PROFILES, TIED, TRACERS, PlanOptions
 from ..partitioners import SOLVERS
 from ..plans.precision import FUSIONS, PRECISIONS
 from ..policies import distill_names, names
+from .model_file import TOP_LEVEL_RULE
 from .values import batch as _batch
 from .values import batches as _batches
 from .values import classes as _classes
@@ -32,6 +34,7 @@ PROG = "ppll-plan"
 _EPILOG = """\
 examples:
   ppll-plan examples/resnet32.py --gpus 4
+  ppll-plan examples/resnet32.py --gpus 4 --legend    # ... and what every column of the tables means
   ppll-plan examples/vit_small.py --gpus 4 --policy vit --json -
   ppll-plan examples/resnet50.py --gpus 4 --memory-limit 16GiB --optimizer adam --yaml plan.yaml
   ppll-plan examples/resnet50.py --gpus 8 --hardware h100   # plan for 8 H100s from this machine
@@ -51,14 +54,21 @@ follow --devices and --gpus, as a plan's), --recalibrate measures again and repl
 when the machine was busy while measuring: a 1-minute load average of 0.5 or more per core, before or after
 (PPLL_BUSY_LOAD sets another threshold). Without MODEL.py nothing else is done.
 
-MODEL.py defines build_model() returning the nn.Module and example_inputs() returning a tuple of
-tensors (only their shapes and dtypes are used); module-level `model` / `example_inputs` work too.
-With --mode pipebd it also defines build_teacher() (or `teacher`); build_model() is the student.
+{model_file}
 
 exit status: 0 done, 2 a bad flag or file (one "ppll-plan: error:" message), 1 an internal error (--debug
 prints its traceback).
 """
 
+
+_MODEL_FILE = (
+    "MODEL.py defines build_model() returning the nn.Module and example_inputs() returning a tuple of tensors (only "
+    "their shapes and dtypes are used); module-level `model` / `example_inputs` work too. With --mode pipebd it "
+    "also defines build_teacher() (or `teacher`); build_model() is the student. MODEL.py is imported, never run as "
+    f"a script: {TOP_LEVEL_RULE}. A file whose top level does more (a training script: trainer.fit(...) on a line "
+    "of its own, a for loop, a with block) is refused, naming the line, before any of it runs; move that work under "
+    '`if __name__ == "__main__":` or into a function.')
+_EPILOG = _EPILOG.replace("{model_file}", textwrap.fill(_MODEL_FILE, width=108, break_on_hyphens=False))
 
 _DEFAULTS = PlanOptions()
 
@@ -135,6 +145,13 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--tied", choices=TIED, help="a parameter used on both sides of a cut (tied embeddings): auto (drop "
                    "such cuts while enough others are left, else untie with a warning), error (drop such cuts; refuse "
                    f"when too few are left) or untie (each later stage its own copy) {_default('tied')}")
+    g.add_argument("--frozen", type=_names, nargs="+", metavar="NAME", help="parameters (as "
+                   "model.named_parameters() names them) or modules (all their own parameters) accepted as never "
+                   "trained: a stage holding a trainable parameter that no loss of that stage reaches is refused "
+                   "unless it is named here (give MODEL.py before this flag)")
+    g.add_argument("--checkpoint-activations", action="store_true", default=None, help="recompute each stage's "
+                   "activations in its backward instead of keeping them from its forward: less activation memory, "
+                   "one more forward per step, both counted in the plan's memory and costs")
     g.add_argument("--bake-train-mode", action="store_true", default=None,
                    help="accept a forward that branches on self.training: keep the train branch in eval too")
     g.add_argument("--plan", metavar="PLAN.yaml", help="re-apply a saved (possibly hand-edited) plan to MODEL.py, "
@@ -144,6 +161,8 @@ def parser() -> argparse.ArgumentParser:
                    "this machine, in the profile it was made with")
     g = p.add_argument_group("output (default: --show)")
     g.add_argument("--show", action="store_true", help="print the stage table")
+    g.add_argument("--legend", action="store_true", help="print what each column of the tables means, with its "
+                   "units, under them (implies --show)")
     g.add_argument("--json", metavar="PATH|-", help="write the plan as JSON to PATH, or to stdout with -")
     g.add_argument("--yaml", metavar="PATH|-", help="write the plan as YAML to PATH, or to stdout with -")
     g = p.add_argument_group("simulation and pictures")
@@ -180,9 +199,13 @@ def parser() -> argparse.ArgumentParser:
 _OPTION_FLAGS = ("gpus", "devices", "device_speeds", "memory_limit", "link_bandwidth", "flops_per_second",
                  "hardware", "policy", "batch_size", "partitioner", "profile", "optimizer", "precision", "fusion",
                  "split_points", "replicas", "tracer", "tied", "bake_train_mode", "gpus_per_node",
-                 "intra_node_bandwidth", "inter_node_bandwidth", "leaf_modules", "num_classes")
+                 "intra_node_bandwidth", "inter_node_bandwidth", "leaf_modules", "num_classes", "frozen",
+                 "checkpoint_activations")
 
 
 def plan_options(args: argparse.Namespace) -> dict[str, Any]:
     """The ``plan()`` keyword arguments for the flags that were given (the rest keep their defaults)."""
-    return {name: getattr(args, name) for name in _OPTION_FLAGS if getattr(args, name) is not None}
+    options = {name: getattr(args, name) for name in _OPTION_FLAGS if getattr(args, name) is not None}
+    if "frozen" in options:  # --frozen a b,c: one tuple of names per word
+        options["frozen"] = tuple(name for names in options["frozen"] for name in names)
+    return options

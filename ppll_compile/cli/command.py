@@ -84,6 +84,14 @@ def _check_outputs(args: argparse.Namespace) -> None:
 _PICTURES = (".png", ".svg", ".pdf")
 
 
+def _check_frozen(args: argparse.Namespace) -> None:
+    """Refuse a MODEL.py that ``--frozen NAME ...`` took for a parameter name (it takes every word after it)."""
+    files = [name for names in (args.frozen or ()) for name in names if name.endswith(".py")]
+    if files and args.model_file is None:
+        raise _UsageError(f"--frozen took {files[0]!r} for a parameter name (it takes every word after it); give "
+                          f"MODEL.py before --frozen, e.g. ppll-plan {files[0]} --frozen NAME")
+
+
 def _draw_trace(args: argparse.Namespace, err: TextIO) -> None:
     from ..draw import draw_gantt
     from ..plans.timeline import Timeline
@@ -134,6 +142,7 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO, parser: argparse.Ar
     if len(to_stdout) > 1:
         raise _UsageError("--json - and --yaml - both ask for stdout; send one of them to a file")
     _check_outputs(args)
+    _check_frozen(args)
     if args.calibrate or args.recalibrate:
         _calibrate(args, out if args.model_file is None else err, err)
     if args.model_file is None:
@@ -159,12 +168,14 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO, parser: argparse.Ar
         made, result, remark = _planned(args, options, model=model, example_inputs=inputs, example_kwargs=kwargs,
                                         plan=args.plan, **extra)
 
-    show = args.show or (args.json is None and args.yaml is None)
+    show = args.show or args.legend or (args.json is None and args.yaml is None)
     if to_stdout:
         out.write((result.to_json() + "\n") if to_stdout[0] == "json" else result.to_yaml())
     if show:  # its notes' advice worded as flags
         table = (cli_worded(line, parser) if line.startswith("note: ") else line for line in result.table().split("\n"))
         (err if to_stdout else out).write("\n".join(table) + "\n")
+    if args.legend:
+        (err if to_stdout else out).write("\n" + result.legend() + "\n")
     shown = set(result.notes) if show else set()
     for message in dict.fromkeys(str(w.message) for w in caught):
         if message not in shown:
