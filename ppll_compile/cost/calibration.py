@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 
 import torch
@@ -32,6 +33,8 @@ def calibrate(device: str | torch.device = "cpu", threads: int | None = None, re
     for name, value in (("threads", threads), ("stages", stages)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"calibrate needs {name} to be a positive integer, got {value!r}")
+    if out is not None:
+        _writable(out)  # refused before measuring
     figures = device_figures(dev, threads if threads is not None else stage_threads(dev, stages), refresh=refresh,
                              pinned=False)
     if out is not None:
@@ -44,6 +47,18 @@ def calibrate(device: str | torch.device = "cpu", threads: int | None = None, re
             raise PlanError(f"cannot write the device figures to {str(out)!r}: {e.strerror or e}; pass a writable "
                             f"path") from None
     return figures
+
+
+def _writable(out: str | Path) -> None:
+    """Refuse an ``out`` that exists and is no regular file: writing to a FIFO with no reader blocks for ever, and a
+    device is no file to pin."""
+    try:
+        mode = os.stat(out).st_mode
+    except OSError:
+        return  # not there yet (or not to be looked at: the write says why)
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):  # a folder: the write says so
+        raise PlanError(f"cannot write the device figures to {str(out)!r}: not a regular file (a FIFO or device); "
+                        f"pass out= (--figures) the path of a JSON file to write")
 
 
 def summary(figures: DeviceFigures) -> str:

@@ -19,10 +19,6 @@ shows about 79 GiB = 85e9 bytes), which leaves the CUDA context and the allocato
 
 from __future__ import annotations
 
-import json
-import math
-import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,8 +26,8 @@ from typing import Any
 import torch
 
 from ..errors import PlanError
-from .figures import FILE_EXTRAS, PRESET_SOURCE, DeviceFigures
-from .oplog import COMPUTE, FAMILIES
+from .figures import PRESET_SOURCE, DeviceFigures, read_figures
+from .oplog import COMPUTE
 from .roofline import device_memory
 
 COMPUTE_FRACTION = {"matmul": 0.7, "attention": 0.5, "conv": 0.5, "conv_bwd": 0.4}
@@ -185,169 +181,15 @@ def load_hardware(spec: str | Path) -> Hardware:
     return _from_file(text)
 
 
-_COMPUTE_PEAK = max(v for h in PRESETS.values() if h.figures for k, v in h.figures.rates.items()
-                    if k.split(":")[0] in COMPUTE)
-_MEMORY_PEAK = max(v for h in PRESETS.values() if h.figures for k, v in h.figures.rates.items()
-                   if k.split(":")[0] not in COMPUTE)
-_LINK_PEAK = max(h.intra_node_bandwidth or 0.0 for h in PRESETS.values())
-PLAUSIBLE = 1000
-"""How far beyond the largest figure of the presets a figures file's figure may go: rates, memory and links at most
-1000 times those of the fastest preset device (the MI300X's 192 GB, 915 TFLOP/s bfloat16 matmul and 4.24 TB/s memory
-as used here, NVLink 4's 360 GB/s: among the largest devices sold when the presets were written down). Three orders
-of magnitude leave room for devices generations ahead (a generation gains 2-3x) and for a calibrated CPU whose memory
-is a whole machine's RAM (the largest single machines hold tens of TB, about 100 times 192 GB), while a figure no
-device has (1e40 FLOP/s, 1e30 bytes) is refused instead of making every stage look free."""
-MAX_FIGURES_BYTES = 64 * 2 ** 20
-"""Bytes a figures file may hold; no more is read. A calibrated file holds about 200 bytes per operator shape timed (a
-plan meets tens to hundreds of shapes), so 64 MiB holds hundreds of thousands of them."""
-LIMITS: dict[str, tuple[float, float, str]] = {
-    "compute": (1e6, PLAUSIBLE * _COMPUTE_PEAK, "FLOP/s"),
-    "memory-bound": (1e6, PLAUSIBLE * _MEMORY_PEAK, "bytes/s"),
-    "memory_bytes": (1.0, PLAUSIBLE * LARGEST_DEVICE_BYTES, "bytes"),
-    "intra_node_bandwidth": (1e3, PLAUSIBLE * _LINK_PEAK, "bytes/s"),
-    "inter_node_bandwidth": (1e3, PLAUSIBLE * _LINK_PEAK, "bytes/s"),
-    "overhead": (0.0, 1.0, "seconds per operator"),
-    "calls": (0.0, 3600.0, "seconds per operator call"),
-    "gpus_per_node": (1, 1024, "devices"),
-}
-"""The range a figures file's numbers must lie in, by field (``compute``: the rates of the compute families,
-``memory-bound`` those of the others): at least a million FLOP/s or bytes/s (slower than any processor of the last 30
-years), at most :data:`PLAUSIBLE` times the presets' largest figure; an operator's overhead under a second, a timed
-call under an hour, at most 1024 devices per node (the largest NVLink domain joins 72)."""
-_FIELDS = ("device", "torch", "rates", "calls", "overhead", "source", "load", "memory_bytes", *FILE_EXTRAS)
-
-
 def _from_file(path: str) -> Hardware:
-    """The hardware a figures file describes, read no further than :data:`MAX_FIGURES_BYTES` and every field checked
-    against :data:`LIMITS`."""
-    data = _read_figures_file(path)
-    _check_fields(path, data)
-    extras = {k: data.pop(k) for k in FILE_EXTRAS if k in data}
-    figures = DeviceFigures(**{**data, "source": path})
+    """The hardware a figures file describes, read and checked by :func:`~.figures.read_figures` (no further than
+    :data:`~.figures.MAX_FIGURES_BYTES`, every field within :data:`~.figures.LIMITS`)."""
+    figures, extras = read_figures(path, f"hardware={path}")
     links = {k: extras.get(k) for k in ("intra_node_bandwidth", "inter_node_bandwidth")}
-    return Hardware(name=path, figures=figures,
-                    memory_bytes=int(figures.memory_bytes) if figures.memory_bytes is not None else None,
-                    gpus_per_node=extras.get("gpus_per_node"), sources=str(extras.get("sources") or
-                                                                           f"the figures file {path}"),
+    return Hardware(name=path, figures=figures, memory_bytes=figures.memory_bytes,
+                    gpus_per_node=extras.get("gpus_per_node"),
+                    sources=str(extras.get("sources") or f"the figures file {path}"),
                     **{k: float(v) if v is not None else None for k, v in links.items()})
-
-
-def _refusal(path: str, problem: str, way: str | None = None) -> PlanError:
-    """The error for a figures file: the file, what is wrong with it, and the way out (by default, what the file
-    holds)."""
-    way = way or (f"give a JSON object with the fields device, torch, rates (by 'family:float32' for every family of "
-                  f"{', '.join(FAMILIES)}) and overhead (s), optionally memory_bytes, intra_node_bandwidth and "
-                  f"inter_node_bandwidth (bytes/s, one direction) and gpus_per_node (ppll_compile.calibrate(out=...) "
-                  f"writes one)")
-    return PlanError(f"hardware={path}: {problem}; {way}")
-
-
-def _read_figures_file(path: str) -> dict[str, Any]:
-    """The JSON object of a figures file: a regular file (a FIFO or device is refused before it is opened, and again
-    if one was swapped in before the opening), read up to :data:`MAX_FIGURES_BYTES`, nested no deeper than Python
-    parses."""
-    special = _refusal(path, "not a regular file (a FIFO, device or directory)", "give the path of a JSON file")
-    try:
-        if not stat.S_ISREG(os.stat(path).st_mode):
-            raise special
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise special
-            raw = f.read(MAX_FIGURES_BYTES + 1)
-    except OSError as e:
-        raise _refusal(path, f"cannot read it ({e.strerror or e})") from None
-    if len(raw) > MAX_FIGURES_BYTES:
-        raise _refusal(path, f"larger than {MAX_FIGURES_BYTES:,} bytes (MAX_FIGURES_BYTES), which no figures file is",
-                       "give the path of a figures file (ppll_compile.calibrate(out=...) writes one)")
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except RecursionError:
-        raise _refusal(path, "nested too deep to be a figures file (its values are numbers, strings and objects "
-                             "of numbers)") from None
-    except ValueError as e:  # UnicodeDecodeError and json.JSONDecodeError are ValueErrors
-        if "digits" in str(e):  # Python's limit on the digits of an integer it converts
-            raise _refusal(path, "holds an integer of more than 4300 digits, which no figure has") from None
-        raise _refusal(path, f"not JSON ({str(e)[:100]})") from None
-    if not isinstance(data, dict):
-        raise _refusal(path, f"a JSON {type(data).__name__} where an object was expected")
-    unknown = sorted(str(k)[:40] for k in data if k not in _FIELDS)
-    if unknown:
-        raise _refusal(path, f"unknown field(s) {', '.join(map(repr, unknown))}; the fields are {', '.join(_FIELDS)}")
-    return data
-
-
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else f"{text[:57]}..."
-
-
-def _check_fields(path: str, data: dict[str, Any]) -> None:
-    """Every field of a figures file of the type and in the range a device has (:data:`LIMITS`)."""
-    for key, required in (("device", True), ("torch", True), ("source", False), ("sources", False)):
-        value = data.get(key)
-        if (value is not None or required) and not (isinstance(value, str) and len(value) <= 2000):
-            raise _refusal(path, f"{key} is {_shown(value)}, expected a string (at most 2000 characters)")
-    rates = data.get("rates")
-    if not isinstance(rates, dict):
-        raise _refusal(path, f"rates is {_shown(rates)}, expected an object of rates by 'family:dtype'")
-    missing = [f for f in FAMILIES if not _positive(rates.get(f"{f}:float32"))]
-    bad = [k for k, v in rates.items() if not _positive(v)]
-    if missing or bad:
-        raise _refusal(path, f"no positive rate for {', '.join(f'{f}:float32' for f in missing) or ', '.join(bad)}")
-    for key, rate in rates.items():
-        family, _, dtype = key.partition(":")
-        if family not in FAMILIES or not dtype:
-            raise _refusal(path, f"rates has the key {_shown(key)}, expected 'family:dtype' with a family of "
-                                 f"{', '.join(FAMILIES)}")
-        _check_range(path, f"rates[{key!r}]", rate, "compute" if family in COMPUTE else "memory-bound")
-    for key in ("memory_bytes", "intra_node_bandwidth", "inter_node_bandwidth", "overhead", "gpus_per_node"):
-        if data.get(key) is not None:
-            _check_range(path, key, data[key], key)
-    _check_table(path, "calls", data.get("calls", {}), "calls")
-    load = data.get("load", {})
-    if not isinstance(load, dict) or (load and set(load) != {"before", "after", "cores"}):
-        raise _refusal(path, f"load is {_shown(load)}, expected {{}} or an object of the 1-minute load average "
-                             f"'before' and 'after' measuring and the machine's 'cores'")
-    for key, value in load.items():
-        if not (_number(value) and 0 <= value <= 1e6):
-            raise _refusal(path, f"load[{key!r}] is {_shown(value)}, expected a number from 0 to 1e6")
-
-
-def _check_table(path: str, key: str, table: Any, limit: str) -> None:
-    """A field that maps strings to numbers in :data:`LIMITS` ``[limit]``."""
-    if not isinstance(table, dict):
-        raise _refusal(path, f"{key} is {_shown(table)}, expected an object of numbers by name")
-    for name, value in table.items():
-        _check_range(path, f"{key}[{name[:60]!r}]", value, limit)
-
-
-def _check_range(path: str, key: str, value: Any, limit: str) -> None:
-    """``value`` a number (an integer for ``gpus_per_node``) within :data:`LIMITS` ``[limit]``."""
-    low, high, unit = LIMITS[limit]
-    whole = limit == "gpus_per_node"
-    if _number(value) and (not whole or isinstance(value, int)) and low <= value <= high and \
-            (value > 0 or limit in ("overhead", "calls")):
-        return
-    why = f" (at most PLAUSIBLE = {PLAUSIBLE} times the largest preset's figure: no device comes near it)" \
-        if limit not in ("overhead", "calls", "gpus_per_node") else ""
-    way = "give the devices per node of the cluster, or remove the field" if whole else \
-        f"give the device's own figure in {unit} (ppll_compile.calibrate(out=...) measures them), or remove the field"
-    raise _refusal(path, f"{key} is {_shown(value)}, expected {'a whole number' if whole else 'a number'} of {unit} "
-                         f"from {_figure(low)} to {_figure(high)}{why}", way)
-
-
-def _figure(x: float) -> str:
-    return f"{x:.3g}" if x >= 1e5 else f"{x:g}"
-
-
-def _number(v: Any) -> bool:
-    """A JSON number, finite (an integer of any size compares with the bounds exactly, as a float it would overflow)."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and (isinstance(v, int) or math.isfinite(v))
-
-
-def _positive(v: Any) -> bool:
-    return _number(v) and v > 0
 
 
 def hardware_defaults(spec: str | Path | None, devices: int | None = None, nodes: bool = False) -> dict[str, Any]:

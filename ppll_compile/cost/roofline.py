@@ -25,14 +25,15 @@ by less than their run-to-run spread).
 Everything measured is cached under the user's cache directory, keyed by the device's name, its thread count
 (CPU) and the torch version, with the machine's load while measuring; a calibration on a busy machine (see
 :data:`~.figures.BUSY_LOAD`) warns, and figures cached busy are measured again by the first plan or calibration
-that finds the machine quiet (used with a warning until then). :func:`ppll_compile.calibrate` (``ppll-plan
---calibrate``, ``--recalibrate``) measures as a step of its own; a plan on a device without cached figures measures
-them first.
+that finds the machine quiet (used with a warning until then). A cache that cannot be read (not a regular file, too
+large, not JSON), or an entry that is not figures as a figures file holds them, is measured again with a warning.
+:func:`ppll_compile.calibrate` (``ppll-plan --calibrate``, ``--recalibrate``) measures as a step of its own; a plan on
+a device without cached figures measures them first.
 ``PPLL_DEVICE_FIGURES=path.json`` pins the figures instead (reproducible plans on any machine): a JSON object with
 the fields of :class:`DeviceFigures` (and, ignored there, the link fields :data:`~.figures.FILE_EXTRAS` that
-``hardware=FILE`` reads). A hardware preset's figures (:mod:`~ppll_compile.cost.hardware`) are priced the same way,
-from the vendor's figures: their ``source`` begins with :data:`~.figures.PRESET_SOURCE` and nothing is timed on this
-machine.
+``hardware=FILE`` reads), read and checked as a ``hardware=FILE`` file is (:func:`~.figures.read_figures`). A
+hardware preset's figures (:mod:`~ppll_compile.cost.hardware`) are priced the same way, from the vendor's figures:
+their ``source`` begins with :data:`~.figures.PRESET_SOURCE` and nothing is timed on this machine.
 """
 
 from __future__ import annotations
@@ -54,9 +55,9 @@ from torch import Tensor
 from torch.nn import functional as F
 from torch.utils import _pytree as pytree
 
-from ..errors import PlanError, user_stacklevel
-from .figures import (AGAIN, BUSY_ENV, REDO, DeviceFigures, busy_threshold, load_average, load_per_core,
-                      read_figures)
+from ..errors import user_stacklevel
+from .figures import (AGAIN, BUSY_ENV, REDO, DeviceFigures, FiguresProblem, busy_threshold, check_figures,
+                      load_average, load_per_core, read_figures, read_object)
 from .oplog import COMPUTE, FAMILIES, Op, OpLog, nbytes
 from .optimizers import optimizer_spec
 
@@ -269,13 +270,11 @@ def device_memory(device: torch.device) -> int | None:
 
 
 def _pinned(path: str) -> DeviceFigures:
-    try:
-        return read_figures(path)[0]
-    except (OSError, ValueError, TypeError) as e:
-        raise PlanError(f"{FIGURES_ENV}={path}: cannot read device figures ({e}); give a JSON object with the fields "
-                        f"device, torch, rates (by 'family:float32' for every family of {', '.join(FAMILIES)}) and "
-                        f"overhead (s) (`ppll-plan --calibrate --figures {path}` writes one), or unset "
-                        f"{FIGURES_ENV} to calibrate") from None
+    """The figures the file :data:`FIGURES_ENV` names, read and checked as a ``hardware=FILE`` file is."""
+    return read_figures(path, f"{FIGURES_ENV}={path}",
+                        f"give a JSON object with the fields device, torch, rates (by 'family:float32' for every "
+                        f"family of {', '.join(FAMILIES)}) and overhead (s) (`ppll-plan --calibrate --figures {path}` "
+                        f"writes one), or unset {FIGURES_ENV} to calibrate")[0]
 
 
 def _operator(name: str) -> Any:
@@ -330,11 +329,31 @@ def measure_calls(calls: Iterable[tuple[Any, ...]], device: torch.device, thread
 
 
 def _read_cache(path: Path) -> dict[str, Any]:
-    try:
-        cache = json.loads(path.read_text()) if path.exists() else {}
-    except (OSError, ValueError):
+    """The calibration cache: empty when there is none yet, and (with a warning) when it cannot be read as one, so
+    that the figures are measured again and the cache is written anew."""
+    if not os.path.lexists(path):
         return {}
-    return cache if isinstance(cache, dict) else {}
+    try:
+        return read_object(path)
+    except FiguresProblem as e:
+        warnings.warn(f"cannot use the calibration cache {path}: {e.problem}; the figures are measured again and the "
+                      f"cache is written anew (if this repeats, delete the file or point {CACHE_ENV} at another "
+                      f"folder)", stacklevel=user_stacklevel())
+        return {}
+
+
+def _cached(path: Path, key: str, entry: Any) -> DeviceFigures | None:
+    """The figures the cache holds under ``key``, or ``None`` (with a warning: they are measured again) when the
+    entry is not figures as :func:`~.figures.check_figures` takes them (damaged, or written by another version)."""
+    try:
+        if not isinstance(entry, dict):
+            raise FiguresProblem(f"a JSON {type(entry).__name__} where an object was expected")
+        check_figures(entry)
+    except FiguresProblem as e:
+        warnings.warn(f"the calibration cache {path} holds figures of {key!r} that cannot be used ({e.problem}): "
+                      f"they are measured again and replace them", stacklevel=user_stacklevel())
+        return None
+    return DeviceFigures(**{**entry, "source": "cache"})
 
 
 def _busy_cache(figures: DeviceFigures) -> DeviceFigures | None:
@@ -366,12 +385,7 @@ def device_figures(device: torch.device, threads: int = 1, *, calls: Iterable[tu
     key = f"{device_name(device, threads)} | torch {torch.__version__}"
     path = cache_path()
     cache = _read_cache(path)
-    figures = None
-    if not refresh and isinstance(cache.get(key), dict):
-        try:
-            figures = DeviceFigures(**{**cache[key], "source": "cache"})
-        except TypeError:
-            pass  # written by another version: measure again
+    figures = _cached(path, key, cache[key]) if not refresh and key in cache else None
     if figures is not None and figures.busy():
         figures = _busy_cache(figures)
     changed = figures is None

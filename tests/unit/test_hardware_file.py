@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from ppll_compile import PlanError
-from ppll_compile.cost import hardware
+from ppll_compile.cost import figures
 from ppll_compile.cost.hardware import LARGEST_DEVICE_BYTES, PRESETS, load_hardware
 from ppll_compile.cost.oplog import FAMILIES
 
@@ -100,7 +100,7 @@ def test_too_many_devices_per_node_is_refused(tmp_path):
 def test_the_bounds_are_the_plausible_factor_times_the_largest_preset():
     """Each bound is PLAUSIBLE times the largest figure of the presets: the MI300X's memory and bfloat16 rate,
     its memory bandwidth at the achievable fraction, NVLink 4 at the link fraction."""
-    limits, plausible = hardware.LIMITS, hardware.PLAUSIBLE
+    limits, plausible = figures.LIMITS, figures.PLAUSIBLE
     assert plausible == 1000 and LARGEST_DEVICE_BYTES == 192 * 10 ** 9
     mi300x = PRESETS["mi300x"].figures.rates
     assert limits["memory_bytes"][1] == plausible * 192e9
@@ -125,7 +125,7 @@ def test_every_preset_and_a_calibrated_file_lie_within_the_bounds(tmp_path):
 
 def test_a_file_larger_than_a_figures_file_is_not_read_past_the_limit(tmp_path, monkeypatch):
     """A sparse file of 256 MiB (no disk used) is refused after MAX_FIGURES_BYTES + 1 bytes, not read whole."""
-    monkeypatch.setattr(hardware, "MAX_FIGURES_BYTES", 1000, raising=False)
+    monkeypatch.setattr(figures, "MAX_FIGURES_BYTES", 1000)
     path = tmp_path / "figures.json"
     with path.open("wb") as f:
         f.truncate(256 * 2 ** 20)

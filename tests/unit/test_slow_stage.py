@@ -16,22 +16,25 @@ from ppll_compile.place.partition import SLOW_STAGE_SECONDS
 from tests.models import Residual
 
 X = torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+BIG = torch.randn(8, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+"""Inputs of 64x64 pixels: minutes a step on the slow device."""
 FAMILIES = ("matmul", "attention", "conv", "conv_bwd", "norm", "math", "pool", "memory", "step")
 
 
 def slow_device(tmp_path: Path) -> str:
-    """A figures file of a device doing 20 kFLOP/s and 20 kB/s: the small Residual takes minutes a step on it."""
+    """A figures file of a device doing 1 MFLOP/s and 1 MB/s (the slowest figures a file may give): the small
+    Residual takes minutes a step on it at 64x64 pixels."""
     path = tmp_path / "slow.json"
     path.write_text(json.dumps({"device": "a slow device", "torch": "any",
-                                "rates": {f"{f}:float32": 2e4 for f in FAMILIES}, "overhead": 1e-6}))
+                                "rates": {f"{f}:float32": 1e6 for f in FAMILIES}, "overhead": 1e-6}))
     return str(path)
 
 
-def planned(**options) -> tuple[ppll_compile.Plan, list[str]]:
+def planned(x: torch.Tensor = X, **options) -> tuple[ppll_compile.Plan, list[str]]:
     torch.manual_seed(0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        p = ppll_compile.plan(Residual(), 2, example_inputs=(X,), devices=["cpu", "cpu"], **options)
+        p = ppll_compile.plan(Residual(), 2, example_inputs=(x,), devices=["cpu", "cpu"], **options)
     return p, [str(w.message) for w in caught]
 
 
@@ -49,7 +52,7 @@ def _one_thread(one_thread):
 
 
 def test_a_stage_of_minutes_on_a_slow_device_is_warned_of(tmp_path):
-    p, caught = planned(hardware=slow_device(tmp_path))
+    p, caught = planned(BIG, hardware=slow_device(tmp_path))
     assert p.bottleneck_cost > 5 * SLOW_STAGE_SECONDS  # minutes: the device is slow, the model small
     note = expected(p, "cpu (a slow device)")
     assert note.startswith(f"stage {p.bottleneck_stage} is predicted to take ")
@@ -77,7 +80,7 @@ def test_the_threshold_is_the_slowest_stages_predicted_seconds():
 def test_ppll_plan_show_prints_it_with_flags(tmp_path, capsys):
     model = tmp_path / "model.py"
     model.write_text("import torch\nfrom tests.models import Residual\n\ndef build_model():\n    torch.manual_seed(0)\n"
-                     "    return Residual()\n\ndef example_inputs():\n    return torch.randn(8, 3, 8, 8)\n")
+                     "    return Residual()\n\ndef example_inputs():\n    return torch.randn(8, 3, 64, 64)\n")
     assert main([str(model), "--gpus", "2", "--devices", "cpu,cpu", "--hardware", slow_device(tmp_path),
                  "--show"]) == 0
     out, err = capsys.readouterr()
