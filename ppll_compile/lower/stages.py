@@ -123,9 +123,11 @@ def run_checkpointed(gm: fx.GraphModule, segments: Segments, args: Sequence[Any]
 
 
 def _replaying(run: Callable[..., Any], gm: fx.GraphModule) -> Callable[..., Any]:
-    """``run(gm, *inputs)`` that, called again (the recompute in backward), draws what the first call drew: the
-    default generators (the CPU's and the inputs' CUDA device's) are set to their states before that call, under
-    :data:`RNG_LOCK`, and restored after; a first call that drew nothing replays plainly."""
+    """``run(gm, *inputs)`` that, called again (the recompute in backward), draws what the first call drew and
+    updates no buffer twice: the default generators (the CPU's and the inputs' CUDA device's) are set to their
+    states before that call, under :data:`RNG_LOCK`, and restored after (a first call that drew nothing replays
+    plainly); every buffer of ``gm`` gets back the value it had before the recompute, so what the forward updates in
+    place (batch norm's running statistics; the kernels do not always count such updates) is updated once."""
     before: list[torch.Tensor] | None = None
     drew = False
 
@@ -137,18 +139,31 @@ def _replaying(run: Callable[..., Any], gm: fx.GraphModule) -> Callable[..., Any
             out = run(gm, *inputs)
             drew = any(not torch.equal(g.get_state(), b) for g, b in zip(gens, before))
             return out
-        if not drew:
-            return run(gm, *inputs)
-        with RNG_LOCK:
-            now = [g.get_state() for g in gens]
-            try:
-                for g, state in zip(gens, before):
-                    g.set_state(state)
-                return run(gm, *inputs)
-            finally:
-                for g, state in zip(gens, now):
-                    g.set_state(state)
+        kept = [(b, b.clone()) for b in gm.buffers()]
+        try:
+            return _recompute(run, gm, inputs, gens, before if drew else None)
+        finally:
+            with torch.no_grad():
+                for b, k in kept:
+                    b.copy_(k)
     return call
+
+
+def _recompute(run: Callable[..., Any], gm: fx.GraphModule, inputs: Sequence[Any], gens: list[torch.Generator],
+               before: list[torch.Tensor] | None) -> Any:
+    """``run(gm, *inputs)`` again, the generators ``gens`` first set to the states ``before`` the first call
+    (``None``: it drew nothing) under :data:`RNG_LOCK`, and restored after."""
+    if before is None:
+        return run(gm, *inputs)
+    with RNG_LOCK:
+        now = [g.get_state() for g in gens]
+        try:
+            for g, state in zip(gens, before):
+                g.set_state(state)
+            return run(gm, *inputs)
+        finally:
+            for g, state in zip(gens, now):
+                g.set_state(state)
 
 
 def _generators(values: Sequence[Any]) -> list[torch.Generator]:

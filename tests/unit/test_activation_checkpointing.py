@@ -239,3 +239,29 @@ def test_a_distillation_plan_refuses_it():
                                          r"backward; a pipebd plan does not support it: drop checkpoint_activations="):
         ppll_compile.plan(conv_student(), 2, teacher=conv_teacher(), example_inputs=(torch.randn(4, 3, 32, 32),),
                           profile="flops", checkpoint_activations=True)
+
+
+def test_batch_norm_statistics_are_updated_once_per_step_as_without_checkpointing():
+    """The recompute runs every batch norm's forward again; its running statistics must not count that batch twice
+    (the kernels update them in place without counting it as a change, so every buffer gets its value back)."""
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU()) for _ in range(6)],
+                             nn.Linear(16, 4))
+
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    states = []
+    for ckpt in (False, True):
+        model = net()
+        compiled = ppll_compile.compile(model, example_inputs=(x,), profile="flops", split_points=["2"],
+                                        devices=["cpu", "cpu"], checkpoint_activations=ckpt)
+        assert [len(s.checkpoints) for s in compiled.plan.stages] == ([2, 2] if ckpt else [0, 0])
+        with compiled.trainer(optimizer=lambda params: torch.optim.SGD(params, lr=0.1)) as trainer:
+            for _ in range(3):
+                trainer.step(x, y)
+            trainer.finish()
+        states.append(model.state_dict())
+    plain, ours = states
+    assert int(ours["0.1.num_batches_tracked"]) == 3
+    assert all(torch.equal(ours[k], v) for k, v in plain.items()), [k for k, v in plain.items()
+                                                                   if not torch.equal(ours[k], v)]
