@@ -43,9 +43,13 @@ def pinned(tmp_path, monkeypatch):
     return pin
 
 
+def _message(path: Path, problem: str, way: str | None = None) -> str:
+    """The exact error of a pinned file ``path`` refused for ``problem``, with the way out ``way`` (default ``WAY``)."""
+    return f"PPLL_DEVICE_FIGURES={path}: {problem}; {WAY.format(path=path) if way is None else way}"
+
+
 def _refused(path: Path, problem: str, way: str | None = None) -> None:
-    way = WAY.format(path=path) if way is None else way
-    with pytest.raises(PlanError, match=f"^{re.escape(f'PPLL_DEVICE_FIGURES={path}: {problem}; {way}')}$"):
+    with pytest.raises(PlanError, match=f"^{re.escape(_message(path, problem, way))}$"):
         roofline.device_figures(CPU)
 
 
@@ -96,7 +100,10 @@ def test_a_pinned_fifo_or_device_is_refused_without_being_opened(tmp_path, monke
     monkeypatch.setattr(os, "open", lambda *a, **k: pytest.fail(f"opened {a[0]}"))
     for path in (fifo, zero):
         monkeypatch.setenv(roofline.FIGURES_ENV, str(path))
-        _refused(path, "not a regular file (a FIFO, device or directory)", "give the path of a JSON file")
+        with pytest.raises(PlanError) as e:
+            roofline.device_figures(CPU)
+        assert str(e.value) == _message(path, "not a regular file (a FIFO, device or directory)",
+                                        "give the path of a JSON file")
 
 
 def test_a_pinned_file_larger_than_a_figures_file_is_not_read_past_the_limit(pinned, monkeypatch):
@@ -104,8 +111,10 @@ def test_a_pinned_file_larger_than_a_figures_file_is_not_read_past_the_limit(pin
     path = pinned("")
     with path.open("wb") as f:
         f.truncate(256 * 2 ** 20)  # sparse: no disk used
-    _refused(path, "larger than 1,000 bytes (MAX_FIGURES_BYTES), which no figures file is",
-             "give the path of a figures file (ppll_compile.calibrate(out=...) writes one)")
+    with pytest.raises(PlanError) as e:
+        roofline.device_figures(CPU)
+    assert str(e.value) == _message(path, "larger than 1,000 bytes (MAX_FIGURES_BYTES), which no figures file is",
+                                    "give the path of a figures file (ppll_compile.calibrate(out=...) writes one)")
 
 
 @pytest.mark.parametrize("fields", [{"rates": [1]}, {"rates": {**RATES, "conv:float32": 1e40}}, {"overhead": 7.0},
