@@ -1,14 +1,66 @@
-"""Reading YAML and JSON documents that users write (plans, policies) without quoting any of their content."""
+"""Reading the files users write (plans, policies, figures, checkpoints): a regular file read within a size limit
+and never blocking on a FIFO or device, and YAML and JSON documents without quoting any of their content."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 import sys
 from collections.abc import Mapping
 from typing import Any
 
 import yaml
+
+
+class NotRegular(Exception):
+    """The path is a FIFO, device, socket or directory (:attr:`mode`: its ``st_mode``), not a regular file."""
+
+    def __init__(self, mode: int) -> None:
+        super().__init__(f"not a regular file (mode {mode:o})")
+        self.mode = mode
+
+
+class TooLarge(Exception):
+    """The file holds more than the bytes it may: :attr:`size` by its ``stat``, ``None`` when it grew while read."""
+
+    def __init__(self, size: int | None) -> None:
+        super().__init__(f"too large ({size} bytes)" if size is not None else "grew while read")
+        self.size = size
+
+
+def read_regular(path: str | os.PathLike, most: int) -> bytes:
+    """The bytes of the regular file ``path`` (links followed), which holds at most ``most``. A FIFO, device, socket
+    or directory raises :class:`NotRegular` without being opened for reading (checked with ``stat`` first, then
+    opened with ``O_NONBLOCK`` and checked again, so a file swapped in between cannot block); the size is checked
+    before a byte is read, and a file that grew past ``most`` while read is refused (:class:`TooLarge`); a missing or
+    unreadable file raises ``OSError``."""
+    _fits(os.stat(path), most)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        size = _fits(os.fstat(fd), most)
+        chunks, left = [], size + 1  # one byte more: a file grown since is refused, not cut short
+        while left > 0 and (chunk := os.read(fd, min(left, 1 << 24))):
+            chunks.append(chunk)
+            left -= len(chunk)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > most:
+        raise TooLarge(None)
+    return data
+
+
+def _fits(info: os.stat_result, most: int) -> int:
+    """The size of a regular file of ``info`` that holds at most ``most`` bytes; else :class:`NotRegular` or
+    :class:`TooLarge`."""
+    if not stat.S_ISREG(info.st_mode):
+        raise NotRegular(info.st_mode)
+    if info.st_size > most:
+        raise TooLarge(info.st_size)
+    return info.st_size
+
 
 
 class LongNumber:

@@ -14,11 +14,11 @@ import dataclasses
 import json
 import math
 import os
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..documents import NotRegular, TooLarge, read_regular
 from ..errors import PlanError
 from .oplog import COMPUTE, FAMILIES
 
@@ -222,18 +222,14 @@ def read_object(path: str | Path) -> dict[str, Any]:
     limit = MAX_FIGURES_BYTES
     special = FiguresProblem("not a regular file (a FIFO, device or directory)", "give the path of a JSON file")
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode):
-            raise special
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise special
-            raw = f.read(limit + 1)
+        raw = read_regular(path, limit)
+    except NotRegular:
+        raise special from None
+    except TooLarge:
+        raise FiguresProblem(f"larger than {limit:,} bytes (MAX_FIGURES_BYTES), which no figures file is",
+                             "give the path of a figures file (ppll_compile.calibrate(out=...) writes one)") from None
     except OSError as e:
         raise FiguresProblem(f"cannot read it ({e.strerror or e})") from None
-    if len(raw) > limit:
-        raise FiguresProblem(f"larger than {limit:,} bytes (MAX_FIGURES_BYTES), which no figures file is",
-                             "give the path of a figures file (ppll_compile.calibrate(out=...) writes one)")
     try:
         data = json.loads(raw.decode("utf-8"))
     except RecursionError:

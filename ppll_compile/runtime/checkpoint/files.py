@@ -25,6 +25,9 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+from ... import documents
+from ...documents import NotRegular, TooLarge
+
 try:
     import fcntl
 except ImportError:  # not a POSIX system: saves are not locked
@@ -73,28 +76,13 @@ def read_regular(path: Path, root: Path, most: int) -> bytes:
         os.lstat(path)  # a name that is not there at all: FileNotFoundError
         raise RefusedFile(path, f"resolves to {str(real)!r}, outside the checkpoint root {str(root)!r} (a symbolic "
                                 f"link)")
-    _check_regular(path, os.stat(path), most)
-    fd = os.open(path, os.O_RDONLY | _NONBLOCK | _CLOEXEC)
     try:
-        size = _check_regular(path, os.fstat(fd), most)
-        chunks, left = [], size + 1  # one byte more: a file grown since is refused, not cut short
-        while left > 0 and (chunk := os.read(fd, min(left, 1 << 24))):
-            chunks.append(chunk)
-            left -= len(chunk)
-    finally:
-        os.close(fd)
-    data = b"".join(chunks)
-    if len(data) > most:
-        raise RefusedFile(path, f"grew past {most} bytes while it was read")
-    return data
-
-
-def _check_regular(path: Path, info: os.stat_result, most: int) -> int:
-    if not stat.S_ISREG(info.st_mode):
-        raise RefusedFile(path, f"is {kind(info.st_mode)}, not a regular file")
-    if info.st_size > most:
-        raise RefusedFile(path, f"has {info.st_size} bytes, more than the {most} expected")
-    return info.st_size
+        return documents.read_regular(path, most)
+    except NotRegular as e:
+        raise RefusedFile(path, f"is {kind(e.mode)}, not a regular file") from None
+    except TooLarge as e:
+        raise RefusedFile(path, f"has {e.size} bytes, more than the {most} expected" if e.size is not None else
+                          f"grew past {most} bytes while it was read") from None
 
 
 def temp_name(name: str) -> str:
